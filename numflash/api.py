@@ -1,0 +1,50 @@
+"""Public entry points: check inputs -> choose a plan -> run it. No kernel code lives here."""
+from . import plan as _plan
+from .inputs import normalize
+
+
+def attention(q, k, v, *, causal=False, softmax_scale=None, layout="bhsd", backend="auto",
+              algorithm="auto", return_lse=False, out=None):
+    """Exact attention softmax(softmax_scale * q k^T + mask) v with O(N) memory.
+
+    q: (B, H, Nq, d), k: (B, H, Nk, d), v: (B, H, Nk, dv) for ``layout="bhsd"``;
+    (B, N, H, d) each for ``layout="bshd"``. NumPy arrays run on the CPU, CuPy arrays (or any
+    ``__cuda_array_interface__`` object) on the GPU. Strided inputs are read in place.
+
+    causal: False, True / "top_left" (query i sees keys j <= i), or "bottom_right"
+        (query i sees keys j <= i + Nk - Nq). A row that sees no key gives zeros and lse = -inf.
+    softmax_scale: defaults to 1/sqrt(d).
+    backend: "auto" (from the array type), "cpu" or "cuda".
+    algorithm: "auto", "block" (block-tiled), "row" (FA1 per-row) or "mma" (tensor cores).
+    return_lse: also return the float32 (B, H, Nq) natural log of each row's softmax denominator.
+    out: write the result here (q's dtype and kind, shape of the result in ``layout``).
+
+    Returns the output in q's dtype, array kind and layout; ``(out, lse)`` if ``return_lse``.
+    A forced backend or algorithm that cannot run the inputs raises ValueError saying why;
+    :func:`explain` shows the choice without running it.
+    """
+    problem = normalize(q, k, v, causal=causal, softmax_scale=softmax_scale, layout=layout,
+                        return_lse=return_lse, out=out)
+    plan = _plan.choose(problem, backend, algorithm)
+    B, H, Nq, Nk, d, dv = problem.shape
+    if B * H * Nq == 0:
+        lse = problem.empty_lse()
+    elif Nk == 0:  # every row sees no key
+        problem.out[...] = 0
+        lse = problem.empty_lse()
+        lse[...] = -float("inf")
+    else:
+        lse = plan.run(problem)
+    return (problem.result, lse) if return_lse else problem.result
+
+
+def explain(q, k, v, *, causal=False, softmax_scale=None, layout="bhsd", backend="auto",
+            algorithm="auto", return_lse=False, out=None):
+    """The :class:`numflash.plan.Plan` that :func:`attention` would run for these arguments.
+
+    ``str(plan)`` names the kernel and its tile config and, for every kernel not chosen, why.
+    Raises the same errors as :func:`attention` would.
+    """
+    problem = normalize(q, k, v, causal=causal, softmax_scale=softmax_scale, layout=layout,
+                        return_lse=return_lse, out=out)
+    return _plan.choose(problem, backend, algorithm)

@@ -1,0 +1,195 @@
+"""Argument checks: turn a user's call into one normalized :class:`Problem` that every kernel takes.
+
+Kernels never see layouts or option spellings: q, k, v and the output are always 4-D
+(B, H, N, d) views read through their strides (``layout="bshd"`` is a zero-copy transpose), and the
+causal mode is reduced to one integer offset (query i sees keys j <= i + causal_offset).
+"""
+from dataclasses import dataclass
+import math
+import numbers
+
+import numpy as np
+
+SUPPORTED_DTYPES = ("float16", "bfloat16", "float32", "float64")
+LAYOUTS = ("bhsd", "bshd")
+CAUSAL_MODES = (False, True, "top_left", "bottom_right")
+
+
+def array_kind(x):
+    """'numpy', 'cupy', or 'cuda' (any other object with __cuda_array_interface__); None otherwise."""
+    if isinstance(x, np.ndarray):
+        return "numpy"
+    if type(x).__module__.startswith("cupy") and hasattr(x, "__cuda_array_interface__"):
+        return "cupy"
+    if hasattr(x, "__cuda_array_interface__"):
+        return "cuda"
+    return None
+
+
+def _as_cupy(x):
+    import cupy
+    return cupy.asarray(x)  # zero-copy view of any __cuda_array_interface__ object
+
+
+@dataclass
+class Problem:
+    """One attention call, normalized. Arrays are (B, H, N, d) views of the user's memory."""
+    q: object
+    k: object
+    v: object
+    out: object        # (B, H, Nq, dv) view the kernels write, in q's dtype
+    result: object     # what attention() returns: the user's `out`, or a new array in their layout
+    kind: str          # "numpy" or "cupy" (other device arrays are wrapped as CuPy, zero-copy)
+    dtype: np.dtype
+    scale: float
+    causal: bool
+    causal_offset: int  # query row i sees key j iff j <= i + causal_offset (when causal)
+    return_lse: bool
+    layout: str
+
+    @property
+    def shape(self):
+        B, H, Nq, d = self.q.shape
+        return B, H, Nq, self.k.shape[2], d, self.v.shape[3]
+
+    @property
+    def on_device(self):
+        return self.kind == "cupy"
+
+    @property
+    def xp(self):
+        if self.kind == "cupy":
+            import cupy
+            return cupy
+        return np
+
+    def host(self, a):
+        return a.get() if self.kind == "cupy" else np.asarray(a)
+
+    def write_out(self, o):
+        """Copy a host (B, H, Nq, dv) result into the output view, cast to its dtype."""
+        self.out[...] = self.xp.asarray(np.asarray(o).astype(self.out.dtype))
+
+    def empty_lse(self):
+        B, H, Nq = self.q.shape[:3]
+        return self.xp.empty((B, H, Nq), dtype=np.float32)
+
+
+def parse_causal(causal, nq, nk):
+    """Return (is_causal, offset) for the user's ``causal`` argument."""
+    if causal is False or causal is None:
+        return False, 0
+    if causal is True or causal == "top_left":
+        return True, 0
+    if causal == "bottom_right":
+        return True, nk - nq
+    raise ValueError(f"causal must be one of False, True, 'top_left', 'bottom_right'; got {causal!r}")
+
+
+def _check_array(name, x):
+    kind = array_kind(x)
+    if kind is None:
+        raise TypeError(f"{name} must be a NumPy array, a CuPy array or an object with "
+                        f"__cuda_array_interface__; got {type(x).__name__}")
+    dt = np.dtype(x.dtype) if kind != "cuda" else None
+    if dt is not None and dt.name not in SUPPORTED_DTYPES:
+        what = "an integer" if dt.kind in "iub" else "an unsupported"
+        raise TypeError(f"{name} has {what} dtype {dt}; numflash supports "
+                        f"{', '.join(SUPPORTED_DTYPES)}")
+    return kind
+
+
+def _dims(layout, a):
+    """(B, H, N, d) view of a 4-D array in the given layout."""
+    return a if layout == "bhsd" else a.transpose(0, 2, 1, 3)
+
+
+def normalize(q, k, v, *, causal=False, softmax_scale=None, layout="bhsd", return_lse=False,
+              out=None):
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be 'bhsd' (B, H, N, d) or 'bshd' (B, N, H, d); got {layout!r}")
+    kinds = {name: _check_array(name, a) for name, a in (("q", q), ("k", k), ("v", v))}
+    if len(set(kinds.values())) > 1:
+        desc = ", ".join(f"{n} is {kd}" for n, kd in kinds.items())
+        raise TypeError(f"q, k and v must all live on the same side (all NumPy or all device "
+                        f"arrays); got {desc}")
+    kind = kinds["q"]
+    if kind == "cuda":
+        q, k, v = _as_cupy(q), _as_cupy(k), _as_cupy(v)
+        kind = "cupy"
+        for name, a in (("q", q), ("k", k), ("v", v)):
+            _check_array(name, a)
+    if kind == "cupy":
+        devices = {name: a.device.id for name, a in (("q", q), ("k", k), ("v", v))}
+        if len(set(devices.values())) > 1:
+            raise ValueError(f"q, k and v must be on one GPU; got devices {devices}")
+
+    order = "(B, H, N, d)" if layout == "bhsd" else "(B, N, H, d)"
+    for name, a in (("q", q), ("k", k), ("v", v)):
+        if a.ndim != 4:
+            raise ValueError(f"{name} must be 4-D {order} for layout={layout!r}; got shape "
+                             f"{tuple(a.shape)}")
+    dtypes = {name: np.dtype(a.dtype) for name, a in (("q", q), ("k", k), ("v", v))}
+    if len(set(dtypes.values())) > 1:
+        raise TypeError(f"q, k and v must share one dtype; got "
+                        + ", ".join(f"{n}={dt}" for n, dt in dtypes.items()))
+    dtype = dtypes["q"]
+
+    q4, k4, v4 = _dims(layout, q), _dims(layout, k), _dims(layout, v)
+    (B, H, Nq, d), (Bk, Hk, Nk, dk), (Bv, Hv, Nv, dv) = q4.shape, k4.shape, v4.shape
+    if (Bk, Hk) != (B, H) or (Bv, Hv) != (B, H):
+        raise ValueError(f"q, k and v must agree on batch and heads (B, H): q has {(B, H)}, "
+                         f"k has {(Bk, Hk)}, v has {(Bv, Hv)}")
+    if Nv != Nk:
+        raise ValueError(f"k and v must have the same sequence length; got k N={Nk}, v N={Nv}")
+    if dk != d:
+        raise ValueError(f"q and k must have the same head dim d; got q d={d}, k d={dk}")
+    if d == 0:
+        raise ValueError("head dim d of q and k is 0; attention needs d >= 1")
+    if dv == 0:
+        raise ValueError("head dim of v is 0; attention needs dv >= 1")
+
+    if softmax_scale is None:
+        scale = 1.0 / math.sqrt(d)
+    else:
+        if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
+            raise TypeError(f"softmax_scale must be a real number or None; got "
+                            f"{type(softmax_scale).__name__}")
+        scale = float(softmax_scale)
+        if not math.isfinite(scale) or scale <= 0:
+            raise ValueError(f"softmax_scale must be finite and > 0; got {softmax_scale!r}")
+
+    if not (isinstance(causal, (bool, str)) or causal is None) or (
+            isinstance(causal, str) and causal not in CAUSAL_MODES):
+        raise ValueError(f"causal must be one of False, True, 'top_left', 'bottom_right'; got "
+                         f"{causal!r}")
+    is_causal, offset = parse_causal(causal, Nq, Nk)
+
+    xp = np
+    if kind == "cupy":
+        import cupy as xp
+    user_shape = (B, H, Nq, dv) if layout == "bhsd" else (B, Nq, H, dv)
+    if out is None:
+        result = xp.empty(user_shape, dtype=dtype)
+    else:
+        out_kind = array_kind(out)
+        if out_kind == "cuda":
+            out, out_kind = _as_cupy(out), "cupy"
+        if out_kind != kind:
+            raise TypeError(f"out must be the same kind of array as q ({kind}); got "
+                            f"{out_kind or type(out).__name__}")
+        if kind == "cupy" and out.device.id != q.device.id:
+            raise ValueError(f"out is on device {out.device.id} but q is on device {q.device.id}")
+        if tuple(out.shape) != user_shape:
+            raise ValueError(f"out must have shape {user_shape} for layout={layout!r}; got "
+                             f"{tuple(out.shape)}")
+        if np.dtype(out.dtype) != dtype:
+            raise TypeError(f"out must have q's dtype {dtype}; got {out.dtype}")
+        if any(s == 0 and n > 1 for s, n in zip(out.strides, out.shape)):
+            raise ValueError("out has a zero stride (a broadcast view): its elements overlap")
+        if kind == "numpy" and not out.flags.writeable:
+            raise ValueError("out is read-only")
+        result = out
+    return Problem(q=q4, k=k4, v=v4, out=_dims(layout, result), result=result, kind=kind,
+                   dtype=dtype, scale=scale, causal=is_causal, causal_offset=offset,
+                   return_lse=bool(return_lse), layout=layout)

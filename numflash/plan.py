@@ -1,0 +1,192 @@
+"""What each kernel supports, how "auto" chooses, and why a kernel cannot take an input, in words.
+
+Every kernel is declared here as data (like xformers' fmha operators), so ``explain`` can say
+why each one was or was not chosen without importing or compiling any of them.
+"""
+from dataclasses import dataclass, field
+import importlib
+import os
+
+BACKENDS = ("auto", "cpu", "cuda")
+ALGORITHMS = ("auto", "block", "row", "mma")
+
+
+def simulator_enabled():
+    """True when numba's CUDA simulator is on (NUMBA_ENABLE_CUDASIM=1)."""
+    return os.environ.get("NUMBA_ENABLE_CUDASIM", "0") not in ("", "0")
+
+
+@dataclass(frozen=True)
+class Device:
+    """Where a CUDA kernel would run: a real GPU, or numba's simulator (cc None)."""
+    name: str
+    cc: tuple = None
+    smem_per_block_optin: int = 48 * 1024
+    simulator: bool = False
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    name: str
+    backend: str
+    algorithm: str
+    module: str                      # defines config(problem, device) and run(problem, config, device)
+    dtypes: tuple
+    max_head_dim: int = None         # for both d and dv
+    min_cc: tuple = None
+    runs_in_simulator: bool = True
+    summary: str = ""
+
+    def why_not(self, problem, device):
+        """None if this kernel can run the problem on the device, else the reason in words."""
+        dt = problem.dtype.name
+        if dt not in self.dtypes:
+            return f"{self.name} takes {', '.join(self.dtypes)}, not {dt}"
+        B, H, Nq, Nk, d, dv = problem.shape
+        if self.max_head_dim is not None and max(d, dv) > self.max_head_dim:
+            return (f"{self.name} takes head dims up to {self.max_head_dim} (d={d}, dv={dv}); "
+                    f"the CPU path takes any head dim")
+        if self.backend == "cuda":
+            if device.simulator and not self.runs_in_simulator:
+                return (f"{self.name} uses inline PTX, which numba's CUDA simulator cannot run; "
+                        f"unset NUMBA_ENABLE_CUDASIM and run on a GPU, or use algorithm='block'")
+            if self.min_cc and device.cc is not None and device.cc < self.min_cc:
+                return (f"{self.name} needs compute capability >= {self.min_cc[0]}.{self.min_cc[1]}; "
+                        f"{device.name} is {device.cc[0]}.{device.cc[1]}")
+        return None
+
+
+KERNELS = (
+    KernelSpec("cpu.tiled", "cpu", "block", "numflash.cpu.tiled",
+               dtypes=("float16", "float32", "float64"),
+               summary="numba.njit block-tiled online softmax, parallel over (batch, head, query block)"),
+    KernelSpec("cuda.block", "cuda", "block", "numflash.cuda.block",
+               dtypes=("float16", "float32", "float64"), max_head_dim=256,
+               summary="block-tiled: Q blocks across the grid, K/V tiles in shared memory, "
+                       "register micro-tiles, online softmax per row"),
+    KernelSpec("cuda.row", "cuda", "row", "numflash.cuda.row",
+               dtypes=("float16", "float32", "float64"), max_head_dim=256,
+               summary="FA1 per-row: one thread owns one query row, K/V tiles in shared memory"),
+)
+
+# "auto" tries these in order and takes the first that can run the problem.
+AUTO_ORDER = {"cpu": ("cpu.tiled",), "cuda": ("cuda.mma", "cuda.block", "cuda.row")}
+
+
+def kernel_specs():
+    return {s.name: s for s in KERNELS}
+
+
+@dataclass
+class Plan:
+    """What attention() will run: the kernel, its tile config, and why every other one was not chosen."""
+    backend: str
+    algorithm: str
+    kernel: str
+    device: Device
+    config: dict = field(default_factory=dict)
+    rejected: dict = field(default_factory=dict)  # kernel name -> reason in words
+
+    def __str__(self):
+        cfg = ", ".join(f"{k}={v}" for k, v in self.config.items())
+        lines = [f"numflash plan: {self.kernel} (backend={self.backend!r}, "
+                 f"algorithm={self.algorithm!r}) on {self.device.name}",
+                 f"  config: {cfg or '-'}"]
+        for name, why in self.rejected.items():
+            lines.append(f"  not {name}: {why}")
+        return "\n".join(lines)
+
+    def run(self, problem):
+        module = importlib.import_module(kernel_specs()[self.kernel].module)
+        return module.run(problem, self.config, self.device)
+
+
+_device_cache = {}
+
+
+def _cuda_device(problem):
+    if simulator_enabled():
+        return Device(name="numba CUDA simulator", simulator=True)
+    dev_id = problem.q.device.id
+    if dev_id not in _device_cache:
+        import cupy
+        props = cupy.cuda.runtime.getDeviceProperties(dev_id)
+        cc = (int(props["major"]), int(props["minor"]))
+        name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
+        _device_cache[dev_id] = Device(name=f"{name} (cc {cc[0]}.{cc[1]})", cc=cc,
+                                       smem_per_block_optin=int(props["sharedMemPerBlockOptin"]))
+    return _device_cache[dev_id]
+
+
+def _cuda_unavailable(problem):
+    """Why the CUDA backend cannot take these arrays at all, or None."""
+    if not problem.on_device and not simulator_enabled():
+        return ("backend='cuda' got NumPy arrays: pass CuPy arrays (cupy.asarray), or set "
+                "NUMBA_ENABLE_CUDASIM=1 to run the CUDA kernels in numba's simulator")
+    if problem.on_device and simulator_enabled():
+        return ("NUMBA_ENABLE_CUDASIM=1 is set, so numba cannot launch on the GPU: unset it to run "
+                "CuPy arrays, or pass NumPy arrays to the simulator")
+    try:
+        importlib.import_module("numba.cuda")
+    except ImportError as e:
+        return f"numba-cuda is not installed ({e}): pip install 'numflash[cuda13]' or '[cuda12]'"
+    return None
+
+
+def choose(problem, backend="auto", algorithm="auto"):
+    """The Plan for a normalized problem; raises ValueError (with every reason) if none can run it."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}; got {backend!r}")
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"algorithm must be one of {ALGORITHMS}; got {algorithm!r}")
+    if backend == "auto":
+        backend = "cuda" if problem.on_device else "cpu"
+
+    rejected = {}
+    if backend == "cpu":
+        if problem.on_device:
+            raise ValueError("backend='cpu' got device (CuPy) arrays: numflash never copies "
+                             "behind your back; use backend='cuda', or move the arrays to the "
+                             "host with .get()")
+        device = Device(name="CPU")
+    else:
+        why = _cuda_unavailable(problem)
+        if why:
+            raise ValueError(why)
+        device = _cuda_device(problem)
+
+    specs = kernel_specs()
+    chosen = None
+    for name in AUTO_ORDER[backend]:
+        spec = specs.get(name)
+        if spec is None:
+            rejected[name] = "not built yet"
+            continue
+        if algorithm != "auto" and spec.algorithm != algorithm:
+            rejected[name] = f"algorithm={algorithm!r} was asked for"
+            continue
+        why = spec.why_not(problem, device)
+        if why is None and chosen is None:
+            chosen = spec
+        elif why is not None:
+            rejected[name] = why
+        else:
+            rejected[name] = f"{chosen.name} comes first for 'auto'"
+    for spec in KERNELS:  # kernels of the other backend, for a complete explanation
+        if spec.backend != backend:
+            rejected.setdefault(spec.name, f"backend={backend!r}")
+
+    if chosen is None:
+        asked = f"algorithm={algorithm!r} on backend={backend!r}"
+        if backend == "cpu" and algorithm in ("row", "mma"):
+            raise ValueError(f"{asked} does not exist: the CPU path implements the block-tiled "
+                             f"loop only (algorithm='block' or 'auto')")
+        reasons = "; ".join(f"{n}: {w}" for n, w in rejected.items()
+                            if specs.get(n) is not None and specs[n].backend == backend)
+        raise ValueError(f"no numflash kernel can run {asked} for these inputs: {reasons}")
+
+    module = importlib.import_module(chosen.module)
+    config = module.config(problem, device)
+    return Plan(backend=backend, algorithm=chosen.algorithm, kernel=chosen.name, device=device,
+                config=config, rejected=rejected)
+

@@ -1,0 +1,49 @@
+"""The float64 naive attention that every test and the benchmark compare against.
+
+It materializes the full Nq x Nk score matrix, so it is only for checking results.
+"""
+import numpy as np
+
+from .inputs import normalize
+
+
+def attention(q, k, v, *, causal=False, softmax_scale=None, layout="bhsd", return_lse=False, out=None,
+              backend="auto", algorithm="auto"):
+    """Naive float64 attention with the same signature as :func:`numflash.attention`.
+
+    Works on NumPy arrays and on device arrays (copied to the host). The result is float64 NumPy
+    (or written into ``out``, cast to its dtype); ``backend`` and ``algorithm`` are accepted for
+    signature compatibility and ignored.
+    """
+    p = normalize(q, k, v, causal=causal, softmax_scale=softmax_scale, layout=layout,
+                  return_lse=return_lse, out=out)
+    o, lse = naive(p.host(p.q), p.host(p.k), p.host(p.v), scale=p.scale, causal=p.causal,
+                   causal_offset=p.causal_offset, dtype=np.float64)
+    if out is not None:
+        p.write_out(o)
+        o = out
+    elif layout == "bshd":
+        o = o.transpose(0, 2, 1, 3)
+    return (o, lse.astype(np.float32)) if return_lse else o
+
+
+def naive(q, k, v, *, scale, causal=False, causal_offset=0, dtype=np.float64):
+    """softmax(scale * q k^T + mask) v in ``dtype`` on (B, H, N, d) NumPy arrays; returns (o, lse).
+
+    Rows that see no key give zeros and lse = -inf. ``dtype`` lets the accuracy tests compute the
+    same naive formula in a lower precision, to measure that precision's own error.
+    """
+    q, k, v = (np.asarray(a, dtype=dtype) for a in (q, k, v))
+    s = np.matmul(q, np.swapaxes(k, -1, -2)) * dtype(scale)
+    nq, nk = q.shape[-2], k.shape[-2]
+    if causal:
+        visible = np.arange(nk)[None, :] <= np.arange(nq)[:, None] + causal_offset
+        s = np.where(visible, s, -np.inf)
+    m = s.max(axis=-1, keepdims=True) if nk else np.full(s.shape[:-1] + (1,), -np.inf, dtype)
+    m_safe = np.where(np.isfinite(m), m, 0).astype(dtype)
+    p = np.exp(s - m_safe)
+    l = p.sum(axis=-1, keepdims=True)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        o = np.matmul(p, v) / np.where(l > 0, l, 1).astype(dtype)
+        lse = np.where(l > 0, np.log(np.where(l > 0, l, 1)) + m_safe, -np.inf)[..., 0]
+    return o.astype(dtype), lse
