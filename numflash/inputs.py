@@ -96,6 +96,9 @@ def _check_array(name, x):
         what = "an integer" if dt.kind in "iub" else "an unsupported"
         raise TypeError(f"{name} has {what} dtype {dt}; numflash supports "
                         f"{', '.join(SUPPORTED_DTYPES)}")
+    if dt is not None and not dt.isnative:
+        raise TypeError(f"{name} has non-native byte order dtype {dt.str}; convert it with "
+                        f"{name}.astype({name}.dtype.newbyteorder('='))")
     return kind
 
 
@@ -155,7 +158,10 @@ def normalize(q, k, v, *, causal=False, softmax_scale=None, layout="bhsd", retur
         if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
             raise TypeError(f"softmax_scale must be a real number or None; got "
                             f"{type(softmax_scale).__name__}")
-        scale = float(softmax_scale)
+        try:
+            scale = float(softmax_scale)
+        except OverflowError:  # an int too large for a float
+            scale = math.inf
         if not math.isfinite(scale) or scale <= 0:
             raise ValueError(f"softmax_scale must be finite and > 0; got {softmax_scale!r}")
 
@@ -173,7 +179,7 @@ def normalize(q, k, v, *, causal=False, softmax_scale=None, layout="bhsd", retur
         result = xp.empty(user_shape, dtype=dtype)
     else:
         out_kind = array_kind(out)
-        if out_kind == "cuda":
+        if out_kind == "cuda" and kind == "cupy":
             out, out_kind = _as_cupy(out), "cupy"
         if out_kind != kind:
             raise TypeError(f"out must be the same kind of array as q ({kind}); got "
