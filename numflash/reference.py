@@ -33,6 +33,7 @@ def naive(q, k, v, *, scale, causal=False, causal_offset=0, dtype=np.float64):
     Rows that see no key give zeros and lse = -inf. ``dtype`` lets the accuracy tests compute the
     same naive formula in a lower precision, to measure that precision's own error.
     """
+    dtype = np.dtype(dtype).type  # accept np.float32, "float32" or np.dtype("float32")
     q, k, v = (np.asarray(a, dtype=dtype) for a in (q, k, v))
     s = np.matmul(q, np.swapaxes(k, -1, -2)) * dtype(scale)
     nq, nk = q.shape[-2], k.shape[-2]
