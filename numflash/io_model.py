@@ -9,6 +9,7 @@ With block sizes left out, they follow from the on-chip memory M as in FlashAtte
 block_cols = ceil(M / (4 d e)), block_rows = min(block_cols, d).
 """
 import math
+import numbers
 
 
 def io_model(N, d, sram_bytes=None, dtype_bytes=4, block_rows=None, block_cols=None, *,
@@ -21,6 +22,13 @@ def io_model(N, d, sram_bytes=None, dtype_bytes=4, block_rows=None, block_cols=N
     """
     if N <= 0 or d <= 0:
         raise ValueError(f"N and d must be positive; got N={N}, d={d}")
+    for name, val in (("N", N), ("d", d), ("dtype_bytes", dtype_bytes), ("block_rows", block_rows),
+                      ("block_cols", block_cols), ("batch", batch), ("heads", heads)):
+        if val is not None and (isinstance(val, bool) or not isinstance(val, numbers.Integral)
+                                or val <= 0):
+            raise ValueError(f"{name} must be a positive integer; got {val!r}")
+    if sram_bytes is not None and not sram_bytes > 0:
+        raise ValueError(f"sram_bytes must be positive; got {sram_bytes!r}")
     if block_cols is None:
         if sram_bytes is None:
             raise ValueError("give block_rows and block_cols, or sram_bytes to derive them")
