@@ -16,6 +16,10 @@ def simulator_enabled():
     return os.environ.get("NUMBA_ENABLE_CUDASIM", "0") not in ("", "0")
 
 
+class Unsupported(ValueError):
+    """A kernel module's config() cannot serve the problem on the device; the message says why."""
+
+
 @dataclass(frozen=True)
 class Device:
     """Where a CUDA kernel would run: a real GPU, or numba's simulator (cc None)."""
@@ -30,7 +34,8 @@ class KernelSpec:
     name: str
     backend: str
     algorithm: str
-    module: str                      # defines config(problem, device) and run(problem, config, device)
+    module: str  # defines config(problem, device) -> dict (or raises Unsupported) and
+    #              run(problem, config, device) -> lse
     dtypes: tuple
     max_head_dim: int = None         # for both d and dv
     min_cc: tuple = None
@@ -167,10 +172,14 @@ def choose(problem, backend="auto", algorithm="auto"):
             continue
         why = spec.why_not(problem, device)
         if why is None and chosen is None:
-            chosen = spec
-        elif why is not None:
+            try:
+                config = importlib.import_module(spec.module).config(problem, device)
+                chosen = spec
+            except Unsupported as e:
+                why = str(e)
+        if why is not None:
             rejected[name] = why
-        else:
+        elif chosen is not spec:
             rejected[name] = f"{chosen.name} comes first for 'auto'"
     for spec in KERNELS:  # kernels of the other backend, for a complete explanation
         if spec.backend != backend:
@@ -185,8 +194,6 @@ def choose(problem, backend="auto", algorithm="auto"):
                             if specs.get(n) is not None and specs[n].backend == backend)
         raise ValueError(f"no numflash kernel can run {asked} for these inputs: {reasons}")
 
-    module = importlib.import_module(chosen.module)
-    config = module.config(problem, device)
     return Plan(backend=backend, algorithm=chosen.algorithm, kernel=chosen.name, device=device,
                 config=config, rejected=rejected)
 

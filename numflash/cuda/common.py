@@ -1,0 +1,109 @@
+"""Device helpers shared by the CUDA kernels: the masking rule, exp, and lane-group reductions.
+
+The same kernel source runs on the GPU and in numba's CUDA simulator. The simulator has no warp
+shuffles and no libdevice, so the two helpers that need them have a simulator twin with the same
+meaning; everything else is one definition.
+"""
+import math
+
+from numba import cuda, float32, float64
+
+from ..plan import simulator_enabled
+
+# fastmath=True would set LLVM's 'ninf'/'nnan' flags and let the compiler delete the -inf checks
+# that fully masked rows rely on; the one place speed needs approximation (exp) asks for it.
+FASTMATH = False
+
+NEG_INF = -math.inf
+
+
+def compute_type(dtype_name):
+    """Accumulator type: float64 for float64 inputs, float32 for everything narrower."""
+    return float64 if dtype_name == "float64" else float32
+
+
+@cuda.jit(device=True)
+def key_end(row, nk, causal, causal_offset):
+    """Exclusive end of the keys query `row` sees: j < key_end  <=>  j <= row + offset (causal)."""
+    if causal:
+        return min(nk, max(0, row + causal_offset + 1))
+    return nk
+
+
+if simulator_enabled():
+    @cuda.jit(device=True)
+    def exp_f32(x):
+        return math.exp(x)
+
+    @cuda.jit(device=True)
+    def group_max(x, width, scratch, tid):
+        """Max of x over the `width` consecutive threads of tid's group (simulator: via scratch)."""
+        cuda.syncthreads()
+        scratch[tid] = x
+        cuda.syncthreads()
+        base = tid - tid % width
+        r = scratch[base]
+        for i in range(1, width):
+            r = max(r, scratch[base + i])
+        cuda.syncthreads()
+        return r
+
+    @cuda.jit(device=True)
+    def group_sum(x, width, scratch, tid):
+        cuda.syncthreads()
+        scratch[tid] = x
+        cuda.syncthreads()
+        base = tid - tid % width
+        r = scratch[base]
+        for i in range(1, width):
+            r += scratch[base + i]
+        cuda.syncthreads()
+        return r
+else:
+    from numba.cuda import libdevice
+
+    @cuda.jit(device=True)
+    def exp_f32(x):
+        return libdevice.fast_expf(x)  # ex2.approx: ~2 ulp, and exp(-inf) = 0
+
+    @cuda.jit(device=True)
+    def group_max(x, width, scratch, tid):
+        """Max of x over `width` (a power of two <= 32) consecutive lanes, by xor shuffles."""
+        off = width // 2
+        while off > 0:
+            x = max(x, cuda.shfl_xor_sync(0xFFFFFFFF, x, off))
+            off //= 2
+        return x
+
+    @cuda.jit(device=True)
+    def group_sum(x, width, scratch, tid):
+        off = width // 2
+        while off > 0:
+            x += cuda.shfl_xor_sync(0xFFFFFFFF, x, off)
+            off //= 2
+        return x
+
+
+@cuda.jit(device=True)
+def exp_f64(x):
+    return math.exp(x)
+
+
+def exp_for(acc_name):
+    return exp_f64 if acc_name == "float64" else exp_f32
+
+
+def head_dim_bucket(n):
+    """Compile-time head-dim size for n: loops over it unroll and arrays size from it.
+
+    Multiples of 16 up to 128, of 32 up to 256: at most ~2x padding for tiny d, under 1.25x above 64.
+    """
+    if n <= 16:
+        return 16
+    if n <= 128:
+        return -(-n // 16) * 16
+    return -(-n // 32) * 32
+
+
+def element_size(acc_name):
+    return 8 if acc_name == "float64" else 4

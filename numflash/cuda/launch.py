@@ -1,0 +1,250 @@
+"""Compile once, cache on disk, load with CuPy, launch with raw pointers.
+
+Why not call the ``@cuda.jit`` dispatcher: numba-cuda re-types CuPy arrays through DLPack on every
+call (~140 us on the lent H100). Instead each kernel variant is compiled by numba to PTX, linked to
+a cubin for the device's exact architecture by nvJitLink (so PTX newer than the user's driver never
+has to be JIT-loaded), stored on disk, loaded with ``cupy.RawModule`` and launched with the numba
+ABI's flattened arguments. Under numba's CUDA simulator the same Python kernel source is launched
+through the simulator's dispatcher instead, on NumPy arrays.
+"""
+import contextlib
+import hashlib
+import json
+import os
+import pathlib
+import re
+import tempfile
+import threading
+
+import numpy as np
+
+from ..plan import simulator_enabled
+from .common import FASTMATH
+
+_CUDA_DIR = pathlib.Path(__file__).parent
+
+
+def cache_dir():
+    root = os.environ.get("NUMFLASH_CACHE_DIR")
+    if root:
+        return pathlib.Path(root)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return pathlib.Path(base) / "numflash"
+
+
+def _source_digest():
+    """Hash of every kernel source file: any edit under numflash/cuda/ invalidates the cache."""
+    h = hashlib.sha256()
+    for path in sorted(_CUDA_DIR.glob("*.py")):
+        h.update(path.name.encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()[:16]
+
+
+_DIGEST = None
+
+
+def source_digest():
+    global _DIGEST
+    if _DIGEST is None:
+        _DIGEST = _source_digest()
+    return _DIGEST
+
+
+def numba_type(value):
+    """The numba type a kernel argument is compiled for (arrays read through their strides)."""
+    from numba import types
+    from numba.np import numpy_support
+    if hasattr(value, "ndim") and hasattr(value, "dtype") and getattr(value, "ndim", 0) > 0:
+        return types.Array(numpy_support.from_dtype(np.dtype(value.dtype)), value.ndim, "A")
+    if isinstance(value, (bool, np.bool_)):
+        raise TypeError("pass flags as int, not bool: the numba ABI packs bools as 1 byte")
+    if isinstance(value, (int, np.integer)):
+        return types.int64
+    if isinstance(value, np.floating):
+        return numpy_support.from_dtype(value.dtype)
+    raise TypeError(f"unsupported kernel argument {value!r}")
+
+
+def _flatten(args):
+    """Kernel arguments in the numba ABI: each array becomes meminfo, parent, nitems, itemsize,
+    data, shape..., strides... (all 64-bit); scalars keep their numpy type."""
+    flat = []
+    for a in args:
+        if hasattr(a, "ndim") and getattr(a, "ndim", 0) > 0:
+            flat += [np.uint64(0), np.uint64(0), np.int64(a.size), np.int64(a.itemsize),
+                     np.uint64(a.data.ptr)]
+            flat += [np.int64(n) for n in a.shape]
+            flat += [np.int64(s) for s in a.strides]
+        elif isinstance(a, (int, np.integer)):
+            flat.append(np.int64(a))
+        else:
+            flat.append(a)
+    return tuple(flat)
+
+
+_RESOURCE_PATTERNS = {
+    "registers": r"[Uu]sed (\d+) registers",
+    "stack_bytes": r"(\d+) bytes stack frame",
+    "spill_store_bytes": r"(\d+) bytes spill stores",
+    "spill_load_bytes": r"(\d+) bytes spill loads",
+    "static_smem_bytes": r"(\d+) bytes smem",
+    "local_bytes": r"(\d+) bytes lmem",
+}
+
+
+def parse_ptxas_report(log):
+    """Registers, spills, stack and shared memory from ptxas' verbose report."""
+    out = {}
+    for key, pattern in _RESOURCE_PATTERNS.items():
+        found = re.findall(pattern, log)
+        if found:
+            out[key] = max(int(x) for x in found)
+    return out
+
+
+_compile_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def _device_functions_target(cc):
+    """Let numba compile device functions without a GPU.
+
+    numba-cuda 0.30 asks the *current device* for a compute capability when a kernel calls a
+    ``@cuda.jit(device=True)`` function, even inside ``compile_ptx(cc=...)``, so offline
+    compilation (CI, or sm_75 PTX on an H100) fails or mixes targets. Within this block that
+    question is answered with the target's cc.
+    """
+    from numba.cuda import dispatcher
+
+    class _Target:
+        compute_capability = tuple(cc)
+
+    original = dispatcher.get_current_device
+    dispatcher.get_current_device = lambda: _Target
+    try:
+        yield
+    finally:
+        dispatcher.get_current_device = original
+
+
+def compile_ptx(pyfunc, argtypes, cc, fastmath=FASTMATH):
+    """numba -> PTX for sm_<cc>, without needing a GPU."""
+    from numba import cuda
+    with _compile_lock, _device_functions_target(cc):
+        ptx, _ = cuda.compile_ptx(pyfunc, tuple(argtypes), cc=tuple(cc), fastmath=fastmath)
+    return ptx
+
+
+def compile_to_cubin(pyfunc, argtypes, cc, fastmath=FASTMATH):
+    """numba -> PTX -> cubin for sm_<cc>. Returns (cubin bytes, entry name, ptx, resources)."""
+    from cuda.core import Linker, LinkerOptions, ObjectCode
+    ptx = compile_ptx(pyfunc, argtypes, cc, fastmath)
+    entry = re.search(r"\.entry\s+(\S+)\s*\(", ptx).group(1)
+    arch = f"sm_{cc[0]}{cc[1]}"
+    linker = Linker(ObjectCode.from_ptx(ptx.encode()),
+                    options=LinkerOptions(arch=arch, verbose=True, ptxas_options="-v"))
+    cubin = linker.link("cubin")
+    resources = parse_ptxas_report(linker.get_info_log() or "")
+    return bytes(cubin.code), entry, ptx, resources
+
+
+class Kernel:
+    """One kernel variant: a Python kernel function made by a factory for one config.
+
+    ``name`` and ``config`` identify the variant; ``factory(**config)`` returns the function.
+    Compiled cubins are cached per (variant, argument types, architecture, numba-cuda version,
+    kernel sources) on disk, and the loaded functions in memory.
+    """
+
+    def __init__(self, name, factory, config, fastmath=FASTMATH):
+        self.name = name
+        self.factory = factory
+        self.config = dict(config)
+        self.fastmath = fastmath
+        self._pyfunc = None
+        self._loaded = {}
+        self._sim = None
+        self._lock = threading.Lock()
+
+    @property
+    def pyfunc(self):
+        if self._pyfunc is None:
+            self._pyfunc = self.factory(**self.config)
+        return self._pyfunc
+
+    def cache_key(self, argtypes, cc):
+        import numba_cuda
+        ver = getattr(numba_cuda, "__version__", "?")
+        text = json.dumps([self.name, sorted(self.config.items()), [str(t) for t in argtypes],
+                           list(cc), ver, source_digest(), self.fastmath], default=str)
+        return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+    def build(self, argtypes, cc):
+        """(cubin, meta) for these argument types and architecture, from disk if cached."""
+        key = self.cache_key(argtypes, cc)
+        d = cache_dir()
+        cubin_path, meta_path = d / f"{self.name}-{key}.cubin", d / f"{self.name}-{key}.json"
+        if cubin_path.exists() and meta_path.exists():
+            meta = json.loads(meta_path.read_text())
+            meta["from_disk"] = True
+            return cubin_path.read_bytes(), meta
+        cubin, entry, _, resources = compile_to_cubin(self.pyfunc, argtypes, cc, self.fastmath)
+        meta = {"entry": entry, "resources": resources, "cc": list(cc), "config": self.config}
+        try:
+            d.mkdir(parents=True, exist_ok=True)
+            for path, data in ((cubin_path, cubin), (meta_path, json.dumps(meta).encode())):
+                fd, tmp = tempfile.mkstemp(dir=d)  # atomic: concurrent processes never see halves
+                with os.fdopen(fd, "wb") as f:
+                    f.write(data)
+                os.replace(tmp, path)
+        except OSError:
+            pass  # an unwritable cache only costs a recompile next process
+        meta["from_disk"] = False
+        return cubin, meta
+
+    def _function(self, args, cc, device_id):
+        argtypes = tuple(numba_type(a) for a in args)
+        key = (argtypes, cc, device_id)
+        fn = self._loaded.get(key)
+        if fn is None:
+            with self._lock:
+                fn = self._loaded.get(key)
+                if fn is None:
+                    import cupy
+                    cubin, meta = self.build(argtypes, cc)
+                    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+                        f.write(cubin)
+                    try:
+                        module = cupy.RawModule(path=f.name)
+                        fn = module.get_function(meta["entry"])
+                        fn.numflash_meta = meta
+                    finally:
+                        os.unlink(f.name)
+                    self._loaded[key] = fn
+        return fn
+
+    def __call__(self, grid, block, shared_bytes, args, device):
+        """Launch on the current CuPy stream (or in the simulator, with NumPy arrays)."""
+        if simulator_enabled():
+            if self._sim is None:
+                from numba import cuda
+                self._sim = cuda.jit(self.pyfunc)
+            self._sim[grid, block, 0, shared_bytes](*args)
+            return
+        fn = self._function(args, device.cc, args[0].device.id)
+        if shared_bytes > 48 * 1024 and fn.max_dynamic_shared_size_bytes < shared_bytes:
+            fn.max_dynamic_shared_size_bytes = shared_bytes
+        fn(grid, block, _flatten(args), shared_mem=shared_bytes)
+
+
+_kernels = {}
+
+
+def get_kernel(name, factory, config, fastmath=FASTMATH):
+    """The process-wide Kernel object for (name, config)."""
+    key = (name, tuple(sorted(config.items())), fastmath)
+    k = _kernels.get(key)
+    if k is None:
+        k = _kernels[key] = Kernel(name, factory, config, fastmath)
+    return k
