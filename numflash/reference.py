@@ -27,18 +27,21 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, layout="bhsd", retur
     return (o, lse.astype(np.float32)) if return_lse else o
 
 
-def naive(q, k, v, *, scale, causal=False, causal_offset=0, dtype=np.float64):
+def naive(q, k, v, *, scale, causal=False, causal_offset=0, dtype=np.float64, query_positions=None):
     """softmax(scale * q k^T + mask) v in ``dtype`` on (B, H, N, d) NumPy arrays; returns (o, lse).
 
     Rows that see no key give zeros and lse = -inf. ``dtype`` lets the accuracy tests compute the
     same naive formula in a lower precision, to measure that precision's own error.
+    ``query_positions``: the original row index of each q row, when q holds a subset of the rows
+    (rows are independent, so a sample of them can be checked at sizes where all would not fit).
     """
     dtype = np.dtype(dtype).type  # accept np.float32, "float32" or np.dtype("float32")
     q, k, v = (np.asarray(a, dtype=dtype) for a in (q, k, v))
     s = np.matmul(q, np.swapaxes(k, -1, -2)) * dtype(scale)
     nq, nk = q.shape[-2], k.shape[-2]
     if causal:
-        visible = np.arange(nk)[None, :] <= np.arange(nq)[:, None] + causal_offset
+        rows = np.arange(nq) if query_positions is None else np.asarray(query_positions)
+        visible = np.arange(nk)[None, :] <= rows[:, None] + causal_offset
         s = np.where(visible, s, -np.inf)
     m = s.max(axis=-1, keepdims=True) if nk else np.full(s.shape[:-1] + (1,), -np.inf, dtype)
     m_safe = np.where(np.isfinite(m), m, 0).astype(dtype)

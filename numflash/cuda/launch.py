@@ -138,7 +138,10 @@ def compile_ptx(pyfunc, argtypes, cc, fastmath=FASTMATH):
 
 def compile_to_cubin(pyfunc, argtypes, cc, fastmath=FASTMATH):
     """numba -> PTX -> cubin for sm_<cc>. Returns (cubin bytes, entry name, ptx, resources)."""
-    from cuda.core import Linker, LinkerOptions, ObjectCode
+    try:
+        from cuda.core import Linker, LinkerOptions, ObjectCode
+    except ImportError:  # cuda-core < 0.5 kept these under .experimental
+        from cuda.core.experimental import Linker, LinkerOptions, ObjectCode
     ptx = compile_ptx(pyfunc, argtypes, cc, fastmath)
     entry = re.search(r"\.entry\s+(\S+)\s*\(", ptx).group(1)
     arch = f"sm_{cc[0]}{cc[1]}"
