@@ -1,0 +1,150 @@
+"""Kernel-development probe for one device call: times numflash's CUDA kernels against CuPy naive
+attention and torch SDPA on the same inputs, checks every output, measures launch overhead, and
+prints each loaded kernel's registers / local memory. `python bench/gpu_probe.py [--quick] [--json F]`
+
+(The user-facing benchmark is `python -m numflash.bench`; this is the quick loop behind NOTES.md.)
+"""
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import cupy as cp
+import numpy as np
+
+import numflash
+from numflash.cuda import launch
+from numflash.testing import check
+
+
+def cuda_time(fn, inputs, warmup=2, reps=10):
+    """Median / min / max ms over reps, cycling through input sets, with CUDA events."""
+    for i in range(warmup):
+        fn(*inputs[i % len(inputs)])
+    times = []
+    for i in range(reps):
+        args = inputs[i % len(inputs)]
+        start, end = cp.cuda.Event(), cp.cuda.Event()
+        start.record()
+        fn(*args)
+        end.record()
+        end.synchronize()
+        times.append(cp.cuda.get_elapsed_time(start, end))
+    return statistics.median(times), min(times), max(times)
+
+
+def naive(q, k, v, causal):
+    s = q @ k.transpose(0, 1, 3, 2) * q.dtype.type(1 / np.sqrt(q.shape[-1]))
+    if causal:
+        n = s.shape[-1]
+        s = cp.where(cp.tri(s.shape[-2], n, dtype=bool), s, -cp.inf)
+    s = cp.exp(s - s.max(-1, keepdims=True))
+    return (s / s.sum(-1, keepdims=True)) @ v
+
+
+def sdpa_methods():
+    try:
+        import torch
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+    except Exception:
+        return {}
+
+    def make(backend):
+        def run(q, k, v, causal):
+            tq, tk, tv = (torch.from_dlpack(x) for x in (q, k, v))
+            with sdpa_kernel(backend):
+                o = torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=causal)
+            return cp.from_dlpack(o)
+        return run
+    return {f"sdpa_{name}": make(b) for name, b in
+            (("flash", SDPBackend.FLASH_ATTENTION), ("efficient", SDPBackend.EFFICIENT_ATTENTION),
+             ("cudnn", SDPBackend.CUDNN_ATTENTION))}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--json")
+    ap.add_argument("--algorithms", default="block,row")
+    args = ap.parse_args(argv)
+    algos = args.algorithms.split(",")
+    shapes = [  # B, H, N, d, dtype, causal
+        (4, 16, 4096, 64, "float32", False),
+        (4, 16, 4096, 64, "float32", True),
+        (4, 16, 4096, 128, "float32", False),
+        (4, 16, 4096, 64, "float16", False),
+        (4, 16, 4096, 64, "float64", False),
+        (4, 16, 512, 64, "float32", False),
+        (1, 16, 16384, 64, "float32", False),
+    ]
+    if args.quick:
+        shapes = shapes[:2]
+    rng = np.random.default_rng(0)
+    rows = []
+    peers = {"cupy_naive": naive, **sdpa_methods()}
+    for B, H, N, d, dt, causal in shapes:
+        inputs = [tuple(cp.asarray(rng.standard_normal((B, H, N, d)).astype(dt)) for _ in range(3))
+                  for _ in range(2)]
+        flops = 4 * B * H * N * N * d / (2 if causal else 1)
+        methods = {f"numflash_{a}": (lambda a: lambda q, k, v, c: numflash.attention(
+            q, k, v, causal=c, algorithm=a))(a) for a in algos}
+        methods.update(peers)
+        res = {}
+        for name, fn in methods.items():
+            try:
+                out = fn(*inputs[0], causal)
+                q, k, v = inputs[0]
+                sample = np.r_[0:8, N - 8:N, rng.choice(N, 40, replace=False)]
+                rep = check(out[:1, :2], q[:1, :2], k[:1, :2], v[:1, :2], causal=causal,
+                            rows=sample)
+                med, lo, hi = cuda_time(lambda q, k, v: fn(q, k, v, causal), inputs,
+                                        reps=5 if N >= 16384 or dt == "float64" else 10)
+                res[name] = {"ms": med, "min": lo, "max": hi, "tflops": flops / med / 1e9,
+                             "ok": rep.ok, "rel": rep.rel_err}
+            except Exception as e:  # a peer that refuses the input is reported, not fatal
+                res[name] = {"error": f"{type(e).__name__}: {str(e)[:120]}"}
+            cp.get_default_memory_pool().free_all_blocks()
+        rows.append({"shape": [B, H, N, d, dt, causal], "results": res})
+        line = f"B{B} H{H} N{N} d{d} {dt} causal={causal}:"
+        for name, r in res.items():
+            line += (f"\n   {name:22s} {r['ms']:9.3f} ms {r['tflops']:7.2f} TFLOP/s ok={r['ok']} "
+                     f"rel={r['rel']:.2e}" if "ms" in r else f"\n   {name:22s} {r['error']}")
+        print(line, flush=True)
+
+    # Per-call overhead at a tiny size vs a bare RawKernel launch (host wall time per call).
+    q = cp.asarray(rng.standard_normal((1, 1, 128, 64)).astype("float32"))
+    empty = cp.RawKernel('extern "C" __global__ void e(float* x){}', "e")
+    numflash.attention(q, q, q)
+    empty((1,), (32,), (q,))
+    cp.cuda.Device().synchronize()
+    overhead = {}
+    for name, call in (("numflash", lambda: numflash.attention(q, q, q)),
+                       ("raw_kernel", lambda: empty((1,), (32,), (q,)))):
+        per = []
+        for _ in range(5):
+            t = time.perf_counter()
+            for _ in range(500):
+                call()
+            cp.cuda.Device().synchronize()
+            per.append((time.perf_counter() - t) / 500 * 1e6)
+        overhead[name] = statistics.median(per)
+    print(f"per-call host time: numflash {overhead['numflash']:.1f} us, bare RawKernel "
+          f"{overhead['raw_kernel']:.1f} us, difference {overhead['numflash'] - overhead['raw_kernel']:.1f} us")
+
+    resources = []
+    for kern in launch._kernels.values():
+        for key, fn in kern._loaded.items():
+            resources.append({"kernel": kern.name, "config": kern.config,
+                              "num_regs": fn.num_regs, "local_bytes": fn.local_size_bytes,
+                              "ptxas": fn.numflash_meta["resources"]})
+            print(f"{kern.name} {kern.config}: regs {fn.num_regs}, local {fn.local_size_bytes} B, "
+                  f"ptxas {fn.numflash_meta['resources']}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": cp.cuda.runtime.getDeviceProperties(0)["name"].decode(),
+                       "rows": rows, "overhead_us": overhead, "resources": resources}, f, indent=1)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,150 @@
+"""CUDA kernels on a real GPU at real sizes (skipped without one). Run on the lent H100 with
+``python -m pytest -m gpu tests/test_cuda_gpu.py``."""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+import numflash
+from numflash.testing import check
+
+pytestmark = pytest.mark.gpu
+
+ALGORITHMS = ("block", "row")
+
+
+def cupy():
+    import cupy as cp
+    return cp
+
+
+def make(rng, shape, dtype):
+    cp = cupy()
+    return cp.asarray(rng.standard_normal(shape).astype(dtype))
+
+
+def sample_rows(nq, rng, count=192):
+    """First and last rows (block edges, causal corner cases) and a random sample between."""
+    if nq <= count:
+        return None
+    edge = np.r_[0:16, nq - 16:nq]
+    return np.unique(np.r_[edge, rng.choice(nq, count - 32, replace=False)])
+
+
+CASES = [  # (B, H, Nq, Nk, d, dv)
+    (1, 2, 16384, 16384, 64, 64),
+    (2, 4, 4096, 4096, 128, 128),
+    (1, 2, 4096, 4096, 256, 256),
+    (2, 3, 1025, 777, 59, 111),
+    (1, 2, 97, 1025, 1, 8),
+]
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@pytest.mark.parametrize("dtype", ["float16", "float32", "float64"])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "x".join(map(str, c)))
+@pytest.mark.parametrize("causal", [False, True, "bottom_right"])
+def test_accuracy_real_sizes(rng, algorithm, dtype, case, causal):
+    B, H, Nq, Nk, d, dv = case
+    if dtype == "float64" and Nq * Nk * max(d, dv) > 4096 * 4096 * 128 and algorithm == "row":
+        pytest.skip("float64 row kernel at this size takes minutes; covered at smaller sizes")
+    q, k, v = make(rng, (B, H, Nq, d), dtype), make(rng, (B, H, Nk, d), dtype), \
+        make(rng, (B, H, Nk, dv), dtype)
+    out, lse = numflash.attention(q, k, v, causal=causal, algorithm=algorithm, return_lse=True)
+    assert out.dtype == q.dtype and out.shape == (B, H, Nq, dv)
+    assert type(out) is type(q)
+    rep = check(out, q, k, v, lse=lse, causal=causal, rows=sample_rows(Nq, rng))
+    assert rep.ok, str(rep)
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_layouts_strides_out_and_stream(rng, algorithm):
+    cp = cupy()
+    B, N, H, d = 2, 300, 3, 64
+    base = make(rng, (B, N, H, 2 * d), "float32")
+    q = base[..., ::2]                      # strided last axis, bshd layout
+    k = make(rng, (B, N, H, d), "float32")
+    v = make(rng, (B, N, H, d), "float32")[:, ::-1]  # negative stride
+    out = cp.full((B, N, H, d), np.nan, dtype=cp.float32)
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        res = numflash.attention(q, k, v, layout="bshd", causal=True, out=out,
+                                 algorithm=algorithm)
+    stream.synchronize()
+    assert res is out
+    assert check(out, q, k, v, layout="bshd", causal=True).ok
+
+
+def test_cuda_array_interface_objects(rng):
+    cp = cupy()
+
+    class Wrapped:  # any __cuda_array_interface__ producer (torch, JAX, numba) looks like this
+        def __init__(self, a):
+            self.a = a
+            self.__cuda_array_interface__ = a.__cuda_array_interface__
+
+    q = make(rng, (1, 2, 128, 32), "float32")
+    out = numflash.attention(Wrapped(q), Wrapped(q), Wrapped(q))
+    assert isinstance(out, cp.ndarray)
+    assert check(out, q, q, q).ok
+
+
+def test_large_shared_memory_config_is_used(rng):
+    """d=128 float32 block tiles need ~117 KB: more than the 48 KB default, opted in at launch."""
+    q = make(rng, (1, 2, 512, 128), "float32")
+    plan = numflash.explain(q, q, q)
+    from numflash.cuda.block import shared_bytes
+    assert plan.kernel == "cuda.block" and shared_bytes(plan.config) > 48 * 1024
+    assert check(numflash.attention(q, q, q), q, q, q).ok
+
+
+def test_memory_is_output_and_lse_only_at_131072(rng):
+    """B=1, H=8, d=64, float32, N=131072: naive would need 512 GiB for S alone."""
+    cp = cupy()
+    B, H, N, d = 1, 8, 131072, 64
+    q, k, v = (make(rng, (B, H, N, d), "float32") for _ in range(3))
+    numflash.attention(q[:, :, :256], k[:, :, :256], v[:, :, :256])  # compile and load first
+    cp.cuda.Device().synchronize()
+    pool = cp.get_default_memory_pool()
+    pool.free_all_blocks()
+    before = pool.used_bytes()
+    peak = [before]
+
+    class Peak(cp.cuda.MemoryHook):
+        name = "peak"
+
+        def malloc_postprocess(self, **kw):
+            peak[0] = max(peak[0], pool.used_bytes())
+
+    with Peak():
+        out, lse = numflash.attention(q, k, v, return_lse=True)
+        cp.cuda.Device().synchronize()
+    extra = peak[0] - before
+    expected = out.nbytes + lse.nbytes
+    print(f"peak extra device memory {extra} bytes; output + lse = {expected} bytes")
+    assert extra <= expected + 1024 * 1024  # pool rounding only
+    rows = np.r_[0:8, N - 8:N, rng.choice(N, 48, replace=False)]
+    assert check(out[:, :1], q[:, :1], k[:, :1], v[:, :1], lse=lse[:, :1], rows=rows).ok
+
+
+def test_compiled_kernels_come_from_disk_in_a_second_process(tmp_path):
+    script = textwrap.dedent("""
+        import json, time, cupy as cp, numflash
+        from numflash.cuda import launch
+        q = cp.random.standard_normal((1, 1, 128, 64), dtype=cp.float32)
+        t = time.perf_counter(); numflash.attention(q, q, q); cp.cuda.Device().synchronize()
+        first = time.perf_counter() - t
+        fn = next(iter(next(k for k in launch._kernels.values())._loaded.values()))
+        print(json.dumps({"first_call_s": first, "from_disk": fn.numflash_meta["from_disk"]}))
+    """)
+    env = dict(os.environ, NUMFLASH_CACHE_DIR=str(tmp_path))
+    runs = [json.loads(subprocess.run([sys.executable, "-c", script], env=env, check=True,
+                                      capture_output=True, text=True).stdout.splitlines()[-1])
+            for _ in range(2)]
+    print(f"cold first call {runs[0]['first_call_s']:.3f} s, warm {runs[1]['first_call_s']:.3f} s")
+    assert runs[0]["from_disk"] is False and runs[1]["from_disk"] is True
+    assert runs[1]["first_call_s"] < runs[0]["first_call_s"]
