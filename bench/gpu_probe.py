@@ -83,6 +83,8 @@ def main(argv=None):
     rng = np.random.default_rng(0)
     rows = []
     peers = {"cupy_naive": naive, **sdpa_methods()}
+    import warnings
+    warnings.filterwarnings("ignore", category=UserWarning)
     for B, H, N, d, dt, causal in shapes:
         inputs = [tuple(cp.asarray(rng.standard_normal((B, H, N, d)).astype(dt)) for _ in range(3))
                   for _ in range(2)]
@@ -134,12 +136,12 @@ def main(argv=None):
 
     resources = []
     for kern in launch._kernels.values():
-        for key, fn in kern._loaded.items():
+        for key, (fn, meta) in kern._loaded.items():
             resources.append({"kernel": kern.name, "config": kern.config,
                               "num_regs": fn.num_regs, "local_bytes": fn.local_size_bytes,
-                              "ptxas": fn.numflash_meta["resources"]})
+                              "ptxas": meta["resources"]})
             print(f"{kern.name} {kern.config}: regs {fn.num_regs}, local {fn.local_size_bytes} B, "
-                  f"ptxas {fn.numflash_meta['resources']}")
+                  f"ptxas {meta['resources']}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": cp.cuda.runtime.getDeviceProperties(0)["name"].decode(),

@@ -166,7 +166,7 @@ class Kernel:
         self.config = dict(config)
         self.fastmath = fastmath
         self._pyfunc = None
-        self._loaded = {}
+        self._loaded = {}   # (argtypes, cc, device id) -> (CuPy function, build metadata)
         self._sim = None
         self._lock = threading.Lock()
 
@@ -209,23 +209,22 @@ class Kernel:
     def _function(self, args, cc, device_id):
         argtypes = tuple(numba_type(a) for a in args)
         key = (argtypes, cc, device_id)
-        fn = self._loaded.get(key)
-        if fn is None:
+        entry = self._loaded.get(key)
+        if entry is None:
             with self._lock:
-                fn = self._loaded.get(key)
-                if fn is None:
+                entry = self._loaded.get(key)
+                if entry is None:
                     import cupy
                     cubin, meta = self.build(argtypes, cc)
                     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
                         f.write(cubin)
                     try:
                         module = cupy.RawModule(path=f.name)
-                        fn = module.get_function(meta["entry"])
-                        fn.numflash_meta = meta
+                        entry = (module.get_function(meta["entry"]), meta)
                     finally:
                         os.unlink(f.name)
-                    self._loaded[key] = fn
-        return fn
+                    self._loaded[key] = entry
+        return entry[0]
 
     def __call__(self, grid, block, shared_bytes, args, device):
         """Launch on the current CuPy stream (or in the simulator, with NumPy arrays)."""
