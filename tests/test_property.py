@@ -1,0 +1,81 @@
+"""Property test: random shapes, dtypes, causal modes, layouts and strides on the CPU backend.
+
+For every drawn problem the output must pass the accuracy rule, the lse must match the
+reference (-inf exactly on rows that see no key, where the output is exactly zero), and the
+result must have the promised shape, dtype and layout.
+
+The 40 examples are derandomized so that every run tests the same problems; set
+NUMFLASH_PROPERTY_EXPLORE=1 to draw fresh ones each run (and use --hypothesis-seed).
+"""
+import os
+
+import numpy as np
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+import numflash
+from numflash import testing
+
+CAUSAL = [False, True, "top_left", "bottom_right"]
+
+
+@st.composite
+def problems(draw):
+    return dict(
+        B=draw(st.integers(1, 2)),
+        H=draw(st.integers(1, 2)),
+        Nq=draw(st.integers(0, 70)),
+        Nk=draw(st.integers(0, 70)),
+        d=draw(st.integers(1, 40)),
+        dv=draw(st.integers(1, 40)),
+        dtype=draw(st.sampled_from([np.float16, np.float32, np.float64])),
+        causal=draw(st.sampled_from(CAUSAL)),
+        layout=draw(st.sampled_from(["bhsd", "bshd"])),
+        strided=draw(st.booleans()),
+        magnitude=draw(st.sampled_from([0.1, 1.0, 4.0])),
+        scale=draw(st.one_of(st.none(), st.floats(1e-3, 10.0))),
+        seed=draw(st.integers(0, 2 ** 32 - 1)),
+    )
+
+
+def _array(rng, shape, dtype, magnitude, strided):
+    a = (magnitude * rng.standard_normal(shape)).astype(dtype)
+    if strided:  # same values, every other element of a bigger buffer along the last two axes
+        buf = np.zeros(shape[:2] + (2 * shape[2], 2 * shape[3]), dtype)
+        buf[:, :, ::2, ::2] = a
+        a = buf[:, :, ::2, ::2]
+    return a
+
+
+EXPLORE = os.environ.get("NUMFLASH_PROPERTY_EXPLORE", "") not in ("", "0")
+
+
+@settings(max_examples=40, deadline=None, derandomize=not EXPLORE,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(problems())
+def test_random_problems_are_accurate(p):
+    rng = np.random.default_rng(p["seed"])
+    B, H, Nq, Nk, d, dv = p["B"], p["H"], p["Nq"], p["Nk"], p["d"], p["dv"]
+    bshd = p["layout"] == "bshd"
+    shapes = [(B, Nq, H, d), (B, Nk, H, d), (B, Nk, H, dv)] if bshd else \
+             [(B, H, Nq, d), (B, H, Nk, d), (B, H, Nk, dv)]
+    q, k, v = (_array(rng, s, p["dtype"], p["magnitude"] if i < 2 else 1.0, p["strided"])
+               for i, s in enumerate(shapes))
+    kw = dict(causal=p["causal"], softmax_scale=p["scale"], layout=p["layout"])
+
+    o, lse = numflash.attention(q, k, v, return_lse=True, **kw)
+
+    assert o.dtype == p["dtype"]
+    assert o.shape == ((B, Nq, H, dv) if bshd else (B, H, Nq, dv))
+    assert lse.dtype == np.float32 and lse.shape == (B, H, Nq)
+    assert not np.isnan(o).any() and not np.isnan(lse).any()
+    testing.assert_accurate(o, q, k, v, lse=lse, **kw)
+
+    # rows that see no key: exactly the ones the mask says, zeros and -inf
+    offset = Nk - Nq if p["causal"] == "bottom_right" else 0
+    sees_none = (np.arange(Nq) + offset < 0) if p["causal"] else np.zeros(Nq, bool)
+    if Nk == 0:
+        sees_none = np.ones(Nq, bool)
+    o_bhsd = o.transpose(0, 2, 1, 3) if bshd else o
+    assert np.array_equal(np.isneginf(lse), np.broadcast_to(sees_none, lse.shape))
+    assert (o_bhsd[:, :, sees_none] == 0).all()
+    assert np.isfinite(lse[:, :, ~sees_none]).all()
