@@ -134,14 +134,22 @@ def main(argv=None):
     print(f"per-call host time: numflash {overhead['numflash']:.1f} us, bare RawKernel "
           f"{overhead['raw_kernel']:.1f} us, difference {overhead['numflash'] - overhead['raw_kernel']:.1f} us")
 
+    import cProfile
+    import pstats
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(300):
+        numflash.attention(q, q, q)
+    prof.disable()
+    cp.cuda.Device().synchronize()
+    pstats.Stats(prof).sort_stats("tottime").print_stats(12)
+
     resources = []
     for kern in launch._kernels.values():
-        for key, (fn, meta) in kern._loaded.items():
+        for key, loaded in kern._loaded.items():
             resources.append({"kernel": kern.name, "config": kern.config,
-                              "num_regs": fn.num_regs, "local_bytes": fn.local_size_bytes,
-                              "ptxas": meta["resources"]})
-            print(f"{kern.name} {kern.config}: regs {fn.num_regs}, local {fn.local_size_bytes} B, "
-                  f"ptxas {meta['resources']}")
+                              "ptxas": loaded.meta["resources"]})
+            print(f"{kern.name} {kern.config}: ptxas {loaded.meta['resources']}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": cp.cuda.runtime.getDeviceProperties(0)["name"].decode(),

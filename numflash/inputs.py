@@ -195,6 +195,9 @@ def normalize(q, k, v, *, causal=False, softmax_scale=None, layout="bhsd", retur
             raise ValueError("out has a zero stride (a broadcast view): its elements overlap")
         if kind == "numpy" and not out.flags.writeable:
             raise ValueError("out is read-only")
+        for name, a in (("q", q), ("k", k), ("v", v)):
+            if xp.may_share_memory(out, a):  # kernels read inputs while writing out
+                raise ValueError(f"out overlaps {name}: pass a separate output array")
         result = out
     return Problem(q=q4, k=k4, v=v4, out=_dims(layout, result), result=result, kind=kind,
                    dtype=dtype, scale=scale, causal=is_causal, causal_offset=offset,

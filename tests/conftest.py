@@ -27,9 +27,9 @@ def pytest_collection_modifyitems(config, items):
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU with CuPy")
     skip_sim = pytest.mark.skip(reason="simulator tests run on machines without a GPU")
     for item in items:
-        if "gpu" in item.keywords and not HAS_GPU:
+        if item.get_closest_marker("gpu") and not HAS_GPU:
             item.add_marker(skip_gpu)
-        if "simulator" in item.keywords and HAS_GPU:
+        if item.get_closest_marker("simulator") and HAS_GPU:
             item.add_marker(skip_sim)
 
 

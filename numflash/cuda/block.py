@@ -1,6 +1,6 @@
 """The block-tiled kernel (FA2's parallelism): Q blocks across the grid, K/V tiles streamed.
 
-A block of NT threads owns BR query rows. Q (pre-scaled) is staged once in shared memory, then each
+A block of NT threads owns BR query rows. Q is staged once in shared memory, then each
 BC-key tile of K and V is loaded, S = Q K^T is computed as register micro-tiles (each thread a TM x TN
 patch: rows ty + TY*ii, keys tx + TX*jj, so shared-memory reads are conflict-free or broadcast), the
 online softmax runs on the patch (row max over the TX threads of a row group by lane shuffles), P goes
@@ -14,12 +14,13 @@ stand-in for shuffles.
 """
 import math
 
+import numpy as np
 from numba import cuda
 
 from ..plan import Unsupported
 from . import launch
 from .common import NEG_INF, compute_type, element_size, exp_for, group_max, group_sum, \
-    head_dim_bucket, key_end
+    head_dim_bucket, key_end, tile_needs_mask
 
 NAME = "cuda.block"
 
@@ -30,123 +31,145 @@ def smem_words(D, DV, BR, BC, TM, TN):
 
 
 def make_kernel(D, DV, BR, BC, TM, TN, acc):
-    """Kernel for head dims padded to D (q, k) and DV (v, a multiple of BC // TN)."""
+    """Kernel for head dims padded to D (q, k) and DV (v, a multiple of BC // TN).
+
+    Index arithmetic is unsigned 64-bit throughout: numba guards every signed index with
+    negative-wraparound code (shift, and, add per access), which cost more than the FMAs here.
+    Every constant that meets an index is a uint64 (numba turns uint64 + int64 into float64).
+    """
     ACC = compute_type(acc)
     exp = exp_for(acc)
+    u = np.uint64
     TY, TX = BR // TM, BC // TN  # thread grid: TX threads share a row group (consecutive lanes)
     NT = TX * TY
     TO = DV // TX                # output columns per thread
-    QP, KP = BR + 1, BC + 1      # padded row lengths
-    K_OFF = D * QP
-    V_OFF = K_OFF + D * KP
-    P_OFF = V_OFF + BC * DV
-    S_OFF = P_OFF + BC * QP
+    uD, uDV, uBR, uBC, uNT = u(D), u(DV), u(BR), u(BC), u(NT)
+    uTM, uTN, uTO, uTX, uTY = u(TM), u(TN), u(TO), u(TX), u(TY)
+    QP, KP = u(BR + 1), u(BC + 1)  # padded row lengths
+    K_OFF = u(D) * QP
+    V_OFF = K_OFF + u(D) * KP
+    P_OFF = V_OFF + u(BC * DV)
+    S_OFF = P_OFF + u(BC) * QP
+    zero, one = u(0), u(1)
 
     def block_attention(q, k, v, out, lse, scale, causal, causal_offset):
-        H, Nq, d = q.shape[1], q.shape[2], q.shape[3]
-        Nk, dv = k.shape[2], v.shape[3]
-        tid = cuda.threadIdx.x
-        tx = tid % TX
-        ty = tid // TX
-        b = cuda.blockIdx.x // H
-        h = cuda.blockIdx.x % H
-        i0 = cuda.blockIdx.y * BR
+        H = q.shape[1]
+        Nq, d, Nk, dv = u(q.shape[2]), u(q.shape[3]), u(k.shape[2]), u(v.shape[3])
+        sc = ACC(scale)
+        tid = u(cuda.threadIdx.x)
+        tx = tid % uTX
+        ty = tid // uTX
+        b = u(cuda.blockIdx.x // H)
+        h = u(cuda.blockIdx.x % H)
+        i0 = u(cuda.blockIdx.y) * uBR
         smem = cuda.shared.array(0, ACC)
         scratch = smem[S_OFF:]
 
-        for idx in range(tid, BR * D, NT):  # Qt[c][r] = scale * q[i0 + r, c]
-            r = idx // D
-            c = idx - r * D
-            smem[c * QP + r] = ACC(q[b, h, i0 + r, c]) * scale if i0 + r < Nq and c < d else ACC(0)
+        for idx in range(tid, uBR * uD, uNT):  # Qt[c][r] = q[i0 + r, c]
+            r = idx // uD
+            c = idx - r * uD
+            smem[c * QP + r] = ACC(q[b, h, i0 + r, c]) if i0 + r < Nq and c < d else ACC(0)
 
         s = cuda.local.array((TM, TN), ACC)
         o = cuda.local.array((TM, TO), ACC)
-        m = cuda.local.array(TM, ACC)
+        m = cuda.local.array(TM, ACC)  # running max of the unscaled scores
         l = cuda.local.array(TM, ACC)  # this thread's share of each row's sum
         a = cuda.local.array(TM, ACC)
         bk = cuda.local.array(TN, ACC)
         bv = cuda.local.array(TO, ACC)
-        for ii in range(TM):
+        for ii in range(uTM):
             m[ii] = NEG_INF
             l[ii] = 0
-            for kk in range(TO):
+            for kk in range(uTO):
                 o[ii, kk] = 0
 
-        block_keys = key_end(min(Nq, i0 + BR) - 1, Nk, causal, causal_offset)
-        for j0 in range(0, block_keys, BC):
+        last_row = min(Nq, i0 + uBR) - one
+        block_keys = u(key_end(last_row, Nk, causal, causal_offset))
+        for j0 in range(zero, block_keys, uBC):
             cuda.syncthreads()  # previous tile's Kt, Vs, Pt are no longer read
-            for idx in range(tid, BC * D, NT):
-                j = idx // D
-                c = idx - j * D
+            for idx in range(tid, uBC * uD, uNT):
+                j = idx // uD
+                c = idx - j * uD
                 smem[K_OFF + c * KP + j] = ACC(k[b, h, j0 + j, c]) if j0 + j < Nk and c < d \
                     else ACC(0)
-            for idx in range(tid, BC * DV, NT):
-                j = idx // DV
-                c = idx - j * DV
+            for idx in range(tid, uBC * uDV, uNT):
+                j = idx // uDV
+                c = idx - j * uDV
                 smem[V_OFF + idx] = ACC(v[b, h, j0 + j, c]) if j0 + j < Nk and c < dv else ACC(0)
             cuda.syncthreads()
 
-            for ii in range(TM):
-                for jj in range(TN):
+            for ii in range(uTM):
+                for jj in range(uTN):
                     s[ii, jj] = 0
-            for c in range(D):
-                for ii in range(TM):
-                    a[ii] = smem[c * QP + ty + TY * ii]
-                for jj in range(TN):
-                    bk[jj] = smem[K_OFF + c * KP + tx + TX * jj]
-                for ii in range(TM):
-                    for jj in range(TN):
+            qa = ty
+            kb = K_OFF + tx
+            for c in range(uD):
+                for ii in range(uTM):
+                    a[ii] = smem[qa + uTY * ii]
+                for jj in range(uTN):
+                    bk[jj] = smem[kb + uTX * jj]
+                for ii in range(uTM):
+                    for jj in range(uTN):
                         s[ii, jj] += a[ii] * bk[jj]
+                qa += QP
+                kb += KP
 
             # Keys past Nk or above the causal diagonal: only boundary tiles need the check.
-            if j0 + BC > Nk or (causal and j0 + BC - 1 > i0 + causal_offset):
-                for ii in range(TM):
-                    visible = key_end(i0 + ty + TY * ii, Nk, causal, causal_offset)
-                    for jj in range(TN):
-                        if j0 + tx + TX * jj >= visible:
+            if tile_needs_mask(i0, j0, BC, Nk, causal, causal_offset):
+                for ii in range(uTM):
+                    visible = u(key_end(i0 + ty + uTY * ii, Nk, causal, causal_offset))
+                    for jj in range(uTN):
+                        if j0 + tx + uTX * jj >= visible:
                             s[ii, jj] = NEG_INF
 
-            for ii in range(TM):
+            for ii in range(uTM):
                 mx = s[ii, 0]
-                for jj in range(1, TN):
+                for jj in range(one, uTN):
                     mx = max(mx, s[ii, jj])
                 m_new = max(m[ii], group_max(mx, TX, scratch, tid))
+                pt = P_OFF + tx * QP + ty + uTY * ii
                 if m_new == NEG_INF:  # the row has seen no key yet: nothing to add
-                    for jj in range(TN):
-                        smem[P_OFF + (tx + TX * jj) * QP + ty + TY * ii] = 0
+                    for jj in range(uTN):
+                        smem[pt + uTX * QP * jj] = 0
                 else:
-                    alpha = exp(m[ii] - m_new)
+                    # scale is applied to scores, not to q: pre-scaling would round q once more
+                    msc = m_new * sc
+                    alpha = exp(m[ii] * sc - msc)
                     row_sum = ACC(0)
-                    for jj in range(TN):
-                        p = exp(s[ii, jj] - m_new)
+                    for jj in range(uTN):
+                        p = exp(s[ii, jj] * sc - msc)
                         row_sum += p
-                        smem[P_OFF + (tx + TX * jj) * QP + ty + TY * ii] = p
+                        smem[pt + uTX * QP * jj] = p
                     l[ii] = l[ii] * alpha + row_sum
                     m[ii] = m_new
-                    for kk in range(TO):
+                    for kk in range(uTO):
                         o[ii, kk] *= alpha
             cuda.syncthreads()
 
-            for j in range(BC):
-                for ii in range(TM):
-                    a[ii] = smem[P_OFF + j * QP + ty + TY * ii]
-                for kk in range(TO):
-                    bv[kk] = smem[V_OFF + j * DV + tx + TX * kk]
-                for ii in range(TM):
-                    for kk in range(TO):
+            pa = P_OFF + ty
+            vb = V_OFF + tx
+            for j in range(uBC):
+                for ii in range(uTM):
+                    a[ii] = smem[pa + uTY * ii]
+                for kk in range(uTO):
+                    bv[kk] = smem[vb + uTX * kk]
+                for ii in range(uTM):
+                    for kk in range(uTO):
                         o[ii, kk] += a[ii] * bv[kk]
+                pa += QP
+                vb += uDV
 
-        for ii in range(TM):
+        for ii in range(uTM):
             total = group_sum(l[ii], TX, scratch, tid)
-            row = i0 + ty + TY * ii
+            row = i0 + ty + uTY * ii
             if row < Nq:
                 inv = 1 / total if total > 0 else ACC(0)
-                for kk in range(TO):
-                    col = tx + TX * kk
+                for kk in range(uTO):
+                    col = tx + uTX * kk
                     if col < dv:
                         out[b, h, row, col] = o[ii, kk] * inv
-                if tx == 0:
-                    lse[b, h, row] = m[ii] + math.log(total) if total > 0 else NEG_INF
+                if tx == zero:
+                    lse[b, h, row] = m[ii] * sc + math.log(total) if total > 0 else NEG_INF
 
     return block_attention
 
@@ -186,6 +209,6 @@ def run(problem, cfg, device):
     threads = (cfg["BR"] // cfg["TM"]) * (cfg["BC"] // cfg["TN"])
     grid = (B * H, -(-Nq // cfg["BR"]))
     kernel(grid, (threads,), shared_bytes(cfg),
-           (p.q, p.k, p.v, p.out, lse, compute_type(cfg["acc"])(p.scale), int(p.causal),
-            int(p.causal_offset)), device)
+           (p.q, p.k, p.v, p.out, lse, float(p.scale), int(p.causal), int(p.causal_offset)),
+           device)
     return lse

@@ -6,7 +6,7 @@ meaning; everything else is one definition.
 """
 import math
 
-from numba import cuda, float32, float64
+from numba import cuda, float32, float64, int64
 
 from ..plan import simulator_enabled
 
@@ -24,10 +24,22 @@ def compute_type(dtype_name):
 
 @cuda.jit(device=True)
 def key_end(row, nk, causal, causal_offset):
-    """Exclusive end of the keys query `row` sees: j < key_end  <=>  j <= row + offset (causal)."""
+    """Exclusive end of the keys query `row` sees: j < key_end  <=>  j <= row + offset (causal).
+
+    Signed on purpose: the offset may be negative, and kernels index with unsigned integers.
+    """
+    n = int64(nk)
     if causal:
-        return min(nk, max(0, row + causal_offset + 1))
-    return nk
+        return min(n, max(int64(0), int64(row) + causal_offset + 1))
+    return n
+
+
+@cuda.jit(device=True)
+def tile_needs_mask(first_row, first_key, tile_keys, nk, causal, causal_offset):
+    """Whether a tile of keys [first_key, first_key + tile_keys) has any key some row of the block
+    starting at first_row cannot see (past Nk, or above the causal diagonal)."""
+    last_key = int64(first_key) + tile_keys - 1
+    return last_key >= int64(nk) or (causal and last_key > int64(first_row) + causal_offset)
 
 
 if simulator_enabled():

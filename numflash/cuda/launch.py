@@ -1,10 +1,11 @@
-"""Compile once, cache on disk, load with CuPy, launch with raw pointers.
+"""Compile once, cache on disk, load with the driver API, launch with raw pointers.
 
 Why not call the ``@cuda.jit`` dispatcher: numba-cuda re-types CuPy arrays through DLPack on every
 call (~140 us on the lent H100). Instead each kernel variant is compiled by numba to PTX, linked to
 a cubin for the device's exact architecture by nvJitLink (so PTX newer than the user's driver never
-has to be JIT-loaded), stored on disk, loaded with ``cupy.RawModule`` and launched with the numba
-ABI's flattened arguments. Under numba's CUDA simulator the same Python kernel source is launched
+has to be JIT-loaded), stored on disk, loaded with the driver API (cuModuleLoadData) and launched
+with the numba ABI's flattened arguments packed into one buffer (cuLaunchKernel) on CuPy's current
+stream. Under numba's CUDA simulator the same Python kernel source is launched
 through the simulator's dispatcher instead, on NumPy arrays.
 """
 import contextlib
@@ -14,6 +15,7 @@ import os
 import pathlib
 import re
 import tempfile
+import struct
 import threading
 
 import numpy as np
@@ -52,7 +54,11 @@ def source_digest():
 
 
 def numba_type(value):
-    """The numba type a kernel argument is compiled for (arrays read through their strides)."""
+    """The numba type a kernel argument is compiled for (arrays read through their strides).
+
+    Every argument is 8 bytes in the numba ABI (array fields, int64, float64), so one int64 buffer
+    can carry them all to cuLaunchKernel.
+    """
     from numba import types
     from numba.np import numpy_support
     if hasattr(value, "ndim") and hasattr(value, "dtype") and getattr(value, "ndim", 0) > 0:
@@ -61,26 +67,41 @@ def numba_type(value):
         raise TypeError("pass flags as int, not bool: the numba ABI packs bools as 1 byte")
     if isinstance(value, (int, np.integer)):
         return types.int64
-    if isinstance(value, np.floating):
-        return numpy_support.from_dtype(value.dtype)
+    if isinstance(value, (float, np.floating)):
+        return types.float64
     raise TypeError(f"unsupported kernel argument {value!r}")
 
 
-def _flatten(args):
-    """Kernel arguments in the numba ABI: each array becomes meminfo, parent, nitems, itemsize,
-    data, shape..., strides... (all 64-bit); scalars keep their numpy type."""
+def _signature_key(args):
+    """A cheap hashable stand-in for the argument types (building numba types costs ~4 us each)."""
+    return tuple((a.dtype.char, a.ndim) if hasattr(a, "ndim") else type(a) for a in args)
+
+
+def _pack(args):
+    """The kernel's parameters as one int64 array, in the numba ABI: each array becomes meminfo,
+    parent, nitems, itemsize, data, shape..., strides...; floats travel as their float64 bits."""
     flat = []
     for a in args:
-        if hasattr(a, "ndim") and getattr(a, "ndim", 0) > 0:
-            flat += [np.uint64(0), np.uint64(0), np.int64(a.size), np.int64(a.itemsize),
-                     np.uint64(a.data.ptr)]
-            flat += [np.int64(n) for n in a.shape]
-            flat += [np.int64(s) for s in a.strides]
-        elif isinstance(a, (int, np.integer)):
-            flat.append(np.int64(a))
+        if hasattr(a, "ndim"):
+            flat += (0, 0, a.size, a.itemsize, a.data.ptr, *a.shape, *a.strides)
+        elif isinstance(a, float):
+            flat.append(_F64_BITS.unpack(_F64.pack(a))[0])
         else:
-            flat.append(a)
-    return tuple(flat)
+            flat.append(int(a))
+    return np.array(flat, dtype=np.int64)
+
+
+_F64, _F64_BITS = struct.Struct("d"), struct.Struct("q")
+
+
+def _driver_call(result):
+    """Unwrap a cuda.bindings (err, *values) tuple, raising on any error."""
+    from cuda.bindings import driver
+    err, *values = result
+    if err != driver.CUresult.CUDA_SUCCESS:
+        _, name = driver.cuGetErrorName(err)
+        raise RuntimeError(f"CUDA driver error {name.decode() if name else err}")
+    return values[0] if len(values) == 1 else values
 
 
 _RESOURCE_PATTERNS = {
@@ -207,24 +228,18 @@ class Kernel:
         return cubin, meta
 
     def _function(self, args, cc, device_id):
-        argtypes = tuple(numba_type(a) for a in args)
-        key = (argtypes, cc, device_id)
+        key = (_signature_key(args), cc, device_id)
         entry = self._loaded.get(key)
         if entry is None:
             with self._lock:
                 entry = self._loaded.get(key)
                 if entry is None:
-                    import cupy
-                    cubin, meta = self.build(argtypes, cc)
-                    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-                        f.write(cubin)
-                    try:
-                        module = cupy.RawModule(path=f.name)
-                        entry = (module.get_function(meta["entry"]), meta)
-                    finally:
-                        os.unlink(f.name)
-                    self._loaded[key] = entry
-        return entry[0]
+                    from cuda.bindings import driver
+                    cubin, meta = self.build(tuple(numba_type(a) for a in args), cc)
+                    module = _driver_call(driver.cuModuleLoadData(cubin))
+                    fn = _driver_call(driver.cuModuleGetFunction(module, meta["entry"].encode()))
+                    entry = self._loaded[key] = _Loaded(module, fn, meta)
+        return entry
 
     def __call__(self, grid, block, shared_bytes, args, device):
         """Launch on the current CuPy stream (or in the simulator, with NumPy arrays)."""
@@ -234,10 +249,32 @@ class Kernel:
                 self._sim = cuda.jit(self.pyfunc)
             self._sim[grid, block, 0, shared_bytes](*args)
             return
-        fn = self._function(args, device.cc, args[0].device.id)
-        if shared_bytes > 48 * 1024 and fn.max_dynamic_shared_size_bytes < shared_bytes:
-            fn.max_dynamic_shared_size_bytes = shared_bytes
-        fn(grid, block, _flatten(args), shared_mem=shared_bytes)
+        import cupy
+        from cuda.bindings import driver
+        dev_id = args[0].device.id
+        with cupy.cuda.Device(dev_id):  # the module must live in the arrays' device context
+            loaded = self._function(args, device.cc, dev_id)
+            if shared_bytes > loaded.max_shared:
+                _driver_call(driver.cuFuncSetAttribute(
+                    loaded.fn, driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    shared_bytes))
+                loaded.max_shared = shared_bytes
+            values = _pack(args)
+            pointers = values.ctypes.data + 8 * np.arange(len(values), dtype=np.uint64)
+            grid = tuple(grid) + (1,) * (3 - len(grid))
+            block = tuple(block) + (1,) * (3 - len(block))
+            _driver_call(driver.cuLaunchKernel(
+                loaded.fn, *grid, *block, shared_bytes, cupy.cuda.get_current_stream().ptr,
+                pointers.ctypes.data, 0))
+
+
+class _Loaded:
+    """A kernel loaded into one device context."""
+    __slots__ = ("module", "fn", "meta", "max_shared")
+
+    def __init__(self, module, fn, meta):
+        self.module, self.fn, self.meta = module, fn, meta
+        self.max_shared = 48 * 1024
 
 
 _kernels = {}

@@ -1,6 +1,6 @@
 """The FA1 per-row kernel: one thread owns one query row.
 
-The thread keeps its (pre-scaled) q row and its output accumulator in registers; the block's threads
+The thread keeps its q row and its output accumulator in registers; the block's threads
 load each K/V tile into shared memory together (coalesced, one element per thread per step), then
 every thread runs the online-softmax update over the tile's keys one by one. When a key does not
 raise the running max (the common case after the first few), the accumulator needs no rescale.
@@ -8,6 +8,7 @@ Grid: (batch x head, query chunk of ROWS rows), so any sequence length fits.
 """
 import math
 
+import numpy as np
 from numba import cuda
 
 from . import launch
@@ -18,71 +19,77 @@ ROWS = 128
 
 
 def make_kernel(D, DV, BC, ROWS, acc):
-    """Kernel for head dims padded to D (q, k) and DV (v), BC keys a tile, ROWS threads a block."""
+    """Kernel for head dims padded to D (q, k) and DV (v), BC keys a tile, ROWS threads a block.
+
+    Shared-memory indices are uint64 (with uint64 constants) so numba emits no negative-index
+    wraparound code in the inner loops.
+    """
     ACC = compute_type(acc)
     exp = exp_for(acc)
+    u = np.uint64
+    uD, uDV, uBC, uROWS = u(D), u(DV), u(BC), u(ROWS)
+    V_OFF = u(BC * D)  # V tile starts after the K tile
+    zero = u(0)
 
     def row_attention(q, k, v, out, lse, scale, causal, causal_offset):
-        H, Nq, d = q.shape[1], q.shape[2], q.shape[3]
-        Nk, dv = k.shape[2], v.shape[3]
-        tid = cuda.threadIdx.x
-        b = cuda.blockIdx.x // H
-        h = cuda.blockIdx.x % H
-        block_first = cuda.blockIdx.y * ROWS
+        H = q.shape[1]
+        Nq, d, Nk, dv = u(q.shape[2]), u(q.shape[3]), u(k.shape[2]), u(v.shape[3])
+        sc = ACC(scale)
+        tid = u(cuda.threadIdx.x)
+        b = u(cuda.blockIdx.x // H)
+        h = u(cuda.blockIdx.x % H)
+        block_first = u(cuda.blockIdx.y) * uROWS
         i = block_first + tid
         smem = cuda.shared.array(0, ACC)
-        vs = BC * D  # V tile starts after the K tile
 
         qr = cuda.local.array(D, ACC)
         acc_o = cuda.local.array(DV, ACC)
-        for c in range(D):
-            qr[c] = ACC(q[b, h, i, c]) * scale if i < Nq and c < d else ACC(0)
-        for c in range(DV):
+        for c in range(uD):
+            qr[c] = ACC(q[b, h, i, c]) if i < Nq and c < d else ACC(0)
+        for c in range(uDV):
             acc_o[c] = 0
-        m = ACC(NEG_INF)
+        m = ACC(NEG_INF)  # running max of the scaled scores
         l = ACC(0)
 
-        row_keys = key_end(i, Nk, causal, causal_offset) if i < Nq else 0
-        block_keys = key_end(min(Nq, block_first + ROWS) - 1, Nk, causal, causal_offset)
-        for j0 in range(0, block_keys, BC):
+        row_keys = u(key_end(i, Nk, causal, causal_offset)) if i < Nq else zero
+        block_keys = u(key_end(min(Nq, block_first + uROWS) - u(1), Nk, causal, causal_offset))
+        for j0 in range(zero, block_keys, uBC):
             cuda.syncthreads()  # the previous tile is no longer read
-            for idx in range(tid, BC * D, ROWS):
-                j = idx // D
-                c = idx - j * D
+            for idx in range(tid, uBC * uD, uROWS):
+                j = idx // uD
+                c = idx - j * uD
                 smem[idx] = ACC(k[b, h, j0 + j, c]) if j0 + j < Nk and c < d else ACC(0)
-            for idx in range(tid, BC * DV, ROWS):
-                j = idx // DV
-                c = idx - j * DV
-                smem[vs + idx] = ACC(v[b, h, j0 + j, c]) if j0 + j < Nk and c < dv else ACC(0)
+            for idx in range(tid, uBC * uDV, uROWS):
+                j = idx // uDV
+                c = idx - j * uDV
+                smem[V_OFF + idx] = ACC(v[b, h, j0 + j, c]) if j0 + j < Nk and c < dv else ACC(0)
             cuda.syncthreads()
-            for j in range(min(BC, row_keys - j0)):
-                s = ACC(0)
-                for c in range(D):
-                    s += qr[c] * smem[j * D + c]
+            keys = min(uBC, row_keys - j0) if row_keys > j0 else zero
+            for j in range(keys):
+                kj = j * uD
+                vj = V_OFF + j * uDV
+                dot = ACC(0)
+                for c in range(uD):
+                    dot += qr[c] * smem[kj + c]
+                s = dot * sc  # scale the score, not q: pre-scaling would round q once more
                 if s > m:  # new max: rescale what was accumulated, this key's weight is 1
                     alpha = exp(m - s)
                     l = l * alpha + 1
-                    for c in range(DV):
-                        acc_o[c] = acc_o[c] * alpha + smem[vs + j * DV + c]
+                    for c in range(uDV):
+                        acc_o[c] = acc_o[c] * alpha + smem[vj + c]
                     m = s
                 else:
                     p = exp(s - m)
                     l += p
-                    for c in range(DV):
-                        acc_o[c] += p * smem[vs + j * DV + c]
+                    for c in range(uDV):
+                        acc_o[c] += p * smem[vj + c]
 
         if i < Nq:
-            if l > 0:
-                inv = 1 / l
-                for c in range(DV):
-                    if c < dv:
-                        out[b, h, i, c] = acc_o[c] * inv
-                lse[b, h, i] = m + math.log(l)
-            else:  # the row sees no key
-                for c in range(DV):
-                    if c < dv:
-                        out[b, h, i, c] = 0
-                lse[b, h, i] = NEG_INF
+            inv = 1 / l if l > 0 else ACC(0)  # a row that sees no key gives zeros
+            for c in range(uDV):
+                if c < dv:
+                    out[b, h, i, c] = acc_o[c] * inv
+            lse[b, h, i] = m + math.log(l) if l > 0 else NEG_INF
 
     return row_attention
 
@@ -104,10 +111,9 @@ def run(problem, cfg, device):
     B, H, Nq, Nk, d, dv = p.shape
     kernel = launch.get_kernel(NAME, make_kernel, cfg)
     lse = p.empty_lse()
-    acc_type = compute_type(cfg["acc"])
     grid = (B * H, -(-Nq // cfg["ROWS"]))
     smem = cfg["BC"] * (cfg["D"] + cfg["DV"]) * element_size(cfg["acc"])
     kernel(grid, (cfg["ROWS"],), smem,
-           (p.q, p.k, p.v, p.out, lse, acc_type(p.scale), int(p.causal), int(p.causal_offset)),
+           (p.q, p.k, p.v, p.out, lse, float(p.scale), int(p.causal), int(p.causal_offset)),
            device)
     return lse
