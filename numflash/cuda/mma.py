@@ -1,0 +1,541 @@
+"""FlashAttention-2 forward on tensor cores (float16 / bfloat16, compute capability >= 8.0).
+
+A block of NW warps owns BR = 16 NW query rows; each warp owns 16 of them. K and V tiles of BC keys
+are staged in shared memory; per tile each warp computes its 16 x BC block of S = Q K^T with
+``mma.sync.m16n8k16`` (fp32 accumulators), runs the online softmax on the accumulator fragments in
+registers (a thread holds 2 rows; row max/sum over the 4 lanes of a quad by shfl_xor 1, 2), packs
+P to f16x2/bf16x2 in registers and feeds it straight back as the A operand of P V (the C layout of
+two adjacent n8 tiles is the A layout of one k16 tile), accumulating O in registers. O is
+normalized once at the end; lse is written.
+
+Registers: every fragment is a scalar Python variable of generated source (one per register), so
+nothing lives in local memory; the kernel source is generated per compile-time config by
+``kernel_source`` and compiled by numba like any other kernel (see ``print(kernel_source(...))``).
+
+Shared memory, all 32-bit words holding two 16-bit values (low half = lower index), rows padded by
+4 words (16 bytes) so fragment loads and ldmatrix rows are bank-conflict free and 16-byte aligned:
+  Q  [BR][D/2 + 4]       (Q is read into registers once when HOLDQ; K/V then reuse its space)
+  K  [BC][D/2 + 4]       row-major: a B fragment of Q K^T is one word per register
+  V  staged as Vt[DV][BC/2 + 4] (transposed) with scalar loads, so a B fragment of P V is one
+     word per register; with cp.async (VEC) as V[BC][DV/2 + 4] read by ldmatrix.trans.
+
+Staging (``VEC``): VEC=1 copies Q/K/V rows with 16-byte ``cp.async`` (K/V of the next tile in
+flight while the current one is computed: double buffering) and reads fragments with ``ldmatrix``;
+that needs the last axis contiguous, d and dv multiples of 8 and every row 16-byte aligned, which
+config() checks. Other inputs (strided last axis, odd d, misaligned views) take VEC=0: plain
+16-bit loads staged through registers -- slower, same results.
+
+Masking: keys past Nk and (causal) keys past row + causal_offset get -inf before the row max;
+tiles no row of the block can see are never loaded, and warps skip tiles none of their rows see.
+A row that sees no key gives zeros and lse = -inf. Head dims are padded (zero-filled) up to the
+next of 32, 64, 96, 128, 256.
+"""
+import linecache
+import math
+
+import numpy as np
+
+from ..plan import Unsupported
+from .common import key_end
+
+NAME = "cuda.mma"
+HEAD_DIMS = (32, 64, 96, 128, 256)
+
+
+def head_dim_pad(n):
+    for size in HEAD_DIMS:
+        if n <= size:
+            return size
+    raise Unsupported(f"{NAME} takes head dims up to {HEAD_DIMS[-1]}; got {n}")
+
+
+# ------------------------------------------------------------------------------ source generator
+
+class _Src:
+    def __init__(self):
+        self.lines = []
+        self.ind = 0
+
+    def __call__(self, *lines):
+        for line in lines:
+            self.lines.append("    " * self.ind + line)
+
+    def block(self):
+        src = self
+
+        class _B:
+            def __enter__(self):
+                src.ind += 1
+
+            def __exit__(self, *a):
+                src.ind -= 1
+        return _B()
+
+    def text(self):
+        return "\n".join(self.lines) + "\n"
+
+
+def U(n):
+    """A uint64 constant in generated source (int literals are int64 in numba, and uint64 mixed
+    with int64 becomes float64)."""
+    return f"U({int(n)})"
+
+
+def kernel_source(D, DV, NW, BC, HOLDQ, DT, VEC, DBG=0):
+    """Python source of the kernel for one compile-time config (see module docstring)."""
+    assert D % 16 == 0 and DV % 16 == 0 and BC % 16 == 0
+    BR, NT = 16 * NW, 32 * NW
+    QW, KW = D // 2 + 4, D // 2 + 4          # words per Q / K smem row
+    if VEC:
+        VW = DV // 2 + 4                      # V row-major: [BC][DV/2 + 4]
+        v_words = BC * VW
+    else:
+        VW = BC // 2 + 4                      # Vt: [DV][BC/2 + 4]
+        v_words = DV * VW
+    kv_words = BC * KW + v_words
+    STAGES = 2 if VEC else 1
+    Q_OFF = 0
+    KV_OFF = 0 if HOLDQ else BR * QW       # Q is dead once it sits in registers
+    NKK, NN, NVN, NPK = D // 16, BC // 8, DV // 8, BC // 16
+    mma = "mma_" + DT
+    pack = "pack_" + DT + "x2"
+
+    s = _Src()
+    s("def mma_attention(q, k, v, out, lse, dbg, scale_log2, scale, causal, causal_offset):")
+    with s.block():
+        s("H = q.shape[1]",
+          "Nq = q.shape[2]",
+          "Hkv = k.shape[1]",
+          "Nk = k.shape[2]",
+          "Nq_u = U(Nq)", "Nk_u = U(Nk)",
+          "d_u = U(q.shape[3])", "dv_u = U(v.shape[3])",
+          "tid = U(cuda.threadIdx.x)",
+          f"warp = tid // {U(32)}",
+          f"lane = tid % {U(32)}",
+          f"g = lane // {U(4)}",
+          f"t = lane % {U(4)}",
+          # last Q block first: under causal masking it is the longest, so the tail is short
+          f"qb = U(cuda.gridDim.x) - {U(1)} - U(cuda.blockIdx.x)",
+          "bh = U(cuda.blockIdx.y)",
+          "b = bh // U(H)",
+          "h = bh % U(H)",
+          "hk = kv_head(h, U(H), U(Hkv))",
+          f"i0 = qb * {U(BR)}",
+          "qh = q[b, h]", "kh = k[b, hk]", "vh = v[b, hk]", "oh = out[b, h]",
+          "smem = cuda.shared.array(0, uint32)")
+
+        # ---- stage Q
+        if VEC:
+            s(f"for idx in range(tid, {U(BR * D // 8)}, {U(NT)}):")
+            with s.block():
+                s(f"r = idx // {U(D // 8)}",
+                  f"c = (idx % {U(D // 8)}) * {U(8)}",
+                  "row = i0 + r",
+                  f"n = {U(16)} if row < Nq_u and c < d_u else {U(0)}",
+                  f"src = global_addr2(qh, row if row < Nq_u else {U(0)}, c if c < d_u else {U(0)})",
+                  f"cp_async_16(shared_addr(smem, {U(Q_OFF)} + r * {U(QW)} + c // {U(2)}), src, n)")
+            s("cp_async_commit()")
+        else:
+            s(f"for idx in range(tid, {U(BR * D // 2)}, {U(NT)}):")
+            with s.block():
+                s(f"r = idx // {U(D // 2)}",
+                  f"w = idx % {U(D // 2)}",
+                  "c = w + w",
+                  "row = i0 + r",
+                  f"word = {U(0)}",
+                  "if row < Nq_u and c < d_u:")
+                with s.block():
+                    s("word = U(qh[row, c])",
+                      f"if c + {U(1)} < d_u:")
+                    with s.block():
+                        s(f"word |= U(qh[row, c + {U(1)}]) << {U(16)}")
+                s(f"smem[{U(Q_OFF)} + r * {U(QW)} + w] = uint32(word)")
+
+        # ---- per-warp / per-thread row bookkeeping (signed: causal offsets can be negative)
+        s("i0s = I(i0)",
+          "w_first = i0s + I(warp) * 16",
+          "r0 = w_first + I(g)",
+          "r1 = r0 + 8",
+          "e0 = key_end(r0, Nk, causal, causal_offset)",
+          "e1 = key_end(r1, Nk, causal, causal_offset)",
+          "warp_min_end = key_end(w_first, Nk, causal, causal_offset)",
+          "warp_keys = key_end(min(Nq - 1, w_first + 15), Nk, causal, causal_offset) "
+          "if w_first < Nq else 0",
+          "block_keys = key_end(min(Nq, i0s + %d) - 1, Nk, causal, causal_offset)" % BR)
+
+        def q_frag(kk, r):
+            if HOLDQ:
+                return f"qf_{kk}_{r}"
+            return None
+
+        # Q fragment word offsets relative to the thread's base (16 warp + g) * QW + t
+        s(f"qbase = {U(Q_OFF)} + (warp * {U(16)} + g) * {U(QW)} + t")
+        if VEC:
+            # ldmatrix.x4 for A: lanes 0-15 address rows 0-15 at column kk*16, lanes 16-31 the
+            # same rows at column kk*16 + 8 -> registers a0..a3 in mma order
+            s(f"qlm = shared_addr(smem, {U(Q_OFF)} + (warp * {U(16)} + lane % {U(16)}) * {U(QW)} "
+              f"+ (lane // {U(16)}) * {U(4)})")
+
+        def load_q(kk, names):
+            if VEC:
+                s(f"{', '.join(names)} = ldmatrix_x4(qlm + {U(kk * 32)})")
+            else:
+                offs = (kk * 8, 8 * QW + kk * 8, kk * 8 + 4, 8 * QW + kk * 8 + 4)
+                for nm, off in zip(names, offs):
+                    s(f"{nm} = smem[qbase + {U(off)}]")
+
+        if VEC:
+            s("cp_async_wait_0()")
+        s("cuda.syncthreads()")
+        if HOLDQ:
+            for kk in range(NKK):
+                load_q(kk, [f"qf_{kk}_{r}" for r in range(4)])
+            s("cuda.syncthreads()  # K/V tiles reuse Q's shared memory")
+
+        # ---- accumulators
+        for n in range(NVN):
+            s(", ".join(f"o_{n}_{r}" for r in range(4)) + " = ZERO, ZERO, ZERO, ZERO")
+        s("m0 = NEG_INF", "m1 = NEG_INF", "l0 = ZERO", "l1 = ZERO")
+
+        # ---- K/V tile staging
+        def stage_kv(j0u, buf):
+            base = KV_OFF + buf * kv_words
+            k_off, v_off = base, base + BC * KW
+            if VEC:
+                s(f"for idx in range(tid, {U(BC * D // 8)}, {U(NT)}):")
+                with s.block():
+                    s(f"r = idx // {U(D // 8)}",
+                      f"c = (idx % {U(D // 8)}) * {U(8)}",
+                      f"j = {j0u} + r",
+                      f"n = {U(16)} if j < Nk_u and c < d_u else {U(0)}",
+                      f"src = global_addr2(kh, j if j < Nk_u else {U(0)}, c if c < d_u else {U(0)})",
+                      f"cp_async_16(shared_addr(smem, {U(k_off)} + r * {U(KW)} + c // {U(2)}), "
+                      "src, n)")
+                s(f"for idx in range(tid, {U(BC * DV // 8)}, {U(NT)}):")
+                with s.block():
+                    s(f"r = idx // {U(DV // 8)}",
+                      f"c = (idx % {U(DV // 8)}) * {U(8)}",
+                      f"j = {j0u} + r",
+                      f"n = {U(16)} if j < Nk_u and c < dv_u else {U(0)}",
+                      f"src = global_addr2(vh, j if j < Nk_u else {U(0)}, c if c < dv_u else {U(0)})",
+                      f"cp_async_16(shared_addr(smem, {U(v_off)} + r * {U(VW)} + c // {U(2)}), "
+                      "src, n)")
+                s("cp_async_commit()")
+            else:
+                s(f"for idx in range(tid, {U(BC * D // 2)}, {U(NT)}):")
+                with s.block():
+                    s(f"r = idx // {U(D // 2)}",
+                      f"w = idx % {U(D // 2)}",
+                      "c = w + w",
+                      f"j = {j0u} + r",
+                      f"word = {U(0)}",
+                      "if j < Nk_u and c < d_u:")
+                    with s.block():
+                        s("word = U(kh[j, c])",
+                          f"if c + {U(1)} < d_u:")
+                        with s.block():
+                            s(f"word |= U(kh[j, c + {U(1)}]) << {U(16)}")
+                    s(f"smem[{U(k_off)} + r * {U(KW)} + w] = uint32(word)")
+                s(f"for idx in range(tid, {U(DV * BC // 2)}, {U(NT)}):")
+                with s.block():
+                    s(f"jp = idx // {U(DV)}",
+                      f"c = idx % {U(DV)}",
+                      f"j = {j0u} + jp + jp",
+                      f"word = {U(0)}",
+                      "if c < dv_u:")
+                    with s.block():
+                        s("if j < Nk_u:")
+                        with s.block():
+                            s("word = U(vh[j, c])")
+                        s(f"if j + {U(1)} < Nk_u:")
+                        with s.block():
+                            s(f"word |= U(vh[j + {U(1)}, c]) << {U(16)}")
+                    s(f"smem[{U(v_off)} + c * {U(VW)} + jp] = uint32(word)")
+            return k_off, v_off
+
+        s(f"ntiles = (block_keys + {BC - 1}) // {BC}")
+        if VEC:
+            # prologue: tile 0 in flight
+            s("if ntiles > 0:")
+            with s.block():
+                stage_kv(U(0), 0)
+        s("for it in range(ntiles):")
+        with s.block():
+            s(f"j0 = it * {BC}")
+            if VEC:
+                s(f"buf = U(it % 2) * {U(kv_words)}")
+                s("cuda.syncthreads()  # everyone is done reading the buffer refilled next")
+                s("if it + 1 < ntiles:")
+                with s.block():
+                    # generated twice: the buffer offset must be a compile-time constant
+                    s("if it % 2 == 0:")
+                    with s.block():
+                        stage_kv(f"U(j0 + {BC})", 1)
+                    s("else:")
+                    with s.block():
+                        stage_kv(f"U(j0 + {BC})", 0)
+                    s("cp_async_wait_1()")
+                s("else:")
+                with s.block():
+                    s("cp_async_wait_0()")
+                s("cuda.syncthreads()")
+                k_off, v_off = KV_OFF, KV_OFF + BC * KW
+                kb = "buf + "
+            else:
+                s("cuda.syncthreads()  # the previous tile is no longer read")
+                k_off, v_off = stage_kv("U(j0)", 0)
+                s("cuda.syncthreads()")
+                kb = ""
+            s("if j0 < warp_keys:")
+            with s.block():
+                # ---- S = Q K^T
+                for n in range(NN):
+                    s(", ".join(f"s_{n}_{r}" for r in range(4)) + " = ZERO, ZERO, ZERO, ZERO")
+                if VEC:
+                    # ldmatrix.x4 for B of Q K^T (K row-major = B col-major): matrices
+                    # (n-tile n, k 0-7), (n, k 8-15), (n+1, k 0-7), (n+1, k 8-15)
+                    s(f"klm = shared_addr(smem, {kb}{U(k_off)} + ((lane // {U(16)}) * {U(8)} + "
+                      f"lane % {U(8)}) * {U(KW)} + ((lane // {U(8)}) % {U(2)}) * {U(4)})")
+                else:
+                    s(f"kbase = {kb}{U(k_off)} + g * {U(KW)} + t")
+                for kk in range(NKK):
+                    if HOLDQ:
+                        qa = [f"qf_{kk}_{r}" for r in range(4)]
+                    else:
+                        qa = [f"qa{r}" for r in range(4)]
+                        load_q(kk, qa)
+                    for n in range(NN):
+                        if VEC:
+                            if n % 2 == 0:
+                                s(f"kb0, kb1, kb2, kb3 = ldmatrix_x4(klm + "
+                                  f"{U(4 * (n * 8 * KW + kk * 8))})")
+                            b0, b1 = ("kb0", "kb1") if n % 2 == 0 else ("kb2", "kb3")
+                        else:
+                            s(f"kb0 = smem[kbase + {U(n * 8 * KW + kk * 8)}]",
+                              f"kb1 = smem[kbase + {U(n * 8 * KW + kk * 8 + 4)}]")
+                            b0, b1 = "kb0", "kb1"
+                        acc = ", ".join(f"s_{n}_{r}" for r in range(4))
+                        s(f"{acc} = {mma}({', '.join(qa)}, {b0}, {b1}, {acc})")
+
+                # ---- mask keys past Nk / above the causal diagonal (boundary tiles only)
+                s(f"if j0 + {BC} > warp_min_end:")
+                with s.block():
+                    s("cb = j0 + I(t) * 2")
+                    for n in range(NN):
+                        for r, (e, add) in enumerate((("e0", 0), ("e0", 1), ("e1", 0), ("e1", 1))):
+                            s(f"if cb + {n * 8 + add} >= {e}:")
+                            with s.block():
+                                s(f"s_{n}_{r} = NEG_INF")
+                if DBG:
+                    s("if j0 == 0:")
+                    with s.block():
+                        for n in range(NN):
+                            for r, (row, add) in enumerate((("r0", 0), ("r0", 1), ("r1", 0),
+                                                            ("r1", 1))):
+                                s(f"if {row} < Nq:")
+                                with s.block():
+                                    s(f"dbg[b, h, U({row}), t * {U(2)} + {U(n * 8 + add)}] = "
+                                      f"s_{n}_{r}")
+
+                # ---- online softmax on the fragments (rows r0: regs 0,1; r1: regs 2,3)
+                for half, (ra, rb) in enumerate(((0, 1), (2, 3))):
+                    terms = [f"s_{n}_{r}" for n in range(NN) for r in (ra, rb)]
+                    s(f"mx = {terms[0]}")
+                    for term in terms[1:]:
+                        s(f"mx = max(mx, {term})")
+                    s("mx = max(mx, cuda.shfl_xor_sync(FULL, mx, 1))",
+                      "mx = max(mx, cuda.shfl_xor_sync(FULL, mx, 2))",
+                      f"mn = max(m{half}, mx)",
+                      "mu = ZERO if mn == NEG_INF else mn * scale_log2",
+                      f"alpha{half} = ex2(m{half} * scale_log2 - mu)",
+                      f"m{half} = mn")
+                    for term in terms:
+                        s(f"{term} = ex2({term} * scale_log2 - mu)")
+                    s(f"l{half} = l{half} * alpha{half} + (" + " + ".join(terms) + ")")
+                    for n in range(NVN):
+                        for r in (ra, rb):
+                            s(f"o_{n}_{r} *= alpha{half}")
+
+                # ---- O += P V, P packed from the S fragments in registers
+                if VEC:
+                    # ldmatrix.x4.trans for B of P V from row-major V: matrices
+                    # (keys 0-7, n-tile n), (keys 8-15, n), (keys 0-7, n+1), (keys 8-15, n+1)
+                    s(f"vlm = shared_addr(smem, {kb}{U(v_off)} + (((lane // {U(8)}) % {U(2)}) * "
+                      f"{U(8)} + lane % {U(8)}) * {U(VW)} + (lane // {U(16)}) * {U(4)})")
+                else:
+                    s(f"vbase = {kb}{U(v_off)} + g * {U(VW)} + t")
+                for kk in range(NPK):
+                    n0, n1 = 2 * kk, 2 * kk + 1
+                    s(f"pa0 = {pack}(s_{n0}_0, s_{n0}_1)",
+                      f"pa1 = {pack}(s_{n0}_2, s_{n0}_3)",
+                      f"pa2 = {pack}(s_{n1}_0, s_{n1}_1)",
+                      f"pa3 = {pack}(s_{n1}_2, s_{n1}_3)")
+                    for n in range(NVN):
+                        if VEC:
+                            if n % 2 == 0:
+                                s(f"vb0, vb1, vb2, vb3 = ldmatrix_x4_trans(vlm + "
+                                  f"{U(4 * (kk * 16 * VW + n * 4))})")
+                            b0, b1 = ("vb0", "vb1") if n % 2 == 0 else ("vb2", "vb3")
+                        else:
+                            s(f"vb0 = smem[vbase + {U(n * 8 * VW + kk * 8)}]",
+                              f"vb1 = smem[vbase + {U(n * 8 * VW + kk * 8 + 4)}]")
+                            b0, b1 = "vb0", "vb1"
+                        acc = ", ".join(f"o_{n}_{r}" for r in range(4))
+                        s(f"{acc} = {mma}(pa0, pa1, pa2, pa3, {b0}, {b1}, {acc})")
+
+        # ---- epilogue: row sums over the quad, normalize, write O (16-bit bits) and lse
+        for half, row in ((0, "r0"), (1, "r1")):
+            s(f"l{half} += cuda.shfl_xor_sync(FULL, l{half}, 1)",
+              f"l{half} += cuda.shfl_xor_sync(FULL, l{half}, 2)",
+              f"inv{half} = ONE / l{half} if l{half} > ZERO else ZERO")
+            s(f"if {row} < Nq:")
+            with s.block():
+                s(f"ru = U({row})", f"cbase = t * {U(2)}")
+                ra, rb = (0, 1) if half == 0 else (2, 3)
+                for n in range(NVN):
+                    s(f"word = U({pack}(o_{n}_{ra} * inv{half}, o_{n}_{rb} * inv{half}))",
+                      f"col = cbase + {U(n * 8)}",
+                      "if col < dv_u:")
+                    with s.block():
+                        s(f"oh[ru, col] = uint16(word & {U(0xFFFF)})")
+                    s(f"if col + {U(1)} < dv_u:")
+                    with s.block():
+                        s(f"oh[ru, col + {U(1)}] = uint16(word >> {U(16)})")
+                s("if t == U(0):")
+                with s.block():
+                    s(f"lse[b, h, ru] = m{half} * scale + math.log(l{half}) if l{half} > ZERO "
+                      "else NEG_INF")
+    return s.text()
+
+
+def smem_bytes(cfg):
+    D, DV, NW, BC, HOLDQ, VEC = (cfg[x] for x in ("D", "DV", "NW", "BC", "HOLDQ", "VEC"))
+    BR = 16 * NW
+    q_words = BR * (D // 2 + 4)
+    v_words = BC * (DV // 2 + 4) if VEC else DV * (BC // 2 + 4)
+    kv_words = (BC * (D // 2 + 4) + v_words) * (2 if VEC else 1)
+    return 4 * (max(q_words, kv_words) if HOLDQ else q_words + kv_words)
+
+
+_counter = [0]
+
+
+def make_kernel(D, DV, NW, BC, HOLDQ, DT, VEC, DBG=0):
+    """The kernel function for one compile-time config (numba compiles it; see launch.py)."""
+    from numba import cuda, int64, uint16, uint32, uint64
+    from . import ptx
+
+    src = kernel_source(D, DV, NW, BC, HOLDQ, DT, VEC, DBG)
+    _counter[0] += 1
+    filename = f"<numflash.cuda.mma D{D} DV{DV} NW{NW} BC{BC} HOLDQ{HOLDQ} {DT} VEC{VEC} " \
+               f"DBG{DBG} #{_counter[0]}>"
+    linecache.cache[filename] = (len(src), None, src.splitlines(True), filename)
+    ns = {
+        "cuda": cuda, "math": math, "U": uint64, "I": int64, "uint32": uint32, "uint16": uint16,
+        "ZERO": np.float32(0), "ONE": np.float32(1), "NEG_INF": np.float32(-np.inf),
+        "FULL": 0xFFFFFFFF, "key_end": key_end, "kv_head": kv_head,
+        "mma_f16": ptx.mma_f16, "mma_bf16": ptx.mma_bf16,
+        "pack_f16x2": ptx.pack_f16x2, "pack_bf16x2": ptx.pack_bf16x2, "ex2": ptx.ex2,
+        "ldmatrix_x4": ptx.ldmatrix_x4, "ldmatrix_x4_trans": ptx.ldmatrix_x4_trans,
+        "shared_addr": ptx.shared_addr, "global_addr2": ptx.global_addr2,
+        "cp_async_16": ptx.cp_async_16, "cp_async_commit": ptx.cp_async_commit,
+        "cp_async_wait_0": ptx.cp_async_wait_0, "cp_async_wait_1": ptx.cp_async_wait_1,
+    }
+    exec(compile(src, filename, "exec"), ns)
+    return ns["mma_attention"]
+
+
+def _kv_head_py(h, H, Hkv):
+    return h // (H // Hkv)
+
+
+def _make_kv_head():
+    from numba import cuda
+    return cuda.jit(device=True)(_kv_head_py)
+
+
+kv_head = _make_kv_head()
+kv_head.__doc__ = """The K/V head serving query head h (GQA: H / Hkv query heads share one)."""
+
+
+# ------------------------------------------------------------------------------ plan interface
+
+def _tile(D, DV):
+    """(NW, BC, HOLDQ) for padded head dims, chosen for registers: O (DV/2 floats), S (BC/2) and,
+    when HOLDQ, Q (D/4 words) per thread."""
+    if max(D, DV) <= 128:
+        return 4, 64, 1
+    return 4, 32, 0
+
+
+def vector_ok(problem):
+    """None if 16-byte cp.async can read every row of q, k, v, else why not (then VEC=0)."""
+    for name in ("q", "k", "v"):
+        a = getattr(problem, name)
+        item = a.itemsize
+        if a.strides[-1] != item and a.shape[-1] > 1:
+            return f"{name}'s last axis is strided"
+        if a.shape[-1] % 8:
+            return f"{name}'s head dim {a.shape[-1]} is not a multiple of 8"
+        if a.data.ptr % 16:
+            return f"{name} is not 16-byte aligned"
+        for n, st in zip(a.shape[:-1], a.strides[:-1]):
+            if n > 1 and st % 16:
+                return f"{name} has a row stride of {st} bytes, not a multiple of 16"
+    return None
+
+
+def config(problem, device):
+    dt = problem.dtype.name
+    if dt not in ("float16", "bfloat16"):
+        raise Unsupported(f"{NAME} takes float16 and bfloat16 (tensor cores), not {dt}")
+    if device.simulator:
+        raise Unsupported(f"{NAME} uses inline PTX, which numba's CUDA simulator cannot run")
+    if device.cc is not None and device.cc < (8, 0):
+        raise Unsupported(f"{NAME} needs compute capability >= 8.0 (mma.sync bf16, cp.async)")
+    B, H, Nq, Nk, d, dv = problem.shape
+    if problem.k.shape[1] == 0 or H % problem.k.shape[1]:
+        raise Unsupported(f"{NAME}: {H} query heads do not divide into {problem.k.shape[1]} "
+                          "K/V heads")
+    D, DV = head_dim_pad(d), head_dim_pad(dv)
+    NW, BC, HOLDQ = _tile(D, DV)
+    VEC = 1 if (problem.on_device and vector_ok(problem) is None) else 0
+    cfg = {"D": D, "DV": DV, "NW": NW, "BC": BC, "HOLDQ": HOLDQ,
+           "DT": "bf16" if dt == "bfloat16" else "f16", "VEC": VEC}
+    need = smem_bytes(cfg)
+    if need > device.smem_per_block_optin:
+        raise Unsupported(f"{NAME}: needs {need} bytes of shared memory for d={d}, dv={dv}, more "
+                          f"than the {device.smem_per_block_optin} a block may use on "
+                          f"{device.name}")
+    return cfg
+
+
+_dummy = {}
+
+
+def _as_bits(a):
+    import cupy
+    return a.view(cupy.uint16)
+
+
+def run(problem, cfg, device, debug=None):
+    """Launch; returns lse. ``debug``: a float32 (B, H, Nq, BC) CuPy array to receive the masked
+    raw scores of key tile 0 (only with cfg["DBG"] = 1)."""
+    import cupy
+    from . import launch
+    p = problem
+    B, H, Nq, Nk, d, dv = p.shape
+    kernel = launch.get_kernel(NAME, make_kernel, cfg)
+    lse = p.empty_lse()
+    if debug is None:
+        key = p.q.device.id
+        if key not in _dummy:
+            _dummy[key] = cupy.zeros((1, 1, 1, 1), dtype=cupy.float32)
+        debug = _dummy[key]
+    BR = 16 * cfg["NW"]
+    grid = (-(-Nq // BR), B * H)
+    kernel(grid, (32 * cfg["NW"],), smem_bytes(cfg),
+           (_as_bits(p.q), _as_bits(p.k), _as_bits(p.v), _as_bits(p.out), lse, debug,
+            np.float32(p.scale * math.log2(math.e)), np.float32(p.scale), int(p.causal),
+            int(p.causal_offset)), device)
+    return lse
