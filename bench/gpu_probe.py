@@ -114,6 +114,31 @@ def main(argv=None):
                      f"rel={r['rel']:.2e}" if "ms" in r else f"\n   {name:22s} {r['error']}")
         print(line, flush=True)
 
+    # Block-kernel tile sweep at the headline shape (which tile does ptxas + the H100 like best?).
+    from numflash import plan as _plan
+    from numflash.cuda import block
+    from numflash.cuda.common import head_dim_bucket
+    from numflash.inputs import normalize
+    for d, dt in ((64, "float32"), (128, "float32")):
+        q, k, v = (cp.asarray(rng.standard_normal((4, 16, 4096, d)).astype(dt)) for _ in range(3))
+        prob = normalize(q, k, v)
+        dev = _plan.choose(prob, "cuda", "block").device
+        for BR, BC, TM, TN in ((64, 64, 4, 4), (32, 64, 2, 4), (64, 32, 4, 2), (32, 32, 2, 2),
+                               (64, 64, 8, 4), (128, 64, 8, 4), (64, 128, 4, 8)):
+            TX = BC // TN
+            cfg = {"D": head_dim_bucket(d), "DV": -(-head_dim_bucket(d) // TX) * TX, "BR": BR,
+                   "BC": BC, "TM": TM, "TN": TN, "acc": "float32"}
+            if block.shared_bytes(cfg) > dev.smem_per_block_optin:
+                continue
+            try:
+                block.run(prob, cfg, dev)
+                rep = check(prob.out[:1, :1], q[:1, :1], k[:1, :1], v[:1, :1], rows=np.r_[0:64])
+                med, lo, hi = cuda_time(lambda a, b_, c: block.run(prob, cfg, dev), [(q, k, v)])
+                print(f"tile d={d} {BR}x{BC} {TM}x{TN}: {med:8.3f} ms "
+                      f"{4 * 4 * 16 * 4096 * 4096 * d / med / 1e9:6.2f} TFLOP/s ok={rep.ok}")
+            except Exception as e:
+                print(f"tile d={d} {BR}x{BC} {TM}x{TN}: {type(e).__name__}: {str(e)[:100]}")
+
     # Per-call overhead at a tiny size vs a bare RawKernel launch (host wall time per call).
     q = cp.asarray(rng.standard_normal((1, 1, 128, 64)).astype("float32"))
     empty = cp.RawKernel('extern "C" __global__ void e(float* x){}', "e")

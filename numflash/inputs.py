@@ -134,7 +134,7 @@ def normalize(q, k, v, *, causal=False, softmax_scale=None, layout="bhsd", retur
                              f"{tuple(a.shape)}")
     dtypes = {name: np.dtype(a.dtype) for name, a in (("q", q), ("k", k), ("v", v))}
     if len(set(dtypes.values())) > 1:
-        raise TypeError(f"q, k and v must share one dtype; got "
+        raise TypeError("q, k and v must share one dtype; got "
                         + ", ".join(f"{n}={dt}" for n, dt in dtypes.items()))
     dtype = dtypes["q"]
 

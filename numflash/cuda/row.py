@@ -106,14 +106,17 @@ def config(problem, device):
     return {"D": D, "DV": DV, "BC": bc, "ROWS": rows, "acc": acc}
 
 
+def shared_bytes(cfg):
+    return cfg["BC"] * (cfg["D"] + cfg["DV"]) * element_size(cfg["acc"])
+
+
 def run(problem, cfg, device):
     p = problem
     B, H, Nq, Nk, d, dv = p.shape
     kernel = launch.get_kernel(NAME, make_kernel, cfg)
     lse = p.empty_lse()
     grid = (B * H, -(-Nq // cfg["ROWS"]))
-    smem = cfg["BC"] * (cfg["D"] + cfg["DV"]) * element_size(cfg["acc"])
-    kernel(grid, (cfg["ROWS"],), smem,
+    kernel(grid, (cfg["ROWS"],), shared_bytes(cfg),
            (p.q, p.k, p.v, p.out, lse, float(p.scale), int(p.causal), int(p.causal_offset)),
            device)
     return lse
