@@ -11,6 +11,12 @@ import numbers
 import numpy as np
 
 SUPPORTED_DTYPES = ("float16", "bfloat16", "float32", "float64")
+# dtype.name costs microseconds a call: hot paths compare dtype objects and look names up here.
+_NUMPY_FLOATS = {np.dtype(n): n for n in ("float16", "float32", "float64")}
+
+
+def dtype_name(dt):
+    return _NUMPY_FLOATS.get(dt) or np.dtype(dt).name
 LAYOUTS = ("bhsd", "bshd")
 CAUSAL_MODES = (False, True, "top_left", "bottom_right")
 
@@ -41,6 +47,7 @@ class Problem:
     result: object     # what attention() returns: the user's `out`, or a new array in their layout
     kind: str          # "numpy" or "cupy" (other device arrays are wrapped as CuPy, zero-copy)
     dtype: np.dtype
+    dtype_name: str
     scale: float
     causal: bool
     causal_offset: int  # query row i sees key j iff j <= i + causal_offset (when causal)
@@ -92,7 +99,7 @@ def _check_array(name, x):
         raise TypeError(f"{name} must be a NumPy array, a CuPy array or an object with "
                         f"__cuda_array_interface__; got {type(x).__name__}")
     dt = np.dtype(x.dtype) if kind != "cuda" else None
-    if dt is not None and dt.name not in SUPPORTED_DTYPES:
+    if dt is not None and dt not in _NUMPY_FLOATS and dt.name not in SUPPORTED_DTYPES:
         what = "an integer" if dt.kind in "iub" else "an unsupported"
         raise TypeError(f"{name} has {what} dtype {dt}; numflash supports "
                         f"{', '.join(SUPPORTED_DTYPES)}")
@@ -200,5 +207,6 @@ def normalize(q, k, v, *, causal=False, softmax_scale=None, layout="bhsd", retur
                 raise ValueError(f"out overlaps {name}: pass a separate output array")
         result = out
     return Problem(q=q4, k=k4, v=v4, out=_dims(layout, result), result=result, kind=kind,
-                   dtype=dtype, scale=scale, causal=is_causal, causal_offset=offset,
+                   dtype=dtype, dtype_name=dtype_name(dtype), scale=scale, causal=is_causal,
+                   causal_offset=offset,
                    return_lse=bool(return_lse), layout=layout)

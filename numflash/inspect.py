@@ -19,6 +19,7 @@ class _Shape:
     def __init__(self, d, dtype):
         self.shape = (1, 1, 128, 128, d, d)
         self.dtype = np.dtype(dtype)
+        self.dtype_name = self.dtype.name
 
 
 def argtypes(dtype, ndim_lse=3):

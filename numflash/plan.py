@@ -44,7 +44,7 @@ class KernelSpec:
 
     def why_not(self, problem, device):
         """None if this kernel can run the problem on the device, else the reason in words."""
-        dt = problem.dtype.name
+        dt = problem.dtype_name
         if dt not in self.dtypes:
             return f"{self.name} takes {', '.join(self.dtypes)}, not {dt}"
         B, H, Nq, Nk, d, dv = problem.shape
@@ -143,8 +143,27 @@ def _cuda_unavailable(problem):
     return None
 
 
+_plans = {}
+
+
 def choose(problem, backend="auto", algorithm="auto"):
-    """The Plan for a normalized problem; raises ValueError (with every reason) if none can run it."""
+    """The Plan for a normalized problem; raises ValueError (with every reason) if none can run it.
+
+    Plans depend only on array kind, dtype, shape, device and the two choices, so they are
+    memoized: a repeated call skips straight to the kernel.
+    """
+    key = (backend, algorithm, problem.kind, problem.dtype, problem.shape, simulator_enabled(),
+           problem.q.device.id if problem.on_device else None)
+    plan = _plans.get(key)
+    if plan is None:
+        plan = _choose(problem, backend, algorithm)
+        if len(_plans) > 1024:
+            _plans.clear()
+        _plans[key] = plan
+    return plan
+
+
+def _choose(problem, backend, algorithm):
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}; got {backend!r}")
     if algorithm not in ALGORITHMS:

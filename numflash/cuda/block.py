@@ -192,7 +192,7 @@ def tile_candidates(device):
 
 def config(problem, device):
     B, H, Nq, Nk, d, dv = problem.shape
-    acc = "float64" if problem.dtype.name == "float64" else "float32"
+    acc = "float64" if problem.dtype_name == "float64" else "float32"
     D = head_dim_bucket(d)
     for BR, BC, TM, TN in tile_candidates(device):
         TX = BC // TN

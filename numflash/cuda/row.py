@@ -96,7 +96,7 @@ def make_kernel(D, DV, BC, ROWS, acc):
 
 def config(problem, device):
     B, H, Nq, Nk, d, dv = problem.shape
-    acc = "float64" if problem.dtype.name == "float64" else "float32"
+    acc = "float64" if problem.dtype_name == "float64" else "float32"
     D, DV = head_dim_bucket(d), head_dim_bucket(dv)
     rows = 32 if device.simulator else ROWS
     # Largest power-of-two tile (8..64 keys) whose K and V fit the 48 KB every GPU gives a block.
