@@ -101,9 +101,12 @@ def kernel_source(D, DV, NW, BC, HOLDQ, DT, VEC, DBG=0):
     pack = "pack_" + DT + "x2"
 
     s = _Src()
-    s("def mma_attention(q, k, v, out, lse, dbg, scale_log2, scale, causal, causal_offset):")
+    s("def mma_attention(q, k, v, out, lse, dbg, scale_log2_in, scale_in, causal, "
+      "causal_offset):")
     with s.block():
-        s("H = q.shape[1]",
+        # scalars arrive as float64 (launch.py's ABI): the softmax runs in float32
+        s("scale_log2 = float32(scale_log2_in)", "scale = float32(scale_in)",
+          "H = q.shape[1]",
           "Nq = q.shape[2]",
           "Hkv = k.shape[1]",
           "Nk = k.shape[2]",
@@ -422,7 +425,7 @@ _counter = [0]
 
 def make_kernel(D, DV, NW, BC, HOLDQ, DT, VEC, DBG=0):
     """The kernel function for one compile-time config (numba compiles it; see launch.py)."""
-    from numba import cuda, int64, uint16, uint32, uint64
+    from numba import cuda, float32, int64, uint16, uint32, uint64
     from . import ptx
 
     src = kernel_source(D, DV, NW, BC, HOLDQ, DT, VEC, DBG)
@@ -432,6 +435,7 @@ def make_kernel(D, DV, NW, BC, HOLDQ, DT, VEC, DBG=0):
     linecache.cache[filename] = (len(src), None, src.splitlines(True), filename)
     ns = {
         "cuda": cuda, "math": math, "U": uint64, "I": int64, "uint32": uint32, "uint16": uint16,
+        "float32": float32,
         "ZERO": np.float32(0), "ONE": np.float32(1), "NEG_INF": np.float32(-np.inf),
         "FULL": 0xFFFFFFFF, "key_end": key_end, "kv_head": kv_head,
         "mma_f16": ptx.mma_f16, "mma_bf16": ptx.mma_bf16,
@@ -536,6 +540,6 @@ def run(problem, cfg, device, debug=None):
     grid = (-(-Nq // BR), B * H)
     kernel(grid, (32 * cfg["NW"],), smem_bytes(cfg),
            (_as_bits(p.q), _as_bits(p.k), _as_bits(p.v), _as_bits(p.out), lse, debug,
-            np.float32(p.scale * math.log2(math.e)), np.float32(p.scale), int(p.causal),
+            float(p.scale * math.log2(math.e)), float(p.scale), int(p.causal),
             int(p.causal_offset)), device)
     return lse
