@@ -1,16 +1,17 @@
 """The block-tiled kernel (FA2's parallelism): Q blocks across the grid, K/V tiles streamed.
 
-A block of NT threads owns BR query rows. Q is staged once in shared memory, then each
-BC-key tile of K and V is loaded, S = Q K^T is computed as register micro-tiles (each thread a TM x TN
-patch: rows ty + TY*ii, keys tx + TX*jj, so shared-memory reads are conflict-free or broadcast), the
-online softmax runs on the patch (row max over the TX threads of a row group by lane shuffles), P goes
-through shared memory, and O += P V accumulates in registers (rows as for S, columns tx + TX*kk).
-Row sums stay per thread and are reduced once at the end. Tiles that no row of the block can see
-(causal) are never loaded.
+A block of NT threads owns BR query rows. Q is staged once in shared memory, then each BC-key tile of
+K and V is loaded, S = Q K^T is computed as register micro-tiles (thread (ty, tx) owns rows
+ty*TM .. +TM and keys tx*TN .. +TN, so its operands are contiguous in shared memory and are read
+with 16-byte vector loads: broadcast within a row group, conflict-free across it), the online
+softmax runs on the patch (row max over the TX threads of a row group by lane shuffles), P goes
+through shared memory, and O += P V accumulates in registers (rows as for S, columns
+tx*TO .. +TO). Row sums stay per thread and are reduced once at the end. Tiles that no row of the
+block can see (causal) are never loaded.
 
-Shared memory (in the compute type), rows padded by one so transposed stores are conflict-free:
-Qt[D][BR+1], Kt[D][BC+1], Vs[BC][DV], Pt[BC][BR+1], and NT words of scratch for the simulator's
-stand-in for shuffles.
+Shared memory (in the compute type; row lengths padded to a multiple of 16 bytes, every region
+16-byte aligned): Qt[D][BR+pad], Kt[D][BC+pad], Vs[BC][DV], Pt[BC][BR+pad], and NT words of scratch
+for the simulator's stand-in for shuffles.
 """
 import math
 
@@ -19,15 +20,35 @@ from numba import cuda
 
 from ..plan import Unsupported
 from . import launch
-from .common import NEG_INF, compute_type, element_size, exp_for, group_max, group_sum, \
-    head_dim_bucket, key_end, tile_needs_mask
+from .common import NEG_INF, SMEM_ALIGN, compute_type, element_size, exp_for, group_max, \
+    group_sum, head_dim_bucket, key_end, tile_needs_mask, vector_load
 
 NAME = "cuda.block"
 
 
-def smem_words(D, DV, BR, BC, TM, TN):
+def _layout(D, DV, BR, BC, TM, TN, acc):
+    """Offsets (in elements) of each shared region, and the total."""
+    vw = 16 // element_size(acc)         # elements per 16-byte vector
+    QP = -(-BR // vw) * vw + vw          # + one vector: transposed stores spread over banks
+    KP = -(-BC // vw) * vw + vw
     nt = (BR // TM) * (BC // TN)
-    return D * (BR + 1) + D * (BC + 1) + BC * DV + BC * (BR + 1) + nt
+    k_off = D * QP
+    v_off = k_off + D * KP
+    p_off = v_off + BC * DV
+    s_off = p_off + BC * QP
+    return QP, KP, k_off, v_off, p_off, s_off, s_off + -(-nt // vw) * vw
+
+
+def smem_words(D, DV, BR, BC, TM, TN, acc="float32"):
+    return _layout(D, DV, BR, BC, TM, TN, acc)[-1]
+
+
+def _vector_width(n, acc):
+    """Widest vector (<= 16 bytes) that divides n elements."""
+    w = 16 // element_size(acc)
+    while n % w:
+        w //= 2
+    return w
 
 
 def make_kernel(D, DV, BR, BC, TM, TN, acc):
@@ -43,13 +64,11 @@ def make_kernel(D, DV, BR, BC, TM, TN, acc):
     TY, TX = BR // TM, BC // TN  # thread grid: TX threads share a row group (consecutive lanes)
     NT = TX * TY
     TO = DV // TX                # output columns per thread
+    VA, VB, VO = _vector_width(TM, acc), _vector_width(TN, acc), _vector_width(TO, acc)
     uD, uDV, uBR, uBC, uNT = u(D), u(DV), u(BR), u(BC), u(NT)
-    uTM, uTN, uTO, uTX, uTY = u(TM), u(TN), u(TO), u(TX), u(TY)
-    QP, KP = u(BR + 1), u(BC + 1)  # padded row lengths
-    K_OFF = u(D) * QP
-    V_OFF = K_OFF + u(D) * KP
-    P_OFF = V_OFF + u(BC * DV)
-    S_OFF = P_OFF + u(BC) * QP
+    uTM, uTN, uTO, uTX = u(TM), u(TN), u(TO), u(TX)
+    uVA, uVB, uVO = u(VA), u(VB), u(VO)
+    QP, KP, K_OFF, V_OFF, P_OFF, S_OFF, _ = (u(x) for x in _layout(D, DV, BR, BC, TM, TN, acc))
     zero, one = u(0), u(1)
 
     def block_attention(q, k, v, out, lse, scale, causal, causal_offset):
@@ -62,7 +81,7 @@ def make_kernel(D, DV, BR, BC, TM, TN, acc):
         b = u(cuda.blockIdx.x // H)
         h = u(cuda.blockIdx.x % H)
         i0 = u(cuda.blockIdx.y) * uBR
-        smem = cuda.shared.array(0, ACC)
+        smem = cuda.shared.array(0, ACC, alignment=SMEM_ALIGN)
         scratch = smem[S_OFF:]
 
         for idx in range(tid, uBR * uD, uNT):  # Qt[c][r] = q[i0 + r, c]
@@ -83,6 +102,9 @@ def make_kernel(D, DV, BR, BC, TM, TN, acc):
             for kk in range(uTO):
                 o[ii, kk] = 0
 
+        row0 = i0 + ty * uTM   # this thread's first row, key and output column
+        key0 = tx * uTN
+        col0 = tx * uTO
         last_row = min(Nq, i0 + uBR) - one
         block_keys = u(key_end(last_row, Nk, causal, causal_offset))
         for j0 in range(zero, block_keys, uBC):
@@ -101,13 +123,17 @@ def make_kernel(D, DV, BR, BC, TM, TN, acc):
             for ii in range(uTM):
                 for jj in range(uTN):
                     s[ii, jj] = 0
-            qa = ty
-            kb = K_OFF + tx
+            qa = ty * uTM
+            kb = K_OFF + key0
             for c in range(uD):
-                for ii in range(uTM):
-                    a[ii] = smem[qa + uTY * ii]
-                for jj in range(uTN):
-                    bk[jj] = smem[kb + uTX * jj]
+                for ii in range(zero, uTM, uVA):
+                    t = vector_load(smem, qa + ii, VA)
+                    for w in range(uVA):
+                        a[ii + w] = t[w]
+                for jj in range(zero, uTN, uVB):
+                    t = vector_load(smem, kb + jj, VB)
+                    for w in range(uVB):
+                        bk[jj + w] = t[w]
                 for ii in range(uTM):
                     for jj in range(uTN):
                         s[ii, jj] += a[ii] * bk[jj]
@@ -117,9 +143,9 @@ def make_kernel(D, DV, BR, BC, TM, TN, acc):
             # Keys past Nk or above the causal diagonal: only boundary tiles need the check.
             if tile_needs_mask(i0, j0, BC, Nk, causal, causal_offset):
                 for ii in range(uTM):
-                    visible = u(key_end(i0 + ty + uTY * ii, Nk, causal, causal_offset))
+                    visible = u(key_end(row0 + ii, Nk, causal, causal_offset))
                     for jj in range(uTN):
-                        if j0 + tx + uTX * jj >= visible:
+                        if j0 + key0 + jj >= visible:
                             s[ii, jj] = NEG_INF
 
             for ii in range(uTM):
@@ -127,10 +153,10 @@ def make_kernel(D, DV, BR, BC, TM, TN, acc):
                 for jj in range(one, uTN):
                     mx = max(mx, s[ii, jj])
                 m_new = max(m[ii], group_max(mx, TX, scratch, tid))
-                pt = P_OFF + tx * QP + ty + uTY * ii
+                pt = P_OFF + key0 * QP + ty * uTM + ii  # Pt[key0 + jj][row]
                 if m_new == NEG_INF:  # the row has seen no key yet: nothing to add
                     for jj in range(uTN):
-                        smem[pt + uTX * QP * jj] = 0
+                        smem[pt + jj * QP] = 0
                 else:
                     # scale is applied to scores, not to q: pre-scaling would round q once more
                     msc = m_new * sc
@@ -139,20 +165,24 @@ def make_kernel(D, DV, BR, BC, TM, TN, acc):
                     for jj in range(uTN):
                         p = exp(s[ii, jj] * sc - msc)
                         row_sum += p
-                        smem[pt + uTX * QP * jj] = p
+                        smem[pt + jj * QP] = p
                     l[ii] = l[ii] * alpha + row_sum
                     m[ii] = m_new
                     for kk in range(uTO):
                         o[ii, kk] *= alpha
             cuda.syncthreads()
 
-            pa = P_OFF + ty
-            vb = V_OFF + tx
+            pa = P_OFF + ty * uTM
+            vb = V_OFF + col0
             for j in range(uBC):
-                for ii in range(uTM):
-                    a[ii] = smem[pa + uTY * ii]
-                for kk in range(uTO):
-                    bv[kk] = smem[vb + uTX * kk]
+                for ii in range(zero, uTM, uVA):
+                    t = vector_load(smem, pa + ii, VA)
+                    for w in range(uVA):
+                        a[ii + w] = t[w]
+                for kk in range(zero, uTO, uVO):
+                    t = vector_load(smem, vb + kk, VO)
+                    for w in range(uVO):
+                        bv[kk + w] = t[w]
                 for ii in range(uTM):
                     for kk in range(uTO):
                         o[ii, kk] += a[ii] * bv[kk]
@@ -161,40 +191,42 @@ def make_kernel(D, DV, BR, BC, TM, TN, acc):
 
         for ii in range(uTM):
             total = group_sum(l[ii], TX, scratch, tid)
-            row = i0 + ty + uTY * ii
+            row = row0 + ii
             if row < Nq:
                 inv = 1 / total if total > 0 else ACC(0)
                 for kk in range(uTO):
-                    col = tx + uTX * kk
-                    if col < dv:
-                        out[b, h, row, col] = o[ii, kk] * inv
+                    if col0 + kk < dv:
+                        out[b, h, row, col0 + kk] = o[ii, kk] * inv
                 if tx == zero:
                     lse[b, h, row] = m[ii] * sc + math.log(total) if total > 0 else NEG_INF
 
     return block_attention
 
 
-# Tile shapes (BR, BC, TM, TN), best first; the first whose shared memory fits is taken. The
-# 4x4-per-thread 64x64 tile needs ~150-200 registers: ptxas for sm_90 fits it spill-free, ptxas for
-# sm_80 and sm_75 goes to 255 and spills, so those start from the 2x4 patch (~128 registers).
+# Tile shapes (BR, BC, TM, TN), best first; the first whose shared memory fits is taken. An 8x4
+# patch per thread (128 threads for 64x64) measured fastest on the H100 in float32 (bench/NOTES.md);
+# in float64 it leaves part of the patch in local memory, so float64 starts from 4x4. ptxas for
+# sm_80 and sm_75 runs the large patches to 255 registers and spills, so those start from 2x4.
 TILES = {
-    "sm90": ((64, 64, 4, 4), (64, 32, 4, 2), (32, 32, 2, 2), (16, 16, 1, 1)),
-    "older": ((32, 64, 2, 4), (32, 32, 2, 2), (16, 16, 1, 1)),
+    ("sm90", "float32"): ((64, 64, 8, 4), (64, 64, 4, 4), (32, 32, 2, 2), (16, 16, 1, 1)),
+    ("sm90", "float64"): ((64, 64, 4, 4), (64, 32, 4, 2), (32, 32, 2, 2), (16, 16, 1, 1)),
+    ("older", "float32"): ((32, 64, 2, 4), (32, 32, 2, 2), (16, 16, 1, 1)),
+    ("older", "float64"): ((32, 64, 2, 4), (32, 32, 2, 2), (16, 16, 1, 1)),
 }
 SIMULATOR_TILE = (16, 16, 4, 4)  # 16 threads: the simulator runs each thread as a Python thread
 
 
-def tile_candidates(device):
+def tile_candidates(device, acc):
     if device.simulator:
         return (SIMULATOR_TILE,)
-    return TILES["sm90" if device.cc >= (9, 0) else "older"]
+    return TILES["sm90" if device.cc >= (9, 0) else "older", acc]
 
 
 def config(problem, device):
     B, H, Nq, Nk, d, dv = problem.shape
     acc = "float64" if problem.dtype_name == "float64" else "float32"
     D = head_dim_bucket(d)
-    for BR, BC, TM, TN in tile_candidates(device):
+    for BR, BC, TM, TN in tile_candidates(device, acc):
         TX = BC // TN
         DV = -(-head_dim_bucket(dv) // TX) * TX
         cfg = {"D": D, "DV": DV, "BR": BR, "BC": BC, "TM": TM, "TN": TN, "acc": acc}
@@ -207,8 +239,8 @@ def config(problem, device):
 
 
 def shared_bytes(cfg):
-    return smem_words(cfg["D"], cfg["DV"], cfg["BR"], cfg["BC"], cfg["TM"], cfg["TN"]) * \
-        element_size(cfg["acc"])
+    return smem_words(cfg["D"], cfg["DV"], cfg["BR"], cfg["BC"], cfg["TM"], cfg["TN"],
+                      cfg["acc"]) * element_size(cfg["acc"])
 
 
 def run(problem, cfg, device):

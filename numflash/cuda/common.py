@@ -43,6 +43,13 @@ def tile_needs_mask(first_row, first_key, tile_keys, nk, causal, causal_offset):
 
 
 if simulator_enabled():
+    SMEM_ALIGN = None  # the simulator refuses alignment requests; NumPy buffers are aligned anyway
+
+    @cuda.jit(device=True)
+    def vector_load(array, index, width):
+        """array[index : index + width] as a tuple (one 16-byte load on the GPU)."""
+        return tuple(array[index + w] for w in range(width))
+
     @cuda.jit(device=True)
     def exp_f32(x):
         return math.exp(x)
@@ -72,7 +79,36 @@ if simulator_enabled():
         cuda.syncthreads()
         return r
 else:
+    from llvmlite import ir
+    from numba.core import cgutils, types
+    from numba.cuda.extending import intrinsic
     from numba.cuda import libdevice
+
+    SMEM_ALIGN = 16  # shared tiles are read with 16-byte vector loads
+
+    @intrinsic
+    def vector_load(typingctx, array, index, width):
+        """array[index : index + width] as a tuple, in one vector load (ld.shared.v4.f32 for four
+        floats). The caller guarantees index * itemsize is a multiple of width * itemsize."""
+        if not (isinstance(array, types.Array) and array.ndim == 1
+                and isinstance(width, types.IntegerLiteral)):
+            return None
+        n = width.literal_value
+        result = types.UniTuple(array.dtype, n)
+
+        def codegen(context, builder, sig, args):
+            arrty = sig.args[0]
+            ary = context.make_array(arrty)(context, builder, value=args[0])
+            ptr = cgutils.get_item_pointer(context, builder, arrty, ary, [args[1]],
+                                           wraparound=False)
+            elem = context.get_value_type(arrty.dtype)
+            vec = builder.load(builder.bitcast(ptr, ir.VectorType(elem, n).as_pointer()),
+                               align=n * arrty.dtype.bitwidth // 8)
+            items = [builder.extract_element(vec, ir.Constant(ir.IntType(32), i))
+                     for i in range(n)]
+            return context.make_tuple(builder, result, items)
+
+        return result(array, index, width), codegen
 
     @cuda.jit(device=True)
     def exp_f32(x):
