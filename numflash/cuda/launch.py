@@ -247,7 +247,11 @@ class Kernel:
             if self._sim is None:
                 from numba import cuda
                 self._sim = cuda.jit(self.pyfunc)
-            self._sim[grid, block, 0, shared_bytes](*args)
+            # Hand the simulator device-array wrappers: it would otherwise "transfer" each NumPy
+            # argument and refuse strided views, which the kernels read in place on a GPU.
+            from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
+            self._sim[grid, block, 0, shared_bytes](
+                *(FakeCUDAArray(a) if isinstance(a, np.ndarray) else a for a in args))
             return
         import cupy
         from cuda.bindings import driver

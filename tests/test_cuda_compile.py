@@ -1,0 +1,86 @@
+"""Every CUDA kernel variant compiles, with no GPU, to PTX and to a cubin for sm_75, sm_80 and
+sm_90 (numba -> NVVM -> nvJitLink, which runs ptxas), and the default block configs do not spill.
+
+numba's simulator replaces numba.cuda in this process (tests/conftest.py), so compilation runs in a
+subprocess with the simulator off.
+"""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+ARCHS = "75,80,90"
+
+
+def run_without_simulator(code):
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0")
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env,
+                          capture_output=True, text=True, timeout=1500)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
+@pytest.fixture(scope="module")
+def report():
+    """ptxas' report for every kernel's default config at each size, dtype and architecture."""
+    out = run_without_simulator(f"""
+        import io, json
+        from numflash.inspect import inspect
+        archs = [(int(a[0]), int(a[1:])) for a in "{ARCHS}".split(",")]
+        rows = inspect(archs, head_dims=(1, 59, 64, 128, 256), out=io.StringIO())
+        print(json.dumps([dict(r, cc=list(r["cc"])) for r in rows]))
+    """)
+    return json.loads(out.splitlines()[-1])
+
+
+def test_every_variant_compiles_for_every_arch(report):
+    compiled = [r for r in report if "config" in r]
+    for cc in ([7, 5], [8, 0], [9, 0]):
+        for kernel in ("cuda.block", "cuda.row"):
+            rows = [r for r in compiled if r["cc"] == cc and r["kernel"] == kernel]
+            assert rows, f"nothing compiled for {kernel} on sm_{cc[0]}{cc[1]}"
+            assert all(r["registers"] > 0 for r in rows)
+
+
+def test_block_kernel_default_configs_do_not_spill(report):
+    spills = [r for r in report if r["kernel"] == "cuda.block" and "config" in r
+              and r.get("spill_store_bytes", 0) + r.get("spill_load_bytes", 0)]
+    assert not spills, spills
+
+
+def test_row_kernel_default_configs_do_not_spill_at_d64_float32(report):
+    rows = [r for r in report if r["kernel"] == "cuda.row" and "config" in r
+            and r["config"]["D"] == 64 and r["dtype"] in ("float32", "float16")]
+    assert rows and all(r.get("spill_store_bytes", 0) == 0 for r in rows)
+
+
+def test_only_sm75_float64_at_d256_is_refused_and_says_why(report):
+    refused = [r for r in report if "unsupported" in r]
+    assert all(r["cc"] == [7, 5] for r in refused), refused
+    assert all("shared memory" in r["unsupported"] for r in refused)
+
+
+def test_ptx_has_vector_shared_loads_and_no_wraparound():
+    out = run_without_simulator("""
+        from numflash.inspect import argtypes
+        from numflash.cuda import block, launch
+        cfg = {"D": 64, "DV": 64, "BR": 64, "BC": 64, "TM": 8, "TN": 4, "acc": "float32"}
+        ptx = launch.compile_ptx(block.make_kernel(**cfg), argtypes("float32"), (9, 0))
+        print(ptx.count("ld.shared.v4.f32"), ptx.count("shr.s64"), ptx.count(".entry"))
+    """)
+    vector_loads, sign_shifts, entries = map(int, out.split()[-3:])
+    assert entries == 1
+    assert vector_loads >= 6     # Q, K, P and V operands come in 16-byte loads
+    assert sign_shifts <= 2      # numba's negative-index wraparound is gone from the loops
+
+
+def test_inspect_cli_check_passes():
+    out = run_without_simulator("""
+        import sys
+        from numflash.inspect import main
+        sys.exit(main(["--arch", "90", "--d", "64", "--dtype", "float32", "--check"]))
+    """)
+    assert "cuda.block" in out and "cuda.row" in out

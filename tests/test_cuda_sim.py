@@ -1,0 +1,113 @@
+"""Both CUDA kernels through the public API in numba's CUDA simulator (CI has no GPU).
+
+tests/conftest.py turns the simulator on when no GPU is usable; there `attention(..., backend="cuda")`
+takes NumPy arrays and runs the very kernel source the GPU runs. Shapes are tiny: every simulated
+thread is a Python thread.
+"""
+import numpy as np
+import pytest
+
+import numflash
+from numflash.testing import check
+
+pytestmark = pytest.mark.simulator
+
+ALGORITHMS = ("block", "row")
+
+
+def arrays(rng, shape, dtype):
+    return rng.standard_normal(shape).astype(dtype)
+
+
+# (B, H, Nq, Nk, d, dv): odd sizes, Nq != Nk both ways, tiles' edges (16-row simulator tiles).
+SHAPES = [
+    (1, 1, 1, 1, 1, 1),
+    (2, 1, 17, 9, 5, 7),
+    (1, 2, 9, 33, 16, 16),
+    (1, 1, 33, 33, 59, 20),
+]
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@pytest.mark.parametrize("dtype", ["float16", "float32", "float64"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("causal", [False, True, "bottom_right"])
+def test_accuracy(rng, algorithm, dtype, shape, causal):
+    B, H, Nq, Nk, d, dv = shape
+    q, k, v = arrays(rng, (B, H, Nq, d), dtype), arrays(rng, (B, H, Nk, d), dtype), \
+        arrays(rng, (B, H, Nk, dv), dtype)
+    out, lse = numflash.attention(q, k, v, causal=causal, backend="cuda", algorithm=algorithm,
+                                  return_lse=True)
+    assert out.dtype == q.dtype and out.shape == (B, H, Nq, dv)
+    rep = check(out, q, k, v, lse=lse, causal=causal)
+    assert rep.ok, str(rep)
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_layout_strides_out_scale(rng, algorithm):
+    B, N, H, d = 1, 20, 2, 8
+    base = arrays(rng, (B, N, H, 2 * d), "float32")
+    q = base[..., ::2]                                  # strided last axis
+    k = arrays(rng, (B, N + 3, H, d), "float32")[:, ::-1][:, :N]  # negative stride
+    v = np.asfortranarray(arrays(rng, (B, N, H, d), "float32"))
+    out = np.full((B, N, H, d), np.nan, np.float32)
+    res, lse = numflash.attention(q, k, v, layout="bshd", causal=True, softmax_scale=0.3,
+                                  out=out, return_lse=True, backend="cuda", algorithm=algorithm)
+    assert res is out
+    rep = check(out, q, k, v, lse=lse, layout="bshd", causal=True, softmax_scale=0.3)
+    assert rep.ok, str(rep)
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_rows_that_see_no_key_give_zeros_and_minus_inf(rng, algorithm):
+    q = arrays(rng, (1, 1, 12, 4), "float32")
+    k = arrays(rng, (1, 1, 5, 4), "float32")
+    out, lse = numflash.attention(q, k, k, causal="bottom_right", return_lse=True,
+                                  backend="cuda", algorithm=algorithm)
+    # bottom_right with Nq=12, Nk=5: query i sees keys j <= i - 7, so rows 0..6 see nothing
+    assert np.all(out[0, 0, :7] == 0) and np.all(np.isneginf(lse[0, 0, :7]))
+    assert np.all(np.isfinite(lse[0, 0, 7:]))
+    assert check(out, q, k, k, lse=lse, causal="bottom_right").ok
+
+
+def test_large_scores_keep_float32_accuracy(rng):
+    """Scores near 100: scaling q before the dot product would round q once more and break the
+    accuracy rule; the kernels scale the scores instead."""
+    q = arrays(rng, (1, 1, 20, 16), "float32") * 10
+    k = arrays(rng, (1, 1, 20, 16), "float32") * 10
+    v = arrays(rng, (1, 1, 20, 2), "float32")
+    for algorithm in ALGORITHMS:
+        out = numflash.attention(q, k, v, softmax_scale=0.5, backend="cuda", algorithm=algorithm)
+        rep = check(out, q, k, v, softmax_scale=0.5)
+        assert rep.ok, f"{algorithm}: {rep}"
+
+
+def test_empty_and_keyless_problems_on_cuda_backend(rng):
+    q = arrays(rng, (1, 2, 0, 8), "float32")
+    k = arrays(rng, (1, 2, 5, 8), "float32")
+    assert numflash.attention(q, k, k, backend="cuda").shape == (1, 2, 0, 8)
+    q = arrays(rng, (1, 2, 3, 8), "float32")
+    k0 = arrays(rng, (1, 2, 0, 8), "float32")
+    out, lse = numflash.attention(q, k0, k0, backend="cuda", return_lse=True)
+    assert np.all(out == 0) and np.all(np.isneginf(lse))
+
+
+def test_explain_names_the_simulator_and_every_kernel(rng):
+    q = arrays(rng, (1, 1, 8, 8), "float32")
+    plan = numflash.explain(q, q, q, backend="cuda")
+    text = str(plan)
+    assert plan.kernel == "cuda.block" and "simulator" in text
+    assert "cuda.row" in text and "cpu.tiled" in text
+    assert numflash.explain(q, q, q).kernel == "cpu.tiled"  # auto follows the array type
+
+
+def test_tensor_core_kernel_is_refused_in_the_simulator(rng):
+    q = arrays(rng, (1, 1, 8, 64), "float16")
+    with pytest.raises(ValueError, match="simulator|not built"):
+        numflash.attention(q, q, q, backend="cuda", algorithm="mma")
+
+
+def test_cuda_backend_refuses_cpu_only_algorithm_names(rng):
+    q = arrays(rng, (1, 1, 8, 8), "float32")
+    with pytest.raises(ValueError, match="algorithm"):
+        numflash.attention(q, q, q, backend="cuda", algorithm="tiled")
