@@ -123,8 +123,8 @@ def main(argv=None):
         q, k, v = (cp.asarray(rng.standard_normal((4, 16, 4096, d)).astype(dt)) for _ in range(3))
         prob = normalize(q, k, v)
         dev = _plan.choose(prob, "cuda", "block").device
-        for BR, BC, TM, TN in ((64, 64, 4, 4), (64, 64, 8, 4), (128, 64, 8, 4), (128, 64, 8, 8),
-                               (64, 64, 8, 8), (128, 128, 8, 8), (64, 128, 8, 8), (32, 64, 4, 4)):
+        for BR, BC, TM, TN in ((64, 64, 8, 4), (128, 64, 8, 4), (128, 64, 8, 8), (128, 32, 8, 4),
+                               (64, 32, 8, 4), (128, 128, 8, 8), (256, 64, 8, 8)):
             TX = BC // TN
             cfg = {"D": head_dim_bucket(d), "DV": -(-head_dim_bucket(d) // TX) * TX, "BR": BR,
                    "BC": BC, "TM": TM, "TN": TN, "acc": "float32"}

@@ -10,8 +10,9 @@ tx*TO .. +TO). Row sums stay per thread and are reduced once at the end. Tiles t
 block can see (causal) are never loaded.
 
 Shared memory (in the compute type; row lengths padded to a multiple of 16 bytes, every region
-16-byte aligned): Qt[D][BR+pad], Kt[D][BC+pad], Vs[BC][DV], Pt[BC][BR+pad], and NT words of scratch
-for the simulator's stand-in for shuffles.
+16-byte aligned): Qt[D][BR+pad], Kt[D][BC+pad] sharing its space with Pt[BC][BR+pad] (K is dead
+once S is computed), Vs[BC][DV], and NT words of scratch for the simulator's stand-in for shuffles.
+Fewer bytes per block means more resident blocks, and occupancy is what this kernel is short of.
 """
 import math
 
@@ -32,10 +33,9 @@ def _layout(D, DV, BR, BC, TM, TN, acc):
     QP = -(-BR // vw) * vw + vw          # + one vector: transposed stores spread over banks
     KP = -(-BC // vw) * vw + vw
     nt = (BR // TM) * (BC // TN)
-    k_off = D * QP
-    v_off = k_off + D * KP
-    p_off = v_off + BC * DV
-    s_off = p_off + BC * QP
+    k_off = p_off = D * QP
+    v_off = k_off + max(D * KP, BC * QP)
+    s_off = v_off + BC * DV
     return QP, KP, k_off, v_off, p_off, s_off, s_off + -(-nt // vw) * vw
 
 
@@ -84,10 +84,11 @@ def make_kernel(D, DV, BR, BC, TM, TN, acc):
         smem = cuda.shared.array(0, ACC, alignment=SMEM_ALIGN)
         scratch = smem[S_OFF:]
 
+        qbh, kbh, vbh = q[b, h], k[b, h], v[b, h]  # 2-D views: two index products, not four
         for idx in range(tid, uBR * uD, uNT):  # Qt[c][r] = q[i0 + r, c]
             r = idx // uD
             c = idx - r * uD
-            smem[c * QP + r] = ACC(q[b, h, i0 + r, c]) if i0 + r < Nq and c < d else ACC(0)
+            smem[c * QP + r] = ACC(qbh[i0 + r, c]) if i0 + r < Nq and c < d else ACC(0)
 
         s = cuda.local.array((TM, TN), ACC)
         o = cuda.local.array((TM, TO), ACC)
@@ -112,12 +113,12 @@ def make_kernel(D, DV, BR, BC, TM, TN, acc):
             for idx in range(tid, uBC * uD, uNT):
                 j = idx // uD
                 c = idx - j * uD
-                smem[K_OFF + c * KP + j] = ACC(k[b, h, j0 + j, c]) if j0 + j < Nk and c < d \
+                smem[K_OFF + c * KP + j] = ACC(kbh[j0 + j, c]) if j0 + j < Nk and c < d \
                     else ACC(0)
             for idx in range(tid, uBC * uDV, uNT):
                 j = idx // uDV
                 c = idx - j * uDV
-                smem[V_OFF + idx] = ACC(v[b, h, j0 + j, c]) if j0 + j < Nk and c < dv else ACC(0)
+                smem[V_OFF + idx] = ACC(vbh[j0 + j, c]) if j0 + j < Nk and c < dv else ACC(0)
             cuda.syncthreads()
 
             for ii in range(uTM):
@@ -139,6 +140,7 @@ def make_kernel(D, DV, BR, BC, TM, TN, acc):
                         s[ii, jj] += a[ii] * bk[jj]
                 qa += QP
                 kb += KP
+            cuda.syncthreads()  # Kt is read by all; P overwrites it below
 
             # Keys past Nk or above the causal diagonal: only boundary tiles need the check.
             if tile_needs_mask(i0, j0, BC, Nk, causal, causal_offset):
@@ -203,30 +205,36 @@ def make_kernel(D, DV, BR, BC, TM, TN, acc):
     return block_attention
 
 
-# Tile shapes (BR, BC, TM, TN), best first; the first whose shared memory fits is taken. An 8x4
-# patch per thread (128 threads for 64x64) measured fastest on the H100 in float32 (bench/NOTES.md);
-# in float64 it leaves part of the patch in local memory, so float64 starts from 4x4. ptxas for
+# Tile shapes (BR, BC, TM, TN), best first, per architecture, accumulator and head-dim class; the
+# first whose shared memory fits is taken. Measured on the H100 (bench/NOTES.md): 8x4 or 8x8 patches
+# per thread win, and shared memory per block (hence resident warps) decides between them. In
+# float64 an 8x4 patch leaves part of it in local memory, so float64 starts from 4x4. ptxas for
 # sm_80 and sm_75 runs the large patches to 255 registers and spills, so those start from 2x4.
 TILES = {
-    ("sm90", "float32"): ((64, 64, 8, 4), (64, 64, 4, 4), (32, 32, 2, 2), (16, 16, 1, 1)),
-    ("sm90", "float64"): ((64, 64, 4, 4), (64, 32, 4, 2), (32, 32, 2, 2), (16, 16, 1, 1)),
-    ("older", "float32"): ((32, 64, 2, 4), (32, 32, 2, 2), (16, 16, 1, 1)),
-    ("older", "float64"): ((32, 64, 2, 4), (32, 32, 2, 2), (16, 16, 1, 1)),
+    ("sm90", "float32", 64): ((128, 64, 8, 8), (64, 64, 8, 4), (32, 32, 2, 2), (16, 16, 1, 1)),
+    ("sm90", "float32", 256): ((128, 64, 8, 4), (64, 64, 8, 4), (32, 32, 2, 2), (16, 16, 1, 1)),
+    ("sm90", "float64", 256): ((64, 64, 4, 4), (64, 32, 4, 2), (32, 32, 2, 2), (16, 16, 1, 1)),
+    ("older", "float32", 256): ((32, 64, 2, 4), (32, 32, 2, 2), (16, 16, 1, 1)),
+    ("older", "float64", 256): ((32, 64, 2, 4), (32, 32, 2, 2), (16, 16, 1, 1)),
 }
 SIMULATOR_TILE = (16, 16, 4, 4)  # 16 threads: the simulator runs each thread as a Python thread
 
 
-def tile_candidates(device, acc):
+def tile_candidates(device, acc, D):
     if device.simulator:
         return (SIMULATOR_TILE,)
-    return TILES["sm90" if device.cc >= (9, 0) else "older", acc]
+    arch = "sm90" if device.cc >= (9, 0) else "older"
+    for (a, c, max_d), tiles in TILES.items():  # head-dim classes in increasing order
+        if a == arch and c == acc and D <= max_d:
+            return tiles
+    raise AssertionError("every (arch, acc) has a class up to d=256")
 
 
 def config(problem, device):
     B, H, Nq, Nk, d, dv = problem.shape
     acc = "float64" if problem.dtype_name == "float64" else "float32"
     D = head_dim_bucket(d)
-    for BR, BC, TM, TN in tile_candidates(device, acc):
+    for BR, BC, TM, TN in tile_candidates(device, acc, D):
         TX = BC // TN
         DV = -(-head_dim_bucket(dv) // TX) * TX
         cfg = {"D": D, "DV": DV, "BR": BR, "BC": BC, "TM": TM, "TN": TN, "acc": acc}
