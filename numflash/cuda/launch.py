@@ -74,7 +74,7 @@ def numba_type(value):
 
 def _signature_key(args):
     """A cheap hashable stand-in for the argument types (building numba types costs ~4 us each)."""
-    return tuple((a.dtype.char, a.ndim) if hasattr(a, "ndim") else type(a) for a in args)
+    return tuple([(a.dtype.char, a.ndim) if hasattr(a, "ndim") else type(a) for a in args])
 
 
 def _pack(args):
@@ -92,6 +92,7 @@ def _pack(args):
 
 
 _F64, _F64_BITS = struct.Struct("d"), struct.Struct("q")
+_OFFSETS = 8 * np.arange(512, dtype=np.uint64)  # byte offset of each packed parameter
 
 
 def _driver_call(result):
@@ -254,22 +255,29 @@ class Kernel:
                 *(FakeCUDAArray(a) if isinstance(a, np.ndarray) else a for a in args))
             return
         import cupy
-        from cuda.bindings import driver
         dev_id = args[0].device.id
-        with cupy.cuda.Device(dev_id):  # the module must live in the arrays' device context
-            loaded = self._function(args, device.cc, dev_id)
-            if shared_bytes > loaded.max_shared:
-                _driver_call(driver.cuFuncSetAttribute(
-                    loaded.fn, driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                    shared_bytes))
-                loaded.max_shared = shared_bytes
-            values = _pack(args)
-            pointers = values.ctypes.data + 8 * np.arange(len(values), dtype=np.uint64)
-            grid = tuple(grid) + (1,) * (3 - len(grid))
-            block = tuple(block) + (1,) * (3 - len(block))
-            _driver_call(driver.cuLaunchKernel(
-                loaded.fn, *grid, *block, shared_bytes, cupy.cuda.get_current_stream().ptr,
-                pointers.ctypes.data, 0))
+        if cupy.cuda.runtime.getDevice() == dev_id:
+            self._launch(grid, block, shared_bytes, args, device.cc, dev_id)
+        else:
+            with cupy.cuda.Device(dev_id):  # the module must live in the arrays' device context
+                self._launch(grid, block, shared_bytes, args, device.cc, dev_id)
+
+    def _launch(self, grid, block, shared_bytes, args, cc, dev_id):
+        import cupy
+        from cuda.bindings import driver
+        loaded = self._function(args, cc, dev_id)
+        if shared_bytes > loaded.max_shared:
+            _driver_call(driver.cuFuncSetAttribute(
+                loaded.fn, driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                shared_bytes))
+            loaded.max_shared = shared_bytes
+        values = _pack(args)
+        pointers = values.ctypes.data + _OFFSETS[:len(values)]
+        grid = tuple(grid) + (1,) * (3 - len(grid))
+        block = tuple(block) + (1,) * (3 - len(block))
+        _driver_call(driver.cuLaunchKernel(
+            loaded.fn, *grid, *block, shared_bytes, cupy.cuda.get_current_stream().ptr,
+            pointers.ctypes.data, 0))
 
 
 class _Loaded:
