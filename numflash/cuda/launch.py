@@ -4,11 +4,12 @@ Why not call the ``@cuda.jit`` dispatcher: numba-cuda re-types CuPy arrays throu
 call (~140 us on the lent H100). Instead each kernel variant is compiled by numba to PTX, linked to
 a cubin for the device's exact architecture by nvJitLink (so PTX newer than the user's driver never
 has to be JIT-loaded), stored on disk, loaded with the driver API (cuModuleLoadData) and launched
-with the numba ABI's flattened arguments packed into one buffer (cuLaunchKernel) on CuPy's current
-stream. Under numba's CUDA simulator the same Python kernel source is launched
+with the numba ABI's flattened arguments packed into one buffer (cuLaunchKernel through ctypes)
+on CuPy's current stream. Under numba's CUDA simulator the same Python kernel source is launched
 through the simulator's dispatcher instead, on NumPy arrays.
 """
 import contextlib
+import ctypes
 import hashlib
 import json
 import os
@@ -275,18 +276,37 @@ class Kernel:
         pointers = values.ctypes.data + _OFFSETS[:len(values)]
         grid = tuple(grid) + (1,) * (3 - len(grid))
         block = tuple(block) + (1,) * (3 - len(block))
-        _driver_call(driver.cuLaunchKernel(
-            loaded.fn, *grid, *block, shared_bytes, cupy.cuda.get_current_stream().ptr,
-            pointers.ctypes.data, 0))
+        err = _cu_launch_kernel()(loaded.handle, *grid, *block, shared_bytes,
+                                  cupy.cuda.get_current_stream().ptr, pointers.ctypes.data, None)
+        if err:
+            _driver_call((driver.CUresult(err),))
 
 
 class _Loaded:
     """A kernel loaded into one device context."""
-    __slots__ = ("module", "fn", "meta", "max_shared")
+    __slots__ = ("module", "fn", "handle", "meta", "max_shared")
 
     def __init__(self, module, fn, meta):
         self.module, self.fn, self.meta = module, fn, meta
+        self.handle = int(fn)  # the CUfunction pointer, for the ctypes launch
         self.max_shared = 48 * 1024
+
+
+_launch_fn = None
+
+
+def _cu_launch_kernel():
+    """cuLaunchKernel from the driver library through ctypes with fixed argument types: the
+    cuda.bindings wrapper converts its arguments on every call, several microseconds each launch.
+    Modules are still loaded through cuda.bindings (once per kernel)."""
+    global _launch_fn
+    if _launch_fn is None:
+        lib = ctypes.CDLL("nvcuda.dll" if os.name == "nt" else "libcuda.so.1")
+        fn = lib.cuLaunchKernel
+        fn.restype = ctypes.c_int
+        fn.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
+        _launch_fn = fn
+    return _launch_fn
 
 
 _kernels = {}
