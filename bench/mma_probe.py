@@ -560,6 +560,48 @@ def timing():
         print("BUILD info unavailable:", short_tb(e))
 
 
+def _build_one(cfg, cc):
+    from numba import types
+    from numflash.cuda import launch, mma
+    A = types.Array(types.uint16, 4, "A")
+    argtypes = (A, A, A, A, types.Array(types.float32, 3, "A"), types.Array(types.float32, 4, "A"),
+                types.float64, types.float64, types.int64, types.int64)
+    t = time.time()
+    _, meta = launch.get_kernel(mma.NAME, mma.make_kernel, cfg).build(argtypes, cc)
+    return cfg, meta.get("resources"), meta.get("from_disk"), time.time() - t
+
+
+def prewarm(cc):
+    """Compile the variants the sections use in parallel into the disk cache (each takes 5-20 s
+    single-threaded; sequentially they would take minutes)."""
+    import concurrent.futures as cf
+    import multiprocessing as mp
+    from numflash.cuda import mma
+    cfgs = []
+    for D in mma.HEAD_DIMS:
+        nw, bc, holdq = mma._tile(D, D)
+        for dt in ("f16", "bf16"):
+            for vec in (0, 1):
+                base = {"D": D, "DV": D, "NW": nw, "BC": bc, "HOLDQ": holdq, "DT": dt, "VEC": vec}
+                cfgs.append(base)
+                if dt == "f16" and D in (64, 128) and vec == 1:
+                    cfgs += [dict(base, NW=8), dict(base, DBG=1)]
+                    cfgs += [dict(base, NW=8, BC=128), dict(base, BC=128)] if D == 64 else \
+                        [dict(base, NW=8, BC=32)]
+    cfgs.append({"D": 64, "DV": 128, "NW": 4, "BC": 64, "HOLDQ": 1, "DT": "f16", "VEC": 0})
+    t = time.time()
+    with cf.ProcessPoolExecutor(max_workers=min(len(cfgs), os.cpu_count() or 4),
+                                mp_context=mp.get_context("spawn")) as ex:
+        futs = [ex.submit(_build_one, c, cc) for c in cfgs]
+        for f in cf.as_completed(futs):
+            try:
+                cfg, res, disk, dt = f.result()
+                print(f"BUILD {cfg} {res} {'(cached)' if disk else f'{dt:.0f}s'}", flush=True)
+            except Exception as e:  # noqa: BLE001
+                print("BUILD FAIL", short_tb(e), flush=True)
+    print(f"prewarm: {len(cfgs)} variants in {time.time() - t:.0f}s", flush=True)
+
+
 SECTIONS = {"units": units, "s": s_stage, "cases": cases, "bf16": bf16, "time": timing}
 
 
@@ -573,6 +615,12 @@ def main(argv):
               f"numpy {np.__version__}, cupy {cp.__version__}, numba-cuda {numba_cuda.__version__}")
     except Exception as e:  # noqa: BLE001
         print("device info:", short_tb(e))
+    if any(c != "units" for c in chosen) and os.environ.get("MMA_PROBE_NO_PREWARM") != "1":
+        try:
+            cc = (int(props["major"]), int(props["minor"]))
+            prewarm(cc)
+        except Exception as e:  # noqa: BLE001
+            print("prewarm failed (sections compile as they go):", short_tb(e), flush=True)
     for name in chosen:
         print(f"== {name} ==", flush=True)
         try:
