@@ -77,7 +77,7 @@ def launch_(kern, grid, block, *args):
         from numflash.cuda import launch
         ptx = launch.compile_ptx(kern.py_func, [typeof(a) for a in args], (8, 0))
         raise CompiledOnly(f"compiled only ({len(ptx)} chars of PTX)")
-    launch_(kern, grid, block, *args)
+    kern[grid, block](*args)
 
 def units():
     from numba import cuda, uint32

@@ -149,11 +149,14 @@ _plans = {}
 def choose(problem, backend="auto", algorithm="auto"):
     """The Plan for a normalized problem; raises ValueError (with every reason) if none can run it.
 
-    Plans depend only on array kind, dtype, shape, device and the two choices, so they are
-    memoized: a repeated call skips straight to the kernel.
+    Plans depend only on array kind, dtype, shape, strides, 16-byte alignment, device and the two
+    choices, so they are memoized on those: a repeated call skips straight to the kernel.
     """
+    arrays = (problem.q, problem.k, problem.v)
     key = (backend, algorithm, problem.kind, problem.dtype, problem.shape, simulator_enabled(),
-           problem.q.device.id if problem.on_device else None)
+           tuple(a.strides for a in arrays),  # configs may depend on layout (mma's vector path)
+           (problem.q.device.id, tuple(a.data.ptr % 16 for a in arrays))
+           if problem.on_device else None)
     plan = _plans.get(key)
     if plan is None:
         plan = _choose(problem, backend, algorithm)

@@ -148,3 +148,17 @@ def test_compiled_kernels_come_from_disk_in_a_second_process(tmp_path):
     print(f"cold first call {runs[0]['first_call_s']:.3f} s, warm {runs[1]['first_call_s']:.3f} s")
     assert runs[0]["from_disk"] is False and runs[1]["from_disk"] is True
     assert runs[1]["first_call_s"] < runs[0]["first_call_s"]
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_plan_cache_tells_layouts_apart(rng, dtype):
+    """Same shape, contiguous then strided last axis: configs that depend on layout (the tensor-core
+    kernel's 16-byte copy path) must not be reused from the memoized plan of the first call."""
+    B, H, N, d = 2, 3, 300, 64
+    q = make(rng, (B, N, H, d), dtype)
+    q_strided = make(rng, (B, N, H, 2 * d), dtype)[..., ::2]
+    k, v = make(rng, (B, N, H, d), dtype), make(rng, (B, N, H, d), dtype)
+    for qq in (q, q_strided):
+        out = numflash.attention(qq, k, v, layout="bshd", causal=True)
+        rep = check(out, qq, k, v, layout="bshd", causal=True)
+        assert rep.ok, str(rep)
