@@ -4,14 +4,37 @@ Each (batch, head, query block) is one parallel task. Key/value blocks stream pa
 for the block (BLAS through np.dot), the running row max m and row sum l are updated, the
 accumulator is rescaled by exp(m_old - m_new) and P V is added. Nothing of size Nq x Nk exists.
 float16 inputs are read as their bit patterns and decoded through a 65536-entry table, tile by tile.
+
+Speed notes (measurements in bench/NOTES.md, "CPU path"):
+- Exponentials are exp2(c2 * s - m), c2 = scale * log2(e): one fused multiply-add and one exp2.
+  (Pre-scaling Q instead would round every q element once more than naive attention does, which
+  fails the accuracy rule for large scores; see tests/test_cpu.py.) float32 uses a branch-free
+  polynomial exp2 that LLVM vectorizes (numba has no vector libm here); float64 keeps libm's.
+- The row max uses llvm.maxnum: LLVM vectorizes that reduction without the 'nnan' flag, which
+  we cannot allow (masked scores are -inf and must stay -inf).
+- Most key blocks need one pass over S: the running max is only raised when a block's values
+  would pass 2**16 (lazy rescale, _online_softmax).
+- The BLAS calls run single-threaded: the parallelism is numba's prange over tasks, and OpenBLAS
+  threads started inside each task fight numba's threads for the same cores.
 """
+import ctypes
+import threading
+
 import numpy as np
+from llvmlite import ir
+import numba
 from numba import njit, prange, types
-from numba.extending import overload
+from numba.extending import intrinsic, overload
 
 NAME = "cpu.tiled"
-BLOCK_Q = 128
-BLOCK_K = 256
+# GEMMs with inner dimension d = 64 run at ~127 GFLOP/s on one core here at 512 x 512 blocks and
+# ~109 at 128 x 256 (big square GEMMs: ~153); the 1 MiB float32 S tile still fits the 2 MiB L2.
+BLOCK_Q = 512
+BLOCK_K = 512
+MIN_BLOCK_Q = 64
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+LAZY_RESCALE_LIMIT = 65536.0  # 2**16: see _online_softmax
 
 
 def _decode(x, lut):
@@ -25,87 +48,200 @@ def _decode_impl(x, lut):
     return lambda x, lut: x
 
 
-@njit(cache=True)
-def _load_block(src, b, h, r0, rows, scale, lut, dst):
-    """dst[:rows] = src[b, h, r0:r0+rows, :] * scale, converted to dst's dtype (any strides)."""
-    for r in range(rows):
-        for c in range(src.shape[3]):
-            dst[r, c] = _decode(src[b, h, r0 + r, c], lut) * scale
+@intrinsic
+def _maxnum(typingctx, a, b):
+    """llvm.maxnum(a, b): max that LLVM vectorizes as a reduction without 'nnan'."""
+    if not (isinstance(a, types.Float) and a == b):
+        return None
+
+    def codegen(context, builder, sig, args):
+        ty = args[0].type
+        fn = builder.module.declare_intrinsic("llvm.maxnum", [ty], ir.FunctionType(ty, [ty, ty]))
+        return builder.call(fn, args)
+    return a(a, b), codegen
+
+
+@intrinsic
+def _f32_from_bits(typingctx, x):
+    """Reinterpret int32 bits as a float32."""
+    if x != types.int32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(args[0], ir.FloatType())
+    return types.float32(types.int32), codegen
+
+
+def _exp2(x):
+    """2**x in x's float type, for x <= 64 (x may be -inf)."""
+
+
+@overload(_exp2, inline="always")
+def _exp2_impl(x):
+    if x == types.float64:
+        return lambda x: np.exp2(x)
+
+    def exp2_f32(x):
+        # 2^x = 2^n * 2^f, n = round(x), |f| <= 1/2; 2^f by Cephes exp2f's degree-6 polynomial
+        # (max relative error 8e-8 measured). Below 2^-126 the result is flushed to 0, which is
+        # also what -inf (a masked score) gives; above 2^64 it saturates (callers only need to
+        # see that it is large). Branch-free so the row loop vectorizes.
+        xc = min(max(x, np.float32(-127.0)), np.float32(64.0))
+        n = np.floor(xc + np.float32(0.5))
+        f = xc - n
+        p = np.float32(1.535336188319500e-4)
+        p = p * f + np.float32(1.339887440266574e-3)
+        p = p * f + np.float32(9.618437357674640e-3)
+        p = p * f + np.float32(5.550332471162809e-2)
+        p = p * f + np.float32(2.402264791363012e-1)
+        p = p * f + np.float32(6.931472028550421e-1)
+        p = p * f + np.float32(1.0)
+        two_n = _f32_from_bits(np.int32((n + np.float32(127.0)) * np.float32(8388608.0)))
+        return p * two_n if x >= np.float32(-126.0) else np.float32(0.0)
+    return exp2_f32
 
 
 # No 'nnan'/'ninf': fully masked rows rely on -inf comparisons that those flags would delete.
 FASTMATH = {"nsz", "arcp", "contract", "afn", "reassoc"}
 
 
+@njit(fastmath=FASTMATH, cache=True)
+def _load_block(src, b, h, r0, rows, lut, dst):
+    """dst[:rows] = src[b, h, r0:r0+rows, :], converted to dst's dtype (any strides)."""
+    for r in range(rows):
+        for c in range(src.shape[3]):
+            dst[r, c] = _decode(src[b, h, r0 + r, c], lut)
+
+
+@njit(fastmath=FASTMATH, cache=True)
+def _row_max(row):
+    """max(row); -inf for a row of -inf."""
+    mx = row[0]
+    for c in range(1, row.shape[0]):
+        mx = _maxnum(mx, row[c])
+    return mx
+
+
+@njit(fastmath=FASTMATH, cache=True)
+def _exp2_row(row, c2, mx, p, zero):
+    """p = 2**(c2 * row - mx); returns sum(p) (zero: 0 in row's dtype, so the sum stays in it)."""
+    total = zero
+    for c in range(row.shape[0]):
+        e = _exp2(row[c] * c2 - mx)  # one fused multiply-add: the exponent has a single rounding
+        p[c] = e
+        total += e
+    return total
+
+
+@njit(fastmath=FASTMATH, cache=True)
+def _online_softmax(s, c2, p, m, l, alpha, zero):
+    """One key block of the online softmax, row by row, for raw scores s = q k^T.
+
+    With c2 = softmax_scale * log2(e) and the running max m kept in log2 units (m = c2 * max s):
+    p = 2**(c2 * s - m) with the updated m; l (running sum) updated; alpha = the factor the
+    accumulator must be scaled by before P V is added.
+    """
+    for r in range(s.shape[0]):
+        m_old = m[r]
+        if m_old > -np.inf:
+            # Lazy rescale (as FlashAttention-3 does): keep the old max as the reference unless this
+            # block's values would exceed 2**16, which the sum shows. Precision does not depend on
+            # the reference, overflow is far off, and the common case is one pass without a max.
+            total = _exp2_row(s[r], c2, m_old, p[r], zero)
+            if total < LAZY_RESCALE_LIMIT:
+                l[r] += total
+                alpha[r] = 1
+                continue
+        m_new = max(m_old, _row_max(s[r]) * c2)  # c2 > 0, so max commutes with the scaling
+        if m_new == -np.inf:  # no visible key yet: P = 0 (and exp2(-inf - -inf) would be NaN)
+            p[r, :] = zero
+            alpha[r] = 1
+            continue
+        total = _exp2_row(s[r], c2, m_new, p[r], zero)
+        alpha[r] = np.exp2(m_old - m_new)  # 0 while m was -inf
+        l[r] = l[r] * alpha[r] + total
+        m[r] = m_new
+
+
+@njit(fastmath=FASTMATH, cache=True)
+def _attend_block(q, k, v, out, lse, b, h, i0, rows, kend, causal, causal_offset, block_k, c2,
+                  lut):
+    """Rows i0:i0+rows of out[b, h] and lse[b, h] from keys 0:kend: one parallel task."""
+    d = q.shape[3]
+    dv = v.shape[3]
+    dt = out.dtype
+    zero = out.dtype.type(0)
+    # Buffers allocated once per task and reused for every key block (O(block) memory).
+    qi = np.empty((rows, d), dt)
+    _load_block(q, b, h, i0, rows, lut, qi)
+    kj = np.empty((block_k, d), dt)
+    vj = np.empty((block_k, dv), dt)
+    s_buf = np.empty(rows * block_k, dt)
+    p_buf = np.empty(rows * block_k, dt)
+    pv = np.empty((rows, dv), dt)
+    alpha = np.empty(rows, dt)
+    m = np.full(rows, -np.inf, dt)
+    l = np.zeros(rows, dt)
+    acc = np.zeros((rows, dv), dt)
+
+    for j0 in range(0, kend, block_k):
+        cols = min(block_k, kend - j0)
+        _load_block(k, b, h, j0, cols, lut, kj)
+        _load_block(v, b, h, j0, cols, lut, vj)
+        s = s_buf[:rows * cols].reshape((rows, cols))  # contiguous, so np.dot can write it
+        p = p_buf[:rows * cols].reshape((rows, cols))
+        np.dot(qi, kj[:cols].T, s)
+        if causal and j0 + cols - 1 > i0 + causal_offset:  # block crosses the diagonal
+            for r in range(rows):
+                for c in range(max(0, i0 + r + causal_offset - j0 + 1), cols):
+                    s[r, c] = -np.inf
+        _online_softmax(s, c2, p, m, l, alpha, zero)
+        np.dot(p, vj[:cols], pv)
+        # Rescale and add in one pass: the multiply rides along with the add for free.
+        for r in range(rows):
+            a = alpha[r]
+            for c in range(dv):
+                acc[r, c] = acc[r, c] * a + pv[r, c]
+
+    for r in range(rows):
+        if l[r] > 0:
+            inv = 1 / l[r]
+            for c in range(dv):
+                out[b, h, i0 + r, c] = acc[r, c] * inv
+            lse[b, h, i0 + r] = np.log(l[r]) + m[r] * LN2
+        else:  # the row sees no key
+            for c in range(dv):
+                out[b, h, i0 + r, c] = 0
+            lse[b, h, i0 + r] = -np.inf
+
+
 @njit(parallel=True, fastmath=FASTMATH, cache=True)
-def tiled_forward(q, k, v, out, lse, scale, causal, causal_offset, block_q, block_k, lut):
+def tiled_forward(q, k, v, out, lse, c2, causal, causal_offset, block_q, block_k, lut):
     """out[b, h] = softmax(scale q k^T [causal mask]) v; lse[b, h] = log of each row's denominator.
 
     q, k, v: (B, H, N, d) arrays of any strides (float32, float64, or float16 bits as uint16);
     out: (B, H, Nq, dv) in the compute dtype (float64 for float64 inputs, float32 otherwise).
+    c2 = softmax_scale * log2(e) in the compute dtype: exp(scale * s) = exp2(c2 * s).
+    Call with the BLAS single-threaded (see run()).
     """
     B, H, Nq, d = q.shape
     Nk = k.shape[2]
-    dv = v.shape[3]
     nqb = (Nq + block_q - 1) // block_q
+    # Causal tasks differ in size (a query block sees keys up to its diagonal): run() sets
+    # numba's chunk size to 1 so tasks are handed out one at a time, and they go largest first,
+    # so no thread is left with a long tail.
     for task in prange(B * H * nqb):
         b = task // (H * nqb)
         h = (task // nqb) % H
-        i0 = (task % nqb) * block_q
+        qb = task % nqb
+        i0 = (nqb - 1 - qb if causal else qb) * block_q
         rows = min(block_q, Nq - i0)
         # Only keys some row of this block can see: later blocks are never loaded.
         kend = Nk
         if causal:
             kend = min(Nk, max(0, i0 + rows + causal_offset))
-
-        qi = np.empty((rows, d), out.dtype)
-        _load_block(q, b, h, i0, rows, scale, lut, qi)
-        kj = np.empty((block_k, d), out.dtype)
-        vj = np.empty((block_k, dv), out.dtype)
-        m = np.full(rows, -np.inf, out.dtype)
-        l = np.zeros(rows, out.dtype)
-        acc = np.zeros((rows, dv), out.dtype)
-
-        for j0 in range(0, kend, block_k):
-            cols = min(block_k, kend - j0)
-            _load_block(k, b, h, j0, cols, 1.0, lut, kj)
-            _load_block(v, b, h, j0, cols, 1.0, lut, vj)
-            s = np.dot(qi, kj[:cols].T)
-            diagonal = causal and j0 + cols - 1 > i0 + causal_offset
-            for r in range(rows):
-                if diagonal:
-                    last = i0 + r + causal_offset - j0  # last visible column of this row
-                    for c in range(max(0, last + 1), cols):
-                        s[r, c] = -np.inf
-                m_new = m[r]
-                for c in range(cols):
-                    m_new = max(m_new, s[r, c])
-                if m_new == -np.inf:
-                    for c in range(cols):
-                        s[r, c] = 0.0
-                    continue
-                alpha = np.exp(m[r] - m_new)
-                row_sum = 0.0
-                for c in range(cols):
-                    p = np.exp(s[r, c] - m_new)
-                    s[r, c] = p
-                    row_sum += p
-                l[r] = l[r] * alpha + row_sum
-                m[r] = m_new
-                for c in range(dv):
-                    acc[r, c] *= alpha
-            acc += np.dot(s, vj[:cols])
-
-        for r in range(rows):
-            if l[r] > 0:
-                inv = 1.0 / l[r]
-                for c in range(dv):
-                    out[b, h, i0 + r, c] = acc[r, c] * inv
-                lse[b, h, i0 + r] = np.log(l[r]) + m[r]
-            else:
-                for c in range(dv):
-                    out[b, h, i0 + r, c] = 0.0
-                lse[b, h, i0 + r] = -np.inf
+        _attend_block(q, k, v, out, lse, b, h, i0, rows, kend, causal, causal_offset, block_k,
+                      c2, lut)
 
 
 _HALF_TABLE = None
@@ -119,8 +255,62 @@ def half_table():
     return _HALF_TABLE
 
 
+class _SingleThreadedBlas:
+    """Hold the BLAS behind numba's np.dot (scipy's) at one thread while kernels run.
+
+    numba's prange already uses every core; a multi-threaded BLAS call inside each task starts
+    more threads on the same cores, and on 2 cores that made the kernel 3-10x slower (NOTES.md).
+    Nested uses (several Python threads) share one saved count, restored by the last to leave.
+    If the BLAS cannot be found (not OpenBLAS), this does nothing.
+    """
+    _lock = threading.Lock()
+    _depth = 0
+    _saved = None
+    _fns = None
+
+    @classmethod
+    def _find(cls):
+        if cls._fns is None:
+            cls._fns = ()
+            try:
+                import scipy.linalg.cython_blas as cython_blas
+                lib = ctypes.CDLL(cython_blas.__file__)  # dlsym also searches its dependencies
+                for prefix in ("scipy_openblas", "openblas"):
+                    get = getattr(lib, prefix + "_get_num_threads", None)
+                    put = getattr(lib, prefix + "_set_num_threads", None)
+                    if get is not None and put is not None:
+                        get.restype, put.argtypes = ctypes.c_int, [ctypes.c_int]
+                        cls._fns = (get, put)
+                        break
+            except (ImportError, OSError):
+                pass
+        return cls._fns
+
+    def __enter__(self):
+        with self._lock:
+            fns = self._find()
+            if fns and type(self)._depth == 0:
+                type(self)._saved = fns[0]()
+                fns[1](1)
+            type(self)._depth += 1
+
+    def __exit__(self, *exc):
+        with self._lock:
+            type(self)._depth -= 1
+            fns = self._find()
+            if fns and type(self)._depth == 0:
+                fns[1](self._saved)
+
+
 def config(problem, device):
-    return {"block_q": BLOCK_Q, "block_k": BLOCK_K}
+    B, H, Nq, Nk, d, dv = problem.shape
+    # Small problems: smaller query blocks, so every thread gets a few tasks.
+    block_q = BLOCK_Q
+    while block_q > MIN_BLOCK_Q and B * H * -(-Nq // block_q) < 4 * numba.get_num_threads():
+        block_q //= 2
+    # float64 tiles are twice the bytes: halve the key block to keep S and P in L2.
+    block_k = BLOCK_K // 2 if problem.dtype == np.float64 else BLOCK_K
+    return {"block_q": block_q, "block_k": block_k}
 
 
 def run(problem, config, device=None):
@@ -133,8 +323,13 @@ def run(problem, config, device=None):
         q, k, v = q.view(np.uint16), k.view(np.uint16), v.view(np.uint16)
     out = p.out if p.out.dtype == compute else np.empty(p.out.shape, compute)
     lse = p.empty_lse()
-    tiled_forward(q, k, v, out, lse, compute(p.scale), p.causal, p.causal_offset,
-                  config["block_q"], config["block_k"], lut)
+    chunk = numba.set_parallel_chunksize(1)  # returns the previous value
+    try:
+        with _SingleThreadedBlas():
+            tiled_forward(q, k, v, out, lse, compute(p.scale * LOG2E), p.causal, p.causal_offset,
+                          config["block_q"], config["block_k"], lut)
+    finally:
+        numba.set_parallel_chunksize(chunk)
     if out is not p.out:
         p.out[...] = out
     return lse
