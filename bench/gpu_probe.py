@@ -67,6 +67,7 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json")
     ap.add_argument("--algorithms", default="block,row")
+    ap.add_argument("--overhead-only", action="store_true", help="only the per-call overhead")
     args = ap.parse_args(argv)
     algos = args.algorithms.split(",")
     shapes = [  # B, H, N, d, dtype, causal
@@ -80,6 +81,8 @@ def main(argv=None):
     ]
     if args.quick:
         shapes = shapes[:2]
+    if args.overhead_only:
+        shapes = []
     rng = np.random.default_rng(0)
     rows = []
     peers = {"cupy_naive": naive, **sdpa_methods()}
@@ -119,7 +122,7 @@ def main(argv=None):
     from numflash.cuda import block
     from numflash.cuda.common import head_dim_bucket
     from numflash.inputs import normalize
-    for d, dt in ((64, "float32"), (128, "float32")):
+    for d, dt in ((64, "float32"), (128, "float32")) if not args.overhead_only else ():
         q, k, v = (cp.asarray(rng.standard_normal((4, 16, 4096, d)).astype(dt)) for _ in range(3))
         prob = normalize(q, k, v)
         dev = _plan.choose(prob, "cuda", "block").device
