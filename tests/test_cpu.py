@@ -406,11 +406,10 @@ PRESCALE_CASES = [  # (B, H, Nq, Nk, d, dv, magnitude of q and k, softmax_scale,
 def test_float32_large_scores_meet_the_rule(case):
     """float32, scores of |s| ~ 100: the kernel must be within 2x naive float32 error + floor.
 
-    Fails with the current cpu/tiled.py: _load_block multiplies q by softmax_scale and rounds to
-    float32 *before* the dot product, an extra rounding of every q element that naive attention
-    (which scales the float32 dot product) does not make. Naive float32 computed on the
-    pre-rounded q * scale reproduces the kernel's error exactly (checked below), so the excess
-    comes from the pre-scaling, not the online softmax.
+    Guards against pre-scaling q: multiplying q by softmax_scale and rounding to float32 *before*
+    the dot product is an extra rounding of every q element that naive attention (which scales the
+    float32 dot product) does not make, and it broke this rule (the first CPU kernel did it). The
+    kernels scale the scores instead.
     """
     B, H, Nq, Nk, d, dv, mag, scale, seed = case
     rng = np.random.default_rng(seed)
