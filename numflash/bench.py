@@ -1293,6 +1293,21 @@ def _panels(records, keyfn):
     return keys
 
 
+def _panel_grid(plt, n):
+    """A figure with n panels, at most 4 a row."""
+    cols = min(4, n)
+    rows = math.ceil(n / cols)
+    return plt.subplots(rows, cols, figsize=(4.6 * cols, 3.6 * rows), squeeze=False)
+
+
+def _save(plt, fig, path, title):
+    fig.suptitle(title, fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def plot_throughput(records, path, title):
     """TFLOP/s vs N per method, one panel per (d, dtype, causal); FAIL points marked with x."""
     plt = _pyplot()
@@ -1300,10 +1315,8 @@ def plot_throughput(records, path, title):
     keys = _panels(recs, lambda r: (r["d"], r["dtype"], r["causal"]))
     if not keys:
         return None
-    cols = min(4, len(keys))
-    rows = math.ceil(len(keys) / cols)
     colors = _method_colors(recs)
-    fig, axes = plt.subplots(rows, cols, figsize=(4.6 * cols, 3.6 * rows), squeeze=False)
+    fig, axes = _panel_grid(plt, len(keys))
     for ax, key in zip(axes.flat, keys):
         sub = [r for r in recs if (r["d"], r["dtype"], r["causal"]) == key]
         for m in _panels(sub, lambda r: r["method"]):
@@ -1326,11 +1339,7 @@ def plot_throughput(records, path, title):
         ax.legend(fontsize=7)
     for ax in list(axes.flat)[len(keys):]:
         ax.axis("off")
-    fig.suptitle(title, fontsize=11)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path, title)
 
 
 def plot_memory(records, path, title, device_bytes=None):
@@ -1375,11 +1384,7 @@ def plot_memory(records, path, title, device_bytes=None):
         ax.set_ylabel(ylabel)
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7)
-    fig.suptitle(title, fontsize=11)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path, title)
 
 
 def plot_decode(records, path, title):
@@ -1389,10 +1394,8 @@ def plot_decode(records, path, title):
     keys = _panels(recs, lambda r: (r["Nq"], r["d"], r["dtype"]))
     if not keys:
         return None
-    cols = min(4, len(keys))
-    rows = math.ceil(len(keys) / cols)
     colors = _method_colors(recs)
-    fig, axes = plt.subplots(rows, cols, figsize=(4.6 * cols, 3.6 * rows), squeeze=False)
+    fig, axes = _panel_grid(plt, len(keys))
     for ax, key in zip(axes.flat, keys):
         sub = [r for r in recs if (r["Nq"], r["d"], r["dtype"]) == key]
         for m in _panels(sub, lambda r: r["method"]):
@@ -1416,11 +1419,7 @@ def plot_decode(records, path, title):
         ax.legend(fontsize=7)
     for ax in list(axes.flat)[len(keys):]:
         ax.axis("off")
-    fig.suptitle(title, fontsize=11)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path, title)
 
 
 def plot_suite(suite, records, path, meta):
