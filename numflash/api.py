@@ -4,7 +4,7 @@ from .inputs import normalize
 
 
 def attention(q, k, v, *, causal=False, softmax_scale=None, layout="bhsd", backend="auto",
-              algorithm="auto", return_lse=False, out=None):
+              algorithm="auto", return_lse=False, out=None, precision="auto"):
     """Exact attention softmax(softmax_scale * q k^T + mask) v with O(N) memory.
 
     q: (B, H, Nq, d), k: (B, H, Nk, d), v: (B, H, Nk, dv) for ``layout="bhsd"``;
@@ -18,13 +18,17 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, layout="bhsd", backe
     algorithm: "auto", "block" (block-tiled), "row" (FA1 per-row) or "mma" (tensor cores).
     return_lse: also return the float32 (B, H, Nq) natural log of each row's softmax denominator.
     out: write the result here (q's dtype and kind, shape of the result in ``layout``).
+    precision: "auto" (or "ieee"): exact arithmetic in the input dtype. "tf32": float32 inputs
+        opt in to the tensor-core kernel cuda.mma with tf32 operands (m16n8k8 tf32 mma: 10-bit
+        mantissa products, fp32 accumulation; relative error ~1e-3); needs CuPy arrays on a GPU
+        of compute capability >= 8.0. Any other dtype or backend with "tf32" raises ValueError.
 
     Returns the output in q's dtype, array kind and layout; ``(out, lse)`` if ``return_lse``.
     A forced backend or algorithm that cannot run the inputs raises ValueError saying why;
     :func:`explain` shows the choice without running it.
     """
     problem = normalize(q, k, v, causal=causal, softmax_scale=softmax_scale, layout=layout,
-                        return_lse=return_lse, out=out)
+                        return_lse=return_lse, out=out, precision=precision)
     plan = _plan.choose(problem, backend, algorithm)
     B, H, Nq, Nk, d, dv = problem.shape
     if B * H * Nq == 0:
@@ -39,12 +43,12 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, layout="bhsd", backe
 
 
 def explain(q, k, v, *, causal=False, softmax_scale=None, layout="bhsd", backend="auto",
-            algorithm="auto", return_lse=False, out=None):
+            algorithm="auto", return_lse=False, out=None, precision="auto"):
     """The :class:`numflash.plan.Plan` that :func:`attention` would run for these arguments.
 
     ``str(plan)`` names the kernel and its tile config and, for every kernel not chosen, why.
     Raises the same errors as :func:`attention` would.
     """
     problem = normalize(q, k, v, causal=causal, softmax_scale=softmax_scale, layout=layout,
-                        return_lse=return_lse, out=out)
+                        return_lse=return_lse, out=out, precision=precision)
     return _plan.choose(problem, backend, algorithm)

@@ -19,6 +19,10 @@ def dtype_name(dt):
     return _NUMPY_FLOATS.get(dt) or np.dtype(dt).name
 LAYOUTS = ("bhsd", "bshd")
 CAUSAL_MODES = (False, True, "top_left", "bottom_right")
+#: "auto" / "ieee": exact arithmetic in the input dtype (fp32 products for float32 inputs);
+#: "tf32": float32 inputs may run on tensor cores with tf32 operands (10-bit mantissa products,
+#: fp32 accumulation), an explicit opt-in.
+PRECISIONS = ("auto", "ieee", "tf32")
 
 
 def array_kind(x):
@@ -53,6 +57,7 @@ class Problem:
     causal_offset: int  # query row i sees key j iff j <= i + causal_offset (when causal)
     return_lse: bool
     layout: str
+    precision: str = "auto"  # one of PRECISIONS; "tf32" only with float32 inputs
 
     @property
     def shape(self):
@@ -114,8 +119,20 @@ def _dims(layout, a):
     return a if layout == "bhsd" else a.transpose(0, 2, 1, 3)
 
 
+def check_precision(precision, dtype=None):
+    """Validate ``precision``; with a dtype, also that tf32 was asked for float32 inputs."""
+    if not isinstance(precision, str) or precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS} ('tf32': float32 inputs on "
+                         f"tensor cores); got {precision!r}")
+    if precision == "tf32" and dtype is not None and dtype_name(dtype) != "float32":
+        raise ValueError(f"precision='tf32' applies to float32 inputs only; got "
+                         f"{dtype_name(dtype)} (leave precision='auto')")
+    return precision
+
+
 def normalize(q, k, v, *, causal=False, softmax_scale=None, layout="bhsd", return_lse=False,
-              out=None):
+              out=None, precision="auto"):
+    check_precision(precision)
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be 'bhsd' (B, H, N, d) or 'bshd' (B, N, H, d); got {layout!r}")
     kinds = {name: _check_array(name, a) for name, a in (("q", q), ("k", k), ("v", v))}
@@ -144,6 +161,7 @@ def normalize(q, k, v, *, causal=False, softmax_scale=None, layout="bhsd", retur
         raise TypeError("q, k and v must share one dtype; got "
                         + ", ".join(f"{n}={dt}" for n, dt in dtypes.items()))
     dtype = dtypes["q"]
+    check_precision(precision, dtype)
 
     q4, k4, v4 = _dims(layout, q), _dims(layout, k), _dims(layout, v)
     (B, H, Nq, d), (Bk, Hk, Nk, dk), (Bv, Hv, Nv, dv) = q4.shape, k4.shape, v4.shape
@@ -209,4 +227,4 @@ def normalize(q, k, v, *, causal=False, softmax_scale=None, layout="bhsd", retur
     return Problem(q=q4, k=k4, v=v4, out=_dims(layout, result), result=result, kind=kind,
                    dtype=dtype, dtype_name=dtype_name(dtype), scale=scale, causal=is_causal,
                    causal_offset=offset,
-                   return_lse=bool(return_lse), layout=layout)
+                   return_lse=bool(return_lse), layout=layout, precision=precision)

@@ -29,6 +29,10 @@ class Device:
     simulator: bool = False
 
 
+TF32_REASON = ("float32 on tensor cores needs precision='tf32' (10-bit mantissa products); "
+               "the exact fp32 kernel is cuda.block")
+
+
 @dataclass(frozen=True)
 class KernelSpec:
     name: str
@@ -41,11 +45,18 @@ class KernelSpec:
     min_cc: tuple = None
     runs_in_simulator: bool = True
     summary: str = ""
+    tf32: bool = False               # also takes float32 with precision="tf32" (tensor cores)
 
     def why_not(self, problem, device):
         """None if this kernel can run the problem on the device, else the reason in words."""
         dt = problem.dtype_name
-        if dt not in self.dtypes:
+        precision = getattr(problem, "precision", "auto")
+        if precision == "tf32" and not self.tf32:
+            return (f"{self.name} computes in exact {dt}; precision='tf32' runs on cuda.mma only "
+                    f"(CuPy float32 arrays, compute capability >= 8.0)")
+        if dt not in self.dtypes and not (self.tf32 and dt == "float32" and precision == "tf32"):
+            if self.tf32 and dt == "float32":
+                return TF32_REASON
             return f"{self.name} takes {', '.join(self.dtypes)}, not {dt}"
         B, H, Nq, Nk, d, dv = problem.shape
         if self.max_head_dim is not None and max(d, dv) > self.max_head_dim:
@@ -64,9 +75,10 @@ class KernelSpec:
 KERNELS = (
     KernelSpec("cuda.mma", "cuda", "mma", "numflash.cuda.mma",
                dtypes=("float16", "bfloat16"), max_head_dim=256, min_cc=(8, 0),
-               runs_in_simulator=False,
+               runs_in_simulator=False, tf32=True,
                summary="FlashAttention-2 on tensor cores: mma.sync m16n8k16, register online "
-                       "softmax, cp.async double-buffered K/V, ldmatrix"),
+                       "softmax, cp.async double-buffered K/V, ldmatrix; float32 with "
+                       "precision='tf32' on m16n8k8 tf32"),
     KernelSpec("cpu.tiled", "cpu", "block", "numflash.cpu.tiled",
                dtypes=("float16", "float32", "float64"),
                summary="numba.njit block-tiled online softmax, parallel over (batch, head, query block)"),
@@ -149,11 +161,12 @@ _plans = {}
 def choose(problem, backend="auto", algorithm="auto"):
     """The Plan for a normalized problem; raises ValueError (with every reason) if none can run it.
 
-    Plans depend only on array kind, dtype, shape, strides, 16-byte alignment, device and the two
-    choices, so they are memoized on those: a repeated call skips straight to the kernel.
+    Plans depend only on array kind, dtype, precision, shape, strides, 16-byte alignment, device
+    and the two choices, so they are memoized on those: a repeated call skips straight to the kernel.
     """
     arrays = (problem.q, problem.k, problem.v)
-    key = (backend, algorithm, problem.kind, problem.dtype, problem.shape, simulator_enabled(),
+    key = (backend, algorithm, getattr(problem, "precision", "auto"), problem.kind, problem.dtype,
+           problem.shape, simulator_enabled(),
            tuple(a.strides for a in arrays),  # configs may depend on layout (mma's vector path)
            (problem.q.device.id, tuple(a.data.ptr % 16 for a in arrays))
            if problem.on_device else None)
@@ -175,6 +188,10 @@ def _choose(problem, backend, algorithm):
         backend = "cuda" if problem.on_device else "cpu"
 
     rejected = {}
+    if backend == "cpu" and getattr(problem, "precision", "auto") == "tf32":
+        raise ValueError("precision='tf32' runs on tensor cores (cuda.mma): pass CuPy float32 "
+                         "arrays on a GPU of compute capability >= 8.0; the CPU path computes in "
+                         "exact float32 (precision='auto')")
     if backend == "cpu":
         if problem.on_device:
             raise ValueError("backend='cpu' got device (CuPy) arrays: numflash never copies "

@@ -8,12 +8,12 @@ from .inputs import normalize
 
 
 def attention(q, k, v, *, causal=False, softmax_scale=None, layout="bhsd", return_lse=False, out=None,
-              backend="auto", algorithm="auto"):
+              backend="auto", algorithm="auto", precision="auto"):
     """Naive float64 attention with the same signature as :func:`numflash.attention`.
 
     Works on NumPy arrays and on device arrays (copied to the host). The result is float64 NumPy
-    (or written into ``out``, cast to its dtype); ``backend`` and ``algorithm`` are accepted for
-    signature compatibility and ignored.
+    (or written into ``out``, cast to its dtype); ``backend``, ``algorithm`` and ``precision``
+    are accepted for signature compatibility and ignored (the reference is always float64).
     """
     p = normalize(q, k, v, causal=causal, softmax_scale=softmax_scale, layout=layout,
                   return_lse=return_lse, out=out)

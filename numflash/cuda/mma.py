@@ -1,4 +1,5 @@
-"""FlashAttention-2 forward on tensor cores (float16 / bfloat16, compute capability >= 8.0).
+"""FlashAttention-2 forward on tensor cores (float16 / bfloat16, compute capability >= 8.0;
+float32 with precision="tf32" on m16n8k8 tf32 mma: see ``kernel_source_tf32``).
 
 A block of NW warps owns BR = 16 NW query rows; each warp owns 16 of them. K and V tiles of BC keys
 are staged in shared memory; per tile each warp computes its 16 x BC block of S = Q K^T with
@@ -35,7 +36,7 @@ import math
 
 import numpy as np
 
-from ..plan import Unsupported
+from ..plan import TF32_REASON, Unsupported
 from .common import key_end
 
 NAME = "cuda.mma"
@@ -411,9 +412,211 @@ def kernel_source(D, DV, NW, BC, HOLDQ, DT, VEC, DBG=0):
     return s.text()
 
 
+# ------------------------------------------------------------------------------ tf32 (float32 in)
+
+def kernel_source_tf32(D, DV, NW, BC, HOLDQ, DBG=0):
+    """Source of the float32-in / float32-out kernel on tf32 tensor cores (precision="tf32").
+
+    Same structure as the 16-bit kernel (one warp per 16 query rows, S and O in registers, online
+    softmax on the fragments) with ``mma.sync.m16n8k8.f32.tf32.tf32.f32``. Q/K/V are staged with
+    scalar float32 loads and rounded to tf32 once (``cvt.rna.tf32.f32``) as they are stored in
+    shared memory, one value per 32-bit word: Q [BR][D + 4], K [BC][D + 4], V [BC][DV + 4]
+    (row-major; the pads make every fragment load bank-conflict free).
+
+    P goes back into P V without data movement: the contraction index of an m16n8k8 may be
+    permuted as long as A's columns and B's rows are permuted alike. The S accumulator of key
+    tile n gives thread (g, t) keys 2t, 2t+1 of rows g, g+8; the A fragment wants k = t, t+4.
+    Mapping k = t -> key 2t and k = t + 4 -> key 2t+1 makes the A fragment (s0, s2, s1, s3)
+    and the B fragment (V[2t, g], V[2t+1, g]).
+    """
+    assert D % 8 == 0 and DV % 8 == 0 and BC % 8 == 0
+    BR, NT = 16 * NW, 32 * NW
+    QW, KW, VW = D + 4, D + 4, DV + 4
+    kv_words = BC * KW + BC * VW
+    Q_OFF = 0
+    KV_OFF = 0 if HOLDQ else BR * QW
+    NKK, NN, NVN, NPK = D // 8, BC // 8, DV // 8, BC // 8
+    k_off, v_off = KV_OFF, KV_OFF + BC * KW
+
+    s = _Src()
+    s("def mma_attention(q, k, v, out, lse, dbg, scale_log2_in, scale_in, causal, "
+      "causal_offset):")
+    with s.block():
+        s("scale_log2 = float32(scale_log2_in)", "scale = float32(scale_in)",
+          "H = q.shape[1]", "Nq = q.shape[2]", "Hkv = k.shape[1]", "Nk = k.shape[2]",
+          "Nq_u = U(Nq)", "Nk_u = U(Nk)",
+          "d_u = U(q.shape[3])", "dv_u = U(v.shape[3])",
+          "tid = U(cuda.threadIdx.x)",
+          f"warp = tid // {U(32)}",
+          f"lane = tid % {U(32)}",
+          f"g = lane // {U(4)}",
+          f"t = lane % {U(4)}",
+          f"qb = U(cuda.gridDim.x) - {U(1)} - U(cuda.blockIdx.x)",
+          "bh = U(cuda.blockIdx.y)",
+          "b = bh // U(H)",
+          "h = bh % U(H)",
+          "hk = kv_head(h, U(H), U(Hkv))",
+          f"i0 = qb * {U(BR)}",
+          "qh = q[b, h]", "kh = k[b, hk]", "vh = v[b, hk]", "oh = out[b, h]",
+          "smem = cuda.shared.array(0, uint32)")
+
+        # ---- stage Q (tf32 bits)
+        s(f"for idx in range(tid, {U(BR * D)}, {U(NT)}):")
+        with s.block():
+            s(f"r = idx // {U(D)}",
+              f"c = idx % {U(D)}",
+              "row = i0 + r",
+              f"word = {U(0)}",
+              "if row < Nq_u and c < d_u:")
+            with s.block():
+                s("word = U(to_tf32(qh[row, c]))")
+            s(f"smem[{U(Q_OFF)} + r * {U(QW)} + c] = uint32(word)")
+
+        s("i0s = I(i0)",
+          "w_first = i0s + I(warp) * 16",
+          "r0 = w_first + I(g)",
+          "r1 = r0 + 8",
+          "e0 = key_end(r0, Nk, causal, causal_offset)",
+          "e1 = key_end(r1, Nk, causal, causal_offset)",
+          "warp_min_end = key_end(w_first, Nk, causal, causal_offset)",
+          "warp_keys = key_end(min(Nq - 1, w_first + 15), Nk, causal, causal_offset) "
+          "if w_first < Nq else 0",
+          "block_keys = key_end(min(Nq, i0s + %d) - 1, Nk, causal, causal_offset)" % BR)
+
+        # A fragment of k-step kk: a0 = Q[g, 8kk+t], a1 = Q[g+8, 8kk+t], a2/a3 at column +4
+        s(f"qbase = {U(Q_OFF)} + (warp * {U(16)} + g) * {U(QW)} + t")
+
+        def load_q(kk, names):
+            offs = (kk * 8, 8 * QW + kk * 8, kk * 8 + 4, 8 * QW + kk * 8 + 4)
+            for nm, off in zip(names, offs):
+                s(f"{nm} = smem[qbase + {U(off)}]")
+
+        s("cuda.syncthreads()")
+        if HOLDQ:
+            for kk in range(NKK):
+                load_q(kk, [f"qf_{kk}_{r}" for r in range(4)])
+            s("cuda.syncthreads()  # K/V tiles reuse Q's shared memory")
+
+        for n in range(NVN):
+            s(", ".join(f"o_{n}_{r}" for r in range(4)) + " = ZERO, ZERO, ZERO, ZERO")
+        s("m0 = NEG_INF", "m1 = NEG_INF", "l0 = ZERO", "l1 = ZERO")
+
+        s(f"ntiles = (block_keys + {BC - 1}) // {BC}")
+        s("for it in range(ntiles):")
+        with s.block():
+            s(f"j0 = it * {BC}", "j0u = U(j0)")
+            s("cuda.syncthreads()  # the previous tile is no longer read")
+            for name, off, W, width, dim in (("kh", k_off, KW, D, "d_u"),
+                                             ("vh", v_off, VW, DV, "dv_u")):
+                s(f"for idx in range(tid, {U(BC * width)}, {U(NT)}):")
+                with s.block():
+                    s(f"r = idx // {U(width)}",
+                      f"c = idx % {U(width)}",
+                      "j = j0u + r",
+                      f"word = {U(0)}",
+                      f"if j < Nk_u and c < {dim}:")
+                    with s.block():
+                        s(f"word = U(to_tf32({name}[j, c]))")
+                    s(f"smem[{U(off)} + r * {U(W)} + c] = uint32(word)")
+            s("cuda.syncthreads()")
+            s("if j0 < warp_keys:")
+            with s.block():
+                # ---- S = Q K^T: B fragment b0 = K[n8 + g, 8kk + t], b1 at column + 4
+                for n in range(NN):
+                    s(", ".join(f"s_{n}_{r}" for r in range(4)) + " = ZERO, ZERO, ZERO, ZERO")
+                s(f"kbase = {U(k_off)} + g * {U(KW)} + t")
+                for kk in range(NKK):
+                    if HOLDQ:
+                        qa = [f"qf_{kk}_{r}" for r in range(4)]
+                    else:
+                        qa = [f"qa{r}" for r in range(4)]
+                        load_q(kk, qa)
+                    for n in range(NN):
+                        s(f"kb0 = smem[kbase + {U(n * 8 * KW + kk * 8)}]",
+                          f"kb1 = smem[kbase + {U(n * 8 * KW + kk * 8 + 4)}]")
+                        acc = ", ".join(f"s_{n}_{r}" for r in range(4))
+                        s(f"{acc} = mma_tf32({', '.join(qa)}, kb0, kb1, {acc})")
+
+                s(f"if j0 + {BC} > warp_min_end:")
+                with s.block():
+                    s("cb = j0 + I(t) * 2")
+                    for n in range(NN):
+                        for r, (e, add) in enumerate((("e0", 0), ("e0", 1), ("e1", 0), ("e1", 1))):
+                            s(f"if cb + {n * 8 + add} >= {e}:")
+                            with s.block():
+                                s(f"s_{n}_{r} = NEG_INF")
+                if DBG:
+                    s("if j0 == 0:")
+                    with s.block():
+                        for n in range(NN):
+                            for r, (row, add) in enumerate((("r0", 0), ("r0", 1), ("r1", 0),
+                                                            ("r1", 1))):
+                                s(f"if {row} < Nq:")
+                                with s.block():
+                                    s(f"dbg[b, h, U({row}), t * {U(2)} + {U(n * 8 + add)}] = "
+                                      f"s_{n}_{r}")
+
+                for half, (ra, rb) in enumerate(((0, 1), (2, 3))):
+                    terms = [f"s_{n}_{r}" for n in range(NN) for r in (ra, rb)]
+                    s(f"mx = {terms[0]}")
+                    for term in terms[1:]:
+                        s(f"mx = max(mx, {term})")
+                    s("mx = max(mx, cuda.shfl_xor_sync(FULL, mx, 1))",
+                      "mx = max(mx, cuda.shfl_xor_sync(FULL, mx, 2))",
+                      f"mn = max(m{half}, mx)",
+                      "mu = ZERO if mn == NEG_INF else mn * scale_log2",
+                      f"alpha{half} = ex2(m{half} * scale_log2 - mu)",
+                      f"m{half} = mn")
+                    for term in terms:
+                        s(f"{term} = ex2({term} * scale_log2 - mu)")
+                    s(f"l{half} = l{half} * alpha{half} + (" + " + ".join(terms) + ")")
+                    for n in range(NVN):
+                        for r in (ra, rb):
+                            s(f"o_{n}_{r} *= alpha{half}")
+
+                # ---- O += P V with the permuted contraction index (see docstring):
+                # A = (P[g, 2t], P[g+8, 2t], P[g, 2t+1], P[g+8, 2t+1]) of key tile kk,
+                # B = (V[8kk + 2t, n8 + g], V[8kk + 2t + 1, n8 + g])
+                s(f"vbase = {U(v_off)} + t * {U(2 * VW)} + g")
+                for kk in range(NPK):
+                    s(f"pa0 = to_tf32(s_{kk}_0)", f"pa1 = to_tf32(s_{kk}_2)",
+                      f"pa2 = to_tf32(s_{kk}_1)", f"pa3 = to_tf32(s_{kk}_3)")
+                    for n in range(NVN):
+                        s(f"vb0 = smem[vbase + {U(kk * 8 * VW + n * 8)}]",
+                          f"vb1 = smem[vbase + {U(kk * 8 * VW + VW + n * 8)}]")
+                        acc = ", ".join(f"o_{n}_{r}" for r in range(4))
+                        s(f"{acc} = mma_tf32(pa0, pa1, pa2, pa3, vb0, vb1, {acc})")
+
+        # ---- epilogue: row sums over the quad, normalize, write O (float32) and lse
+        for half, row in ((0, "r0"), (1, "r1")):
+            s(f"l{half} += cuda.shfl_xor_sync(FULL, l{half}, 1)",
+              f"l{half} += cuda.shfl_xor_sync(FULL, l{half}, 2)",
+              f"inv{half} = ONE / l{half} if l{half} > ZERO else ZERO")
+            s(f"if {row} < Nq:")
+            with s.block():
+                s(f"ru = U({row})", f"cbase = t * {U(2)}")
+                ra, rb = (0, 1) if half == 0 else (2, 3)
+                for n in range(NVN):
+                    s(f"col = cbase + {U(n * 8)}",
+                      "if col < dv_u:")
+                    with s.block():
+                        s(f"oh[ru, col] = o_{n}_{ra} * inv{half}")
+                    s(f"if col + {U(1)} < dv_u:")
+                    with s.block():
+                        s(f"oh[ru, col + {U(1)}] = o_{n}_{rb} * inv{half}")
+                s("if t == U(0):")
+                with s.block():
+                    s(f"lse[b, h, ru] = m{half} * scale + math.log(l{half}) if l{half} > ZERO "
+                      "else NEG_INF")
+    return s.text()
+
+
 def smem_bytes(cfg):
     D, DV, NW, BC, HOLDQ, VEC = (cfg[x] for x in ("D", "DV", "NW", "BC", "HOLDQ", "VEC"))
     BR = 16 * NW
+    if cfg.get("DT") == "tf32":  # one float32 (tf32) value per word, no double buffering
+        q_words, kv_words = BR * (D + 4), BC * (D + 4) + BC * (DV + 4)
+        return 4 * (max(q_words, kv_words) if HOLDQ else q_words + kv_words)
     q_words = BR * (D // 2 + 4)
     v_words = BC * (DV // 2 + 4) if VEC else DV * (BC // 2 + 4)
     kv_words = (BC * (D // 2 + 4) + v_words) * (2 if VEC else 1)
@@ -428,7 +631,11 @@ def make_kernel(D, DV, NW, BC, HOLDQ, DT, VEC, DBG=0):
     from numba import cuda, float32, int64, uint16, uint32, uint64
     from . import ptx
 
-    src = kernel_source(D, DV, NW, BC, HOLDQ, DT, VEC, DBG)
+    if DT == "tf32":
+        assert not VEC, "the tf32 kernel stages with scalar loads (VEC=0)"
+        src = kernel_source_tf32(D, DV, NW, BC, HOLDQ, DBG)
+    else:
+        src = kernel_source(D, DV, NW, BC, HOLDQ, DT, VEC, DBG)
     _counter[0] += 1
     filename = f"<numflash.cuda.mma D{D} DV{DV} NW{NW} BC{BC} HOLDQ{HOLDQ} {DT} VEC{VEC} " \
                f"DBG{DBG} #{_counter[0]}>"
@@ -438,7 +645,8 @@ def make_kernel(D, DV, NW, BC, HOLDQ, DT, VEC, DBG=0):
         "float32": float32,
         "ZERO": np.float32(0), "ONE": np.float32(1), "NEG_INF": np.float32(-np.inf),
         "FULL": 0xFFFFFFFF, "key_end": key_end, "kv_head": kv_head,
-        "mma_f16": ptx.mma_f16, "mma_bf16": ptx.mma_bf16,
+        "mma_f16": ptx.mma_f16, "mma_bf16": ptx.mma_bf16, "mma_tf32": ptx.mma_tf32,
+        "to_tf32": ptx.to_tf32,
         "pack_f16x2": ptx.pack_f16x2, "pack_bf16x2": ptx.pack_bf16x2, "ex2": ptx.ex2,
         "ldmatrix_x4": ptx.ldmatrix_x4, "ldmatrix_x4_trans": ptx.ldmatrix_x4_trans,
         "shared_addr": ptx.shared_addr, "global_addr2": ptx.global_addr2,
@@ -464,9 +672,11 @@ kv_head.__doc__ = """The K/V head serving query head h (GQA: H / Hkv query heads
 
 # ------------------------------------------------------------------------------ plan interface
 
-def _tile(D, DV):
+def _tile(D, DV, DT=None):
     """(NW, BC, HOLDQ) for padded head dims, chosen for registers: O (DV/2 floats), S (BC/2) and,
-    when HOLDQ, Q (D/4 words) per thread."""
+    when HOLDQ, Q (D/4 words; tf32: D/2) per thread."""
+    if DT == "tf32":
+        return (4, 64, 1) if max(D, DV) <= 64 else (4, 64, 0)
     if max(D, DV) <= 128:
         return 4, 64, 1
     return 4, 32, 0
@@ -489,10 +699,19 @@ def vector_ok(problem):
     return None
 
 
+#: tf32 (float32 inputs, precision="tf32") takes head dims up to this (d=256 would keep 128 O
+#: accumulators per thread and spill).
+TF32_MAX_HEAD_DIM = 128
+
+
 def config(problem, device):
     dt = problem.dtype.name
-    if dt not in ("float16", "bfloat16"):
-        raise Unsupported(f"{NAME} takes float16 and bfloat16 (tensor cores), not {dt}")
+    tf32 = dt == "float32" and getattr(problem, "precision", "auto") == "tf32"
+    if dt not in ("float16", "bfloat16") and not tf32:
+        if dt == "float32":
+            raise Unsupported(TF32_REASON)
+        raise Unsupported(f"{NAME} takes float16 and bfloat16 (tensor cores), or float32 with "
+                          f"precision='tf32'; not {dt}")
     if device.simulator:
         raise Unsupported(f"{NAME} uses inline PTX, which numba's CUDA simulator cannot run")
     if device.cc is not None and device.cc < (8, 0):
@@ -502,10 +721,17 @@ def config(problem, device):
         raise Unsupported(f"{NAME}: {H} query heads do not divide into {problem.k.shape[1]} "
                           "K/V heads")
     D, DV = head_dim_pad(d), head_dim_pad(dv)
-    NW, BC, HOLDQ = _tile(D, DV)
-    VEC = 1 if (problem.on_device and vector_ok(problem) is None) else 0
-    cfg = {"D": D, "DV": DV, "NW": NW, "BC": BC, "HOLDQ": HOLDQ,
-           "DT": "bf16" if dt == "bfloat16" else "f16", "VEC": VEC}
+    if tf32:
+        if max(D, DV) > TF32_MAX_HEAD_DIM:
+            raise Unsupported(f"{NAME} with precision='tf32' takes head dims up to "
+                              f"{TF32_MAX_HEAD_DIM}; got d={d}, dv={dv} (use the exact fp32 "
+                              "kernel: precision='auto')")
+        DT, VEC = "tf32", 0
+    else:
+        DT = "bf16" if dt == "bfloat16" else "f16"
+        VEC = 1 if (problem.on_device and vector_ok(problem) is None) else 0
+    NW, BC, HOLDQ = _tile(D, DV, DT)
+    cfg = {"D": D, "DV": DV, "NW": NW, "BC": BC, "HOLDQ": HOLDQ, "DT": DT, "VEC": VEC}
     need = smem_bytes(cfg)
     if need > device.smem_per_block_optin:
         raise Unsupported(f"{NAME}: needs {need} bytes of shared memory for d={d}, dv={dv}, more "
@@ -538,8 +764,9 @@ def run(problem, cfg, device, debug=None):
         debug = _dummy[key]
     BR = 16 * cfg["NW"]
     grid = (-(-Nq // BR), B * H)
+    bits = (lambda a: a) if cfg["DT"] == "tf32" else _as_bits  # tf32 reads float32 as is
     kernel(grid, (32 * cfg["NW"],), smem_bytes(cfg),
-           (_as_bits(p.q), _as_bits(p.k), _as_bits(p.v), _as_bits(p.out), lse, debug,
+           (bits(p.q), bits(p.k), bits(p.v), bits(p.out), lse, debug,
             float(p.scale * math.log2(math.e)), float(p.scale), int(p.causal),
             int(p.causal_offset)), device)
     return lse

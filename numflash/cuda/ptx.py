@@ -62,8 +62,8 @@ def _tuple(context, builder, rettype, res, n):
 
 # ---------------------------------------------------------------------------- mma.sync m16n8k16
 
-def _make_mma(kind):
-    asm_text = (f"mma.sync.aligned.m16n8k16.row.col.f32.{kind}.{kind}.f32 "
+def _make_mma(kind, shape="m16n8k16"):
+    asm_text = (f"mma.sync.aligned.{shape}.row.col.f32.{kind}.{kind}.f32 "
                 "{$0,$1,$2,$3}, {$4,$5,$6,$7}, {$8,$9}, {$10,$11,$12,$13};")
 
     def mma(typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
@@ -79,7 +79,7 @@ def _make_mma(kind):
                                side_effect=False)
             return _tuple(context, builder, signature.return_type, builder.call(asm, ops), 4)
         return sig, codegen
-    mma.__name__ = f"mma_m16n8k16_{kind}"
+    mma.__name__ = f"mma_{shape}_{kind}"
     return intrinsic(mma)
 
 
@@ -87,6 +87,11 @@ def _make_mma(kind):
 mma_f16 = _make_mma("f16")
 #: The same for bfloat16 (sm_80+).
 mma_bf16 = _make_mma("bf16")
+#: D = A @ B + C for m16n8k8 with tf32 operands (each register one tf32 value, see to_tf32):
+#: A (16x8) 4 regs, B (8x8) 2 regs, fp32 C/D (4 floats each); sm_80+. Fragments (g = lane >> 2,
+#: t = lane & 3): a0 = A[g, t], a1 = A[g+8, t], a2 = A[g, t+4], a3 = A[g+8, t+4];
+#: b0 = B[t, g], b1 = B[t+4, g]; C/D as for m16n8k16.
+mma_tf32 = _make_mma("tf32", "m16n8k8")
 
 
 # ---------------------------------------------------------------------------- conversions
@@ -112,6 +117,19 @@ def _make_pack(kind):
 pack_f16x2 = _make_pack("f16")
 #: uint32 holding (bfloat16(hi) << 16) | bfloat16(lo), round to nearest even (sm_80+).
 pack_bf16x2 = _make_pack("bf16")
+
+
+@intrinsic
+def to_tf32(typingctx, x):
+    """float32 -> tf32 bits in a uint32 (cvt.rna.tf32.f32: round to nearest, ties away from zero,
+    10-bit mantissa; the low 13 bits are zero), the operand format of mma_tf32 (sm_80+)."""
+    sig = types.uint32(x)
+
+    def codegen(context, builder, signature, args):
+        v = _f32(context, builder, args[0], signature.args[0])
+        fnty = ir.FunctionType(_I32, [_F32])
+        return builder.call(ir.InlineAsm(fnty, "cvt.rna.tf32.f32 $0, $1;", "=r,f"), [v])
+    return sig, codegen
 
 
 @intrinsic
