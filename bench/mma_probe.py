@@ -1,7 +1,7 @@
 """One-shot GPU check of the tensor-core kernel (numflash.cuda.mma): run from the repo root as
 
     python3 bench/mma_probe.py            # everything (< 3 minutes on an H100)
-    python3 bench/mma_probe.py units s    # only some sections: units, s, cases, bf16, time
+    python3 bench/mma_probe.py units s    # only some sections: units, s, cases, bf16, time, tf32
 
 Sections, each case isolated (an exception prints a compact traceback and the run goes on):
   units  every inline-PTX intrinsic of numflash/cuda/ptx.py alone against numpy
@@ -10,6 +10,9 @@ Sections, each case isolated (an exception prints a compact traceback and the ru
   bf16   bfloat16 through the kernel (bits built in numpy; also the public API if this CuPy can
          hold bfloat16 arrays)
   time   B=4, H=16, N=4096, d=64/128, causal or not: mma vs CuPy naive fp16 vs torch SDPA flash
+  tf32   precision="tf32" (float32 on m16n8k8 tf32 mma): cvt.rna.tf32 and mma_tf32 alone, the
+         kernel against the float64 reference (rel err < 5e-3, lse within 1e-2), and a timing
+         line vs the exact fp32 cuda.block at B=4 H=16 N=4096 d=64
 """
 import dataclasses
 import math
@@ -560,10 +563,141 @@ def timing():
         print("BUILD info unavailable:", short_tb(e))
 
 
+# ----------------------------------------------------------------------------- tf32
+
+def tf32_bits_np(x):
+    """cvt.rna.tf32.f32 in numpy: round to nearest (ties away from zero) to a 10-bit mantissa."""
+    b = np.asarray(x, np.float32).view(np.uint32).astype(np.uint64)
+    return ((b + 0x1000) & 0xFFFFE000).astype(np.uint32)
+
+
+def tf32():
+    """precision="tf32": the two intrinsics alone, float32 through the kernel against the float64
+    reference (tf32 bound: rel err < 5e-3, lse within 1e-2), and a timing line vs cuda.block.
+    With MMA_PROBE_COMPILE_ONLY=1 (no GPU) only the two intrinsic kernels are compiled."""
+    import numflash
+    from numba import cuda
+    from numflash.cuda import ptx
+    from numflash.reference import attention as ref_attention
+    from numflash.testing import check
+    rng = np.random.default_rng(7)
+
+    def cvt_check():
+        x = np.r_[rng.standard_normal(4093).astype(np.float32), 1 + 2.0 ** -11, -(1 + 2.0 ** -11),
+                  1 + 3 * 2.0 ** -11].astype(np.float32)
+
+        @cuda.jit
+        def kern(a, out):
+            i = cuda.grid(1)
+            if i < a.size:
+                out[i] = ptx.to_tf32(a[i])
+        out = np.zeros(x.size, np.uint32)
+        launch_(kern, (x.size + 127) // 128, 128, x, out)
+        bad = int((out != tf32_bits_np(x)).sum())
+        return bad == 0, f"{bad} of {x.size} differ from numpy round-half-away"
+
+    def mma_check():
+        A = rng.standard_normal((16, 8)).astype(np.float32)
+        Bm = rng.standard_normal((8, 8)).astype(np.float32)
+        C = rng.standard_normal((16, 8)).astype(np.float32)
+        Ab, Bb = tf32_bits_np(A), tf32_bits_np(Bm)
+        af, bf = np.zeros((32, 4), np.uint32), np.zeros((32, 2), np.uint32)
+        cf = np.zeros((32, 4), np.float32)
+        for lane in range(32):
+            g, t = lane >> 2, lane & 3
+            af[lane] = [Ab[g, t], Ab[g + 8, t], Ab[g, t + 4], Ab[g + 8, t + 4]]
+            bf[lane] = [Bb[t, g], Bb[t + 4, g]]
+            cf[lane] = [C[g, 2 * t], C[g, 2 * t + 1], C[g + 8, 2 * t], C[g + 8, 2 * t + 1]]
+
+        @cuda.jit
+        def kern(a, b, c, out):
+            t = cuda.threadIdx.x
+            r = ptx.mma_tf32(a[t, 0], a[t, 1], a[t, 2], a[t, 3], b[t, 0], b[t, 1],
+                             c[t, 0], c[t, 1], c[t, 2], c[t, 3])
+            out[t, 0] = r[0]
+            out[t, 1] = r[1]
+            out[t, 2] = r[2]
+            out[t, 3] = r[3]
+        out = np.zeros((32, 4), np.float32)
+        launch_(kern, 1, 32, af, bf, cf, out)
+        D = np.zeros((16, 8))
+        for lane in range(32):
+            g, t = lane >> 2, lane & 3
+            D[g, 2 * t], D[g, 2 * t + 1], D[g + 8, 2 * t], D[g + 8, 2 * t + 1] = out[lane]
+        ref = Ab.view(np.float32).astype(np.float64) @ Bb.view(np.float32).astype(np.float64) + C
+        err = float(np.abs(D - ref).max())
+        return err < 1e-4, f"max abs err {err:.2e} (vs tf32-rounded operands)"
+
+    case("ptx.to_tf32 (cvt.rna.tf32.f32) bits vs numpy", cvt_check)
+    case("ptx.mma_tf32 (m16n8k8, C added)", mma_check)
+    if COMPILE_ONLY:
+        return
+    import cupy as cp
+
+    def one(B, H, Nq, Nk, d, dv, causal, layout="bhsd"):
+        shapes = ((B, H, Nq, d), (B, H, Nk, d), (B, H, Nk, dv))
+        if layout == "bshd":
+            shapes = tuple((s[0], s[2], s[1], s[3]) for s in shapes)
+        q, k, v = (cp.asarray(rng.standard_normal(s).astype(np.float32)) for s in shapes)
+        plan = numflash.explain(q, k, v, causal=causal, layout=layout, precision="tf32")
+        if plan.kernel != "cuda.mma" or plan.config.get("DT") != "tf32":
+            return False, f"plan is not cuda.mma tf32: {plan}"
+        out, lse = numflash.attention(q, k, v, causal=causal, layout=layout, precision="tf32",
+                                      return_lse=True)
+        rep = check(out, q, k, v, causal=causal, layout=layout)
+        _, ref_lse = ref_attention(q, k, v, causal=causal, layout=layout, return_lse=True)
+        lh = lse.get()
+        inf = np.isneginf(ref_lse)
+        lse_err = float(np.abs(lh[~inf] - ref_lse[~inf]).max()) if (~inf).any() else 0.0
+        lse_ok = bool(np.array_equal(np.isneginf(lh), inf)) and lse_err < 1e-2
+        ok = rep.finite and rep.rel_err < 5e-3 and lse_ok and out.dtype == cp.float32
+        return ok, (f"rel err {rep.rel_err:.2e} (bound 5e-3) max err {rep.max_err:.2e} "
+                    f"lse err {lse_err:.1e} finite={rep.finite}")
+
+    for args in [(1, 1, 1, 1, 64, 64, False), (2, 3, 128, 128, 64, 64, False),
+                 (2, 3, 300, 777, 64, 64, True), (1, 2, 777, 300, 128, 128, True),
+                 (1, 2, 777, 300, 128, 128, "bottom_right"), (2, 2, 1025, 1025, 128, 128, False),
+                 (2, 3, 200, 333, 59, 111, True), (1, 2, 257, 300, 32, 96, False),
+                 (1, 2, 4096, 4096, 64, 64, True)]:
+        B, H, Nq, Nk, d, dv, causal = args
+        case(f"tf32 B{B} H{H} Nq{Nq} Nk{Nk} d{d} dv{dv} causal={causal}",
+             lambda a=args: one(*a))
+    case("tf32 bshd B2 N300 H3 d64 causal", lambda: one(2, 3, 300, 300, 64, 64, True, "bshd"))
+
+    def timing_line():
+        B, H, N, d = 4, 16, 4096, 64
+        q, k, v = (cp.asarray(rng.standard_normal((B, H, N, d)).astype(np.float32))
+                   for _ in range(3))
+
+        def ms(**kw):
+            numflash.attention(q, k, v, **kw)
+            ts = []
+            for _ in range(5):
+                a, b = cp.cuda.Event(), cp.cuda.Event()
+                a.record()
+                numflash.attention(q, k, v, **kw)
+                b.record()
+                b.synchronize()
+                ts.append(cp.cuda.get_elapsed_time(a, b))
+            return float(np.median(ts))
+        parts = []
+        for causal in (False, True):
+            flops = 4 * B * H * N * N * d / (2 if causal else 1)
+            t_tf32 = ms(causal=causal, precision="tf32")
+            t_block = ms(causal=causal, algorithm="block")
+            parts.append(f"causal={causal}: tf32 mma {t_tf32:.2f} ms ({flops / t_tf32 / 1e9:.0f} "
+                         f"TFLOP/s) vs fp32 block {t_block:.2f} ms ({flops / t_block / 1e9:.0f}), "
+                         f"{t_block / t_tf32:.1f}x")
+        print(f"TIME tf32 B{B} H{H} N{N} d{d}: " + "; ".join(parts), flush=True)
+        return True, "see TIME line"
+
+    case("tf32 timing vs cuda.block fp32", timing_line)
+
+
 def _build_one(cfg, cc):
     from numba import types
     from numflash.cuda import launch, mma
-    A = types.Array(types.uint16, 4, "A")
+    A = types.Array(types.float32 if cfg.get("DT") == "tf32" else types.uint16, 4, "A")
     argtypes = (A, A, A, A, types.Array(types.float32, 3, "A"), types.Array(types.float32, 4, "A"),
                 types.float64, types.float64, types.int64, types.int64)
     t = time.time()
@@ -571,24 +705,20 @@ def _build_one(cfg, cc):
     return cfg, meta.get("resources"), meta.get("from_disk"), time.time() - t
 
 
-def prewarm(cc):
+def prewarm(cc, sections=None):
     """Compile the variants the sections use in parallel into the disk cache (each takes 5-20 s
     single-threaded; sequentially they would take minutes)."""
     import concurrent.futures as cf
     import multiprocessing as mp
     from numflash.cuda import mma
     cfgs = []
-    for D in mma.HEAD_DIMS:
-        nw, bc, holdq = mma._tile(D, D)
-        for dt in ("f16", "bf16"):
-            for vec in (0, 1):
-                base = {"D": D, "DV": D, "NW": nw, "BC": bc, "HOLDQ": holdq, "DT": dt, "VEC": vec}
-                cfgs.append(base)
-                if dt == "f16" and D in (64, 128) and vec == 1:
-                    cfgs += [dict(base, NW=8), dict(base, DBG=1)]
-                    cfgs += [dict(base, NW=8, BC=128), dict(base, BC=128)] if D == 64 else \
-                        [dict(base, NW=8, BC=32)]
-    cfgs.append({"D": 64, "DV": 128, "NW": 4, "BC": 64, "HOLDQ": 1, "DT": "f16", "VEC": 0})
+    tf32_dims = [(32, 96), (64, 128)] + [(D, D) for D in (32, 64, 96, 128)]
+    for D, DV in tf32_dims:
+        nw, bc, holdq = mma._tile(D, DV, "tf32")
+        cfgs.append({"D": D, "DV": DV, "NW": nw, "BC": bc, "HOLDQ": holdq, "DT": "tf32",
+                     "VEC": 0})
+    if sections is None or not set(sections) <= {"tf32", "units"}:  # else only tf32 variants
+        cfgs += _f16_prewarm_cfgs()
     t = time.time()
     with cf.ProcessPoolExecutor(max_workers=min(len(cfgs), os.cpu_count() or 4),
                                 mp_context=mp.get_context("spawn")) as ex:
@@ -602,7 +732,25 @@ def prewarm(cc):
     print(f"prewarm: {len(cfgs)} variants in {time.time() - t:.0f}s", flush=True)
 
 
-SECTIONS = {"units": units, "s": s_stage, "cases": cases, "bf16": bf16, "time": timing}
+def _f16_prewarm_cfgs():
+    from numflash.cuda import mma
+    cfgs = []
+    for D in mma.HEAD_DIMS:
+        nw, bc, holdq = mma._tile(D, D)
+        for dt in ("f16", "bf16"):
+            for vec in (0, 1):
+                base = {"D": D, "DV": D, "NW": nw, "BC": bc, "HOLDQ": holdq, "DT": dt, "VEC": vec}
+                cfgs.append(base)
+                if dt == "f16" and D in (64, 128) and vec == 1:
+                    cfgs += [dict(base, NW=8), dict(base, DBG=1)]
+                    cfgs += [dict(base, NW=8, BC=128), dict(base, BC=128)] if D == 64 else \
+                        [dict(base, NW=8, BC=32)]
+    cfgs.append({"D": 64, "DV": 128, "NW": 4, "BC": 64, "HOLDQ": 1, "DT": "f16", "VEC": 0})
+    return cfgs
+
+
+SECTIONS = {"units": units, "s": s_stage, "cases": cases, "bf16": bf16, "time": timing,
+            "tf32": tf32}
 
 
 def main(argv):
@@ -618,7 +766,7 @@ def main(argv):
     if any(c != "units" for c in chosen) and os.environ.get("MMA_PROBE_NO_PREWARM") != "1":
         try:
             cc = (int(props["major"]), int(props["minor"]))
-            prewarm(cc)
+            prewarm(cc, chosen)
         except Exception as e:  # noqa: BLE001
             print("prewarm failed (sections compile as they go):", short_tb(e), flush=True)
     for name in chosen:
