@@ -216,7 +216,8 @@ def test_gpu_tf32_refuses_large_head_dims(rng):
         numflash.attention(q, q, q, precision="tf32")
 
 
-@pytest.mark.parametrize("case", [(1, 1, 40, 70, 64, 64, False), (1, 1, 33, 90, 32, 96, "bottom_right")],
+@pytest.mark.parametrize("case", [(1, 1, 40, 70, 64, 64, False),
+                                  (1, 1, 33, 90, 32, 96, "bottom_right")],
                          ids=["d64", "d32-dv96-bottom_right"])
 def test_tf32_source_emulated_on_cpu(rng, case):
     """The generated tf32 kernel source, run by a CPU emulator of the warp (tests/tf32_emu.py):
