@@ -82,6 +82,48 @@ def U(n):
     return f"U({int(n)})"
 
 
+def _emit_mask_and_softmax(s, NN, NVN, BC, DBG):
+    """Emit, for one warp's S fragments (NN n8 tiles, 4 registers each), the boundary / causal mask,
+    the optional debug dump of tile 0, and the online-softmax update of m, l and the NVN O tiles.
+    Shared by the f16/bf16 and tf32 generators: their C fragments have the same layout."""
+    # ---- mask keys past Nk / above the causal diagonal (boundary tiles only)
+    s(f"if j0 + {BC} > warp_min_end:")
+    with s.block():
+        s("cb = j0 + I(t) * 2")
+        for n in range(NN):
+            for r, (e, add) in enumerate((("e0", 0), ("e0", 1), ("e1", 0), ("e1", 1))):
+                s(f"if cb + {n * 8 + add} >= {e}:")
+                with s.block():
+                    s(f"s_{n}_{r} = NEG_INF")
+    if DBG:
+        s("if j0 == 0:")
+        with s.block():
+            for n in range(NN):
+                for r, (row, add) in enumerate((("r0", 0), ("r0", 1), ("r1", 0), ("r1", 1))):
+                    s(f"if {row} < Nq:")
+                    with s.block():
+                        s(f"dbg[b, h, U({row}), t * {U(2)} + {U(n * 8 + add)}] = s_{n}_{r}")
+
+    # ---- online softmax on the fragments (rows r0: regs 0,1; r1: regs 2,3)
+    for half, (ra, rb) in enumerate(((0, 1), (2, 3))):
+        terms = [f"s_{n}_{r}" for n in range(NN) for r in (ra, rb)]
+        s(f"mx = {terms[0]}")
+        for term in terms[1:]:
+            s(f"mx = max(mx, {term})")
+        s("mx = max(mx, cuda.shfl_xor_sync(FULL, mx, 1))",
+          "mx = max(mx, cuda.shfl_xor_sync(FULL, mx, 2))",
+          f"mn = max(m{half}, mx)",
+          "mu = ZERO if mn == NEG_INF else mn * scale_log2",
+          f"alpha{half} = ex2(m{half} * scale_log2 - mu)",
+          f"m{half} = mn")
+        for term in terms:
+            s(f"{term} = ex2({term} * scale_log2 - mu)")
+        s(f"l{half} = l{half} * alpha{half} + (" + " + ".join(terms) + ")")
+        for n in range(NVN):
+            for r in (ra, rb):
+                s(f"o_{n}_{r} *= alpha{half}")
+
+
 def kernel_source(D, DV, NW, BC, HOLDQ, DT, VEC, DBG=0):
     """Python source of the kernel for one compile-time config (see module docstring)."""
     assert D % 16 == 0 and DV % 16 == 0 and BC % 16 == 0
@@ -94,7 +136,6 @@ def kernel_source(D, DV, NW, BC, HOLDQ, DT, VEC, DBG=0):
         VW = BC // 2 + 4                      # Vt: [DV][BC/2 + 4]
         v_words = DV * VW
     kv_words = BC * KW + v_words
-    STAGES = 2 if VEC else 1
     Q_OFF = 0
     KV_OFF = 0 if HOLDQ else BR * QW       # Q is dead once it sits in registers
     NKK, NN, NVN, NPK = D // 16, BC // 8, DV // 8, BC // 16
@@ -321,44 +362,7 @@ def kernel_source(D, DV, NW, BC, HOLDQ, DT, VEC, DBG=0):
                         acc = ", ".join(f"s_{n}_{r}" for r in range(4))
                         s(f"{acc} = {mma}({', '.join(qa)}, {b0}, {b1}, {acc})")
 
-                # ---- mask keys past Nk / above the causal diagonal (boundary tiles only)
-                s(f"if j0 + {BC} > warp_min_end:")
-                with s.block():
-                    s("cb = j0 + I(t) * 2")
-                    for n in range(NN):
-                        for r, (e, add) in enumerate((("e0", 0), ("e0", 1), ("e1", 0), ("e1", 1))):
-                            s(f"if cb + {n * 8 + add} >= {e}:")
-                            with s.block():
-                                s(f"s_{n}_{r} = NEG_INF")
-                if DBG:
-                    s("if j0 == 0:")
-                    with s.block():
-                        for n in range(NN):
-                            for r, (row, add) in enumerate((("r0", 0), ("r0", 1), ("r1", 0),
-                                                            ("r1", 1))):
-                                s(f"if {row} < Nq:")
-                                with s.block():
-                                    s(f"dbg[b, h, U({row}), t * {U(2)} + {U(n * 8 + add)}] = "
-                                      f"s_{n}_{r}")
-
-                # ---- online softmax on the fragments (rows r0: regs 0,1; r1: regs 2,3)
-                for half, (ra, rb) in enumerate(((0, 1), (2, 3))):
-                    terms = [f"s_{n}_{r}" for n in range(NN) for r in (ra, rb)]
-                    s(f"mx = {terms[0]}")
-                    for term in terms[1:]:
-                        s(f"mx = max(mx, {term})")
-                    s("mx = max(mx, cuda.shfl_xor_sync(FULL, mx, 1))",
-                      "mx = max(mx, cuda.shfl_xor_sync(FULL, mx, 2))",
-                      f"mn = max(m{half}, mx)",
-                      "mu = ZERO if mn == NEG_INF else mn * scale_log2",
-                      f"alpha{half} = ex2(m{half} * scale_log2 - mu)",
-                      f"m{half} = mn")
-                    for term in terms:
-                        s(f"{term} = ex2({term} * scale_log2 - mu)")
-                    s(f"l{half} = l{half} * alpha{half} + (" + " + ".join(terms) + ")")
-                    for n in range(NVN):
-                        for r in (ra, rb):
-                            s(f"o_{n}_{r} *= alpha{half}")
+                _emit_mask_and_softmax(s, NN, NVN, BC, DBG)
 
                 # ---- O += P V, P packed from the S fragments in registers
                 if VEC:
@@ -432,7 +436,6 @@ def kernel_source_tf32(D, DV, NW, BC, HOLDQ, DBG=0):
     assert D % 8 == 0 and DV % 8 == 0 and BC % 8 == 0
     BR, NT = 16 * NW, 32 * NW
     QW, KW, VW = D + 4, D + 4, DV + 4
-    kv_words = BC * KW + BC * VW
     Q_OFF = 0
     KV_OFF = 0 if HOLDQ else BR * QW
     NKK, NN, NVN, NPK = D // 8, BC // 8, DV // 8, BC // 8
@@ -537,42 +540,7 @@ def kernel_source_tf32(D, DV, NW, BC, HOLDQ, DBG=0):
                         acc = ", ".join(f"s_{n}_{r}" for r in range(4))
                         s(f"{acc} = mma_tf32({', '.join(qa)}, kb0, kb1, {acc})")
 
-                s(f"if j0 + {BC} > warp_min_end:")
-                with s.block():
-                    s("cb = j0 + I(t) * 2")
-                    for n in range(NN):
-                        for r, (e, add) in enumerate((("e0", 0), ("e0", 1), ("e1", 0), ("e1", 1))):
-                            s(f"if cb + {n * 8 + add} >= {e}:")
-                            with s.block():
-                                s(f"s_{n}_{r} = NEG_INF")
-                if DBG:
-                    s("if j0 == 0:")
-                    with s.block():
-                        for n in range(NN):
-                            for r, (row, add) in enumerate((("r0", 0), ("r0", 1), ("r1", 0),
-                                                            ("r1", 1))):
-                                s(f"if {row} < Nq:")
-                                with s.block():
-                                    s(f"dbg[b, h, U({row}), t * {U(2)} + {U(n * 8 + add)}] = "
-                                      f"s_{n}_{r}")
-
-                for half, (ra, rb) in enumerate(((0, 1), (2, 3))):
-                    terms = [f"s_{n}_{r}" for n in range(NN) for r in (ra, rb)]
-                    s(f"mx = {terms[0]}")
-                    for term in terms[1:]:
-                        s(f"mx = max(mx, {term})")
-                    s("mx = max(mx, cuda.shfl_xor_sync(FULL, mx, 1))",
-                      "mx = max(mx, cuda.shfl_xor_sync(FULL, mx, 2))",
-                      f"mn = max(m{half}, mx)",
-                      "mu = ZERO if mn == NEG_INF else mn * scale_log2",
-                      f"alpha{half} = ex2(m{half} * scale_log2 - mu)",
-                      f"m{half} = mn")
-                    for term in terms:
-                        s(f"{term} = ex2({term} * scale_log2 - mu)")
-                    s(f"l{half} = l{half} * alpha{half} + (" + " + ".join(terms) + ")")
-                    for n in range(NVN):
-                        for r in (ra, rb):
-                            s(f"o_{n}_{r} *= alpha{half}")
+                _emit_mask_and_softmax(s, NN, NVN, BC, DBG)
 
                 # ---- O += P V with the permuted contraction index (see docstring):
                 # A = (P[g, 2t], P[g+8, 2t], P[g, 2t+1], P[g+8, 2t+1]) of key tile kk,
