@@ -14,7 +14,7 @@ import cupy as cp
 import numpy as np
 
 import numflash
-from numflash.cuda import launch
+from numflash.cuda import fastpath, launch
 from numflash.testing import check
 
 
@@ -68,6 +68,8 @@ def main(argv=None):
     ap.add_argument("--json")
     ap.add_argument("--algorithms", default="block,row")
     ap.add_argument("--overhead-only", action="store_true", help="only the per-call overhead")
+    ap.add_argument("--sweep-only", type=int, nargs="*", default=None,
+                    help="only the block tile sweep, at these sequence lengths (B4 H16 d64)")
     args = ap.parse_args(argv)
     algos = args.algorithms.split(",")
     shapes = [  # B, H, N, d, dtype, causal
@@ -81,7 +83,7 @@ def main(argv=None):
     ]
     if args.quick:
         shapes = shapes[:2]
-    if args.overhead_only:
+    if args.overhead_only or args.sweep_only:
         shapes = []
     rng = np.random.default_rng(0)
     rows = []
@@ -120,47 +122,89 @@ def main(argv=None):
     # Block-kernel tile sweep at the headline shape (which tile does ptxas + the H100 like best?).
     from numflash import plan as _plan
     from numflash.cuda import block
-    from numflash.cuda.common import head_dim_bucket
     from numflash.inputs import normalize
-    for d, dt in ((64, "float32"), (128, "float32")) if not args.overhead_only else ():
-        q, k, v = (cp.asarray(rng.standard_normal((4, 16, 4096, d)).astype(dt)) for _ in range(3))
+    sweep = {64: [((256, 64, 8, 8), None), ((256, 64, 8, 8), False), ((128, 32, 8, 4), None),
+                  ((128, 32, 8, 4), False), ((128, 64, 8, 8), None), ((128, 64, 8, 4), None),
+                  ((64, 64, 8, 4), None), ((128, 128, 8, 8), None), ((64, 32, 8, 4), None),
+                  ((64, 64, 4, 4), None), ((32, 64, 4, 4), None)],
+             128: [((128, 32, 8, 4), None), ((128, 32, 8, 4), True), ((128, 64, 8, 4), None),
+                   ((64, 32, 8, 4), None), ((64, 32, 8, 4), True), ((128, 16, 8, 2), True),
+                   ((64, 64, 8, 4), None)]}
+    runs = [(4096, 64), (4096, 128)] if not args.sweep_only else [(n, 64) for n in args.sweep_only]
+    for N, d in runs if not args.overhead_only else ():
+        dt = "float32"
+        q, k, v = (cp.asarray(rng.standard_normal((4, 16, N, d)).astype(dt)) for _ in range(3))
         prob = normalize(q, k, v)
         dev = _plan.choose(prob, "cuda", "block").device
-        for BR, BC, TM, TN in ((64, 64, 8, 4), (128, 64, 8, 4), (128, 64, 8, 8), (128, 32, 8, 4),
-                               (64, 32, 8, 4), (128, 128, 8, 8), (256, 64, 8, 8)):
-            TX = BC // TN
-            cfg = {"D": head_dim_bucket(d), "DV": -(-head_dim_bucket(d) // TX) * TX, "BR": BR,
-                   "BC": BC, "TM": TM, "TN": TN, "acc": "float32"}
+        for tile, prefetch in sweep[d]:
+            cfg = block.tile_config(d, d, tile, "float32", prefetch)
+            name = "x".join(map(str, tile[:2])) + "/" + "x".join(map(str, tile[2:])) + \
+                f" PF={cfg['PF']}"
             if block.shared_bytes(cfg) > dev.smem_per_block_optin:
                 continue
             try:
                 block.run(prob, cfg, dev)
                 rep = check(prob.out[:1, :1], q[:1, :1], k[:1, :1], v[:1, :1], rows=np.r_[0:64])
                 med, lo, hi = cuda_time(lambda a, b_, c: block.run(prob, cfg, dev), [(q, k, v)])
-                print(f"tile d={d} {BR}x{BC} {TM}x{TN}: {med:8.3f} ms "
-                      f"{4 * 4 * 16 * 4096 * 4096 * d / med / 1e9:6.2f} TFLOP/s ok={rep.ok}")
+                res = launch.get_kernel(block.NAME, block.make_kernel, cfg)
+                regs = next(iter(res._loaded.values())).meta["resources"]
+                print(f"tile N={N} d={d} {name}: {med:8.3f} ms "
+                      f"{4 * 4 * 16 * N * N * d / med / 1e9:6.2f} TFLOP/s ok={rep.ok} "
+                      f"regs={regs.get('registers')} spill={regs.get('spill_store_bytes', 0)}",
+                      flush=True)
             except Exception as e:
-                print(f"tile d={d} {BR}x{BC} {TM}x{TN}: {type(e).__name__}: {str(e)[:100]}")
+                print(f"tile N={N} d={d} {name}: {type(e).__name__}: {str(e)[:100]}")
 
+    if args.sweep_only:
+        return
     # Per-call overhead at a tiny size vs a bare RawKernel launch (host wall time per call).
     q = cp.asarray(rng.standard_normal((1, 1, 128, 64)).astype("float32"))
     empty = cp.RawKernel('extern "C" __global__ void e(float* x){}', "e")
     numflash.attention(q, q, q)
     empty((1,), (32,), (q,))
     cp.cuda.Device().synchronize()
+    # Host time only: 100 calls between synchronizations, far fewer than the launch queue holds,
+    # so a kernel slower than its launch does not turn this into a GPU timing.
     overhead = {}
     for name, call in (("numflash", lambda: numflash.attention(q, q, q)),
                        ("raw_kernel", lambda: empty((1,), (32,), (q,)))):
         per = []
-        for _ in range(5):
-            t = time.perf_counter()
-            for _ in range(500):
-                call()
+        for _ in range(30):
             cp.cuda.Device().synchronize()
-            per.append((time.perf_counter() - t) / 500 * 1e6)
+            t = time.perf_counter()
+            for _ in range(100):
+                call()
+            per.append((time.perf_counter() - t) / 100 * 1e6)
         overhead[name] = statistics.median(per)
     print(f"per-call host time: numflash {overhead['numflash']:.1f} us, bare RawKernel "
           f"{overhead['raw_kernel']:.1f} us, difference {overhead['numflash'] - overhead['raw_kernel']:.1f} us")
+    # Where the replayed call's time goes, piece by piece (host time, 100-call batches).
+    replay = next(iter(fastpath._replays.values()))
+    stream_ptr = cp.cuda.get_current_stream().ptr
+    pointers = (q.data.ptr,) * 5
+    options = (False, None, "bhsd", "auto", "auto", False, "auto")
+    for name, call in (("cupy.empty", lambda: cp.empty((1, 1, 128, 64), cp.float32)),
+                       ("get_current_stream().ptr", lambda: cp.cuda.get_current_stream().ptr),
+                       ("fastpath.signature", lambda: fastpath.signature(q, q, q, options)),
+                       ("Recipe.launch", lambda: replay.recipe.launch(stream_ptr, pointers)),
+                       ("Replay (2 empty + launch)", lambda: replay(q, q, q))):
+        per = []
+        for _ in range(30):
+            cp.cuda.Device().synchronize()
+            t = time.perf_counter()
+            for _ in range(100):
+                call()
+            per.append((time.perf_counter() - t) / 100 * 1e6)
+        print(f"  piece {name:28s} {statistics.median(per):6.2f} us", flush=True)
+    first_call = []
+    for _ in range(200):  # the full path (checks, plan, packing), as every new signature takes
+        fastpath.clear()
+        cp.cuda.Device().synchronize()
+        t = time.perf_counter()
+        numflash.attention(q, q, q)
+        first_call.append((time.perf_counter() - t) * 1e6)
+    overhead["full_path"] = statistics.median(first_call)
+    print(f"per-call host time of the full path (new signature): {overhead['full_path']:.1f} us")
 
     import cProfile
     import pstats

@@ -1,5 +1,6 @@
 """Public entry points: check inputs -> choose a plan -> run it. No kernel code lives here."""
 from . import plan as _plan
+from .cuda import fastpath as _fastpath
 from .inputs import normalize
 
 
@@ -27,6 +28,13 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, layout="bhsd", backe
     A forced backend or algorithm that cannot run the inputs raises ValueError saying why;
     :func:`explain` shows the choice without running it.
     """
+    key = None
+    if out is None:  # a repeated CuPy call replays its recorded launch (cuda/fastpath.py)
+        key = _fastpath.signature(q, k, v, (causal, softmax_scale, layout, backend, algorithm,
+                                            bool(return_lse), precision))
+        replay = _fastpath.lookup(key)
+        if replay is not None:
+            return replay(q, k, v)
     problem = normalize(q, k, v, causal=causal, softmax_scale=softmax_scale, layout=layout,
                         return_lse=return_lse, out=out, precision=precision)
     plan = _plan.choose(problem, backend, algorithm)
@@ -37,6 +45,10 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, layout="bhsd", backe
         problem.out[...] = 0
         lse = problem.empty_lse()
         lse[...] = -float("inf")
+    elif key is not None and problem.on_device:
+        with _fastpath.recording() as launches:
+            lse = plan.run(problem)
+        _fastpath.remember(key, launches, problem, lse)
     else:
         lse = plan.run(problem)
     return (problem.result, lse) if return_lse else problem.result

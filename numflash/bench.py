@@ -425,6 +425,16 @@ def torch_sdpa_methods(torch, tsets, cfg, patterns):
     return methods, skipped
 
 
+def plain_naive_attention(xp, q, k, v, scale, hidden=None):
+    """The textbook expression softmax(scale q k^T) v, each step a new array in the input dtype:
+    the "CuPy naive" that the performance issue's own numbers (../shared/device/GPU.md) timed."""
+    s = xp.matmul(q, xp.swapaxes(k, -1, -2)) * q.dtype.type(scale)
+    if hidden is not None:
+        s = xp.where(hidden, s.dtype.type(-np.inf), s)
+    s = xp.exp(s - s.max(axis=-1, keepdims=True))
+    return xp.matmul(s / s.sum(axis=-1, keepdims=True), v)
+
+
 def naive_attention(xp, q, k, v, scale, hidden=None, bmm=None):
     """softmax(scale q k^T) v with NumPy or CuPy: S and P held in the input dtype, in place.
 
@@ -861,6 +871,17 @@ class CudaBackend:
                                                   "float32 accumulation" if bmm else "cupy.matmul",
                                         "mask": "(Nq, Nk) bool, built in the first warm-up call"
                                         if cfg.causal else None}))
+        if selected("cupy-naive-plain", peer_patterns):
+            plain_state = {}
+
+            def call_plain(i):
+                if cfg.causal and "hidden" not in plain_state:
+                    plain_state["hidden"] = causal_hidden(cp, cfg.Nq, cfg.Nk)
+                q, k, v = sets[i]
+                return plain_naive_attention(cp, q, k, v, cfg.scale, plain_state.get("hidden"))
+            methods.append(Method("cupy-naive-plain", "peer", call_plain, io="standard",
+                                  info={"matmul": "cupy.matmul", "softmax": "textbook, "
+                                        "out of place, in the input dtype"}))
         if self.torch is not None:
             tsets = [tuple(self.torch.from_dlpack(a) for a in s) for s in sets]
             tm, tskip = torch_sdpa_methods(self.torch, tsets, cfg, peer_patterns)

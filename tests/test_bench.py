@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from numflash import bench
+from numflash.testing import check
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 TINY = ["--backend", "cpu", "--batch", "1", "--heads", "2", "--d", "16", "--no-progress",
@@ -474,3 +475,14 @@ def test_others_cpu_share_sees_a_busy_process(tmp_path):
     # busy 200 jiffies of 400, of which this process 100: others took a quarter
     assert bench.others_cpu_share((100, 1000, 10), (300, 1400, 110)) == pytest.approx(0.25)
     assert bench.others_cpu_share(None, before) is None
+
+
+def test_plain_naive_peer_is_exact_attention(rng):
+    """The textbook naive peer (the performance issue's "CuPy naive") on NumPy, with and without
+    the causal mask."""
+    from numflash.bench import causal_hidden, plain_naive_attention
+    q, k, v = (rng.standard_normal((1, 2, 33, 16)).astype(np.float32) for _ in range(3))
+    assert check(plain_naive_attention(np, q, k, v, 0.25), q, k, v, softmax_scale=0.25).ok
+    hidden = causal_hidden(np, 33, 33)
+    assert check(plain_naive_attention(np, q, k, v, 0.25, hidden), q, k, v, softmax_scale=0.25,
+                 causal=True).ok

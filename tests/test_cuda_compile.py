@@ -67,7 +67,7 @@ def test_ptx_has_vector_shared_loads_and_no_wraparound():
     out = run_without_simulator("""
         from numflash.inspect import argtypes
         from numflash.cuda import block, launch
-        cfg = {"D": 64, "DV": 64, "BR": 64, "BC": 64, "TM": 8, "TN": 4, "acc": "float32"}
+        cfg = block.tile_config(64, 64, (64, 64, 8, 4), "float32")
         ptx = launch.compile_ptx(block.make_kernel(**cfg), argtypes("float32"), (9, 0))
         print(ptx.count("ld.shared.v4.f32"), ptx.count("shr.s64"), ptx.count(".entry"))
     """)

@@ -162,3 +162,63 @@ def test_plan_cache_tells_layouts_apart(rng, dtype):
         out = numflash.attention(qq, k, v, layout="bshd", causal=True)
         rep = check(out, qq, k, v, layout="bshd", causal=True)
         assert rep.ok, str(rep)
+
+
+REPLAY_CASES = [  # (dtype, shapes (B, H, Nq, Nk, d, dv), options)
+    ("float32", (2, 3, 200, 200, 64, 64), {}),
+    ("float32", (1, 2, 130, 257, 59, 40), {"causal": "bottom_right", "return_lse": True}),
+    ("float32", (2, 2, 100, 100, 64, 64), {"layout": "bshd", "causal": True}),
+    ("float32", (1, 2, 100, 300, 32, 32), {"algorithm": "row", "softmax_scale": 0.3}),
+    ("float64", (1, 2, 100, 100, 64, 64), {"return_lse": True}),
+    ("float16", (2, 2, 300, 300, 64, 64), {"causal": True}),  # cuda.mma
+]
+
+
+@pytest.mark.parametrize("dtype,shape,options", REPLAY_CASES, ids=lambda x: str(x))
+def test_repeated_call_replays_its_launch_with_new_inputs(rng, monkeypatch, dtype, shape, options):
+    """A second call with the same signature skips checks and planning (cuda/fastpath.py): new
+    inputs of the same shape are read, out and lse are fresh, the current stream is used."""
+    cp = cupy()
+    from numflash import api
+    B, H, Nq, Nk, d, dv = shape
+    bshd = options.get("layout") == "bshd"
+
+    def inputs():
+        dims = [(B, H, n, e) for n, e in ((Nq, d), (Nk, d), (Nk, dv))]
+        return [make(rng, (b, n, h, e) if bshd else (b, h, n, e), dtype) for b, h, n, e in dims]
+
+    first = numflash.attention(*inputs(), **options)
+    full_path = []
+    original = api.normalize
+    monkeypatch.setattr(api, "normalize", lambda *a, **kw: full_path.append(1) or original(*a, **kw))
+    q, k, v = inputs()
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        res = numflash.attention(q, k, v, **options)
+    stream.synchronize()
+    assert full_path == [], "the repeated call went through normalize()"
+    out, lse = res if options.get("return_lse") else (res, None)
+    assert type(out) is type(first[0] if isinstance(first, tuple) else first)
+    assert out.dtype == q.dtype and out.data.ptr != (first[0] if lse is not None else first).data.ptr
+    kw = {key: options[key] for key in ("causal", "softmax_scale", "layout") if key in options}
+    rep = check(out, q, k, v, lse=lse, **kw)
+    assert rep.ok, str(rep)
+
+
+def test_replay_never_takes_what_the_full_path_rejects(rng):
+    cp = cupy()
+    q = make(rng, (1, 2, 64, 32), "float32")
+    numflash.attention(q, q, q, causal=True)
+    with pytest.raises(ValueError, match="causal"):
+        numflash.attention(q, q, q, causal=1)            # equal to True, but not a valid mode
+    numflash.attention(q, q, q, softmax_scale=0.5)
+    with pytest.raises(TypeError, match="softmax_scale"):
+        numflash.attention(q, q, q, softmax_scale=[0.5])  # unhashable: full path, which refuses
+    with pytest.raises(TypeError, match="dtype"):
+        numflash.attention(q, q, q.astype(cp.float16))
+    strided = make(rng, (1, 2, 64, 64), "float32")[..., ::2]  # same shape, other strides
+    out = numflash.attention(strided, q, q, causal=True)
+    assert check(out, strided, q, q, causal=True).ok
+    out = cp.empty_like(q)
+    with pytest.raises(ValueError, match="overlaps"):
+        numflash.attention(q, q, out, out=out)            # out= always takes the full path

@@ -111,3 +111,62 @@ def test_cuda_backend_refuses_cpu_only_algorithm_names(rng):
     q = arrays(rng, (1, 1, 8, 8), "float32")
     with pytest.raises(ValueError, match="algorithm"):
         numflash.attention(q, q, q, backend="cuda", algorithm="tiled")
+
+
+@pytest.mark.parametrize("prefetch", [True, False])
+@pytest.mark.parametrize("shape", [(1, 2, 17, 40, 59, 20), (1, 1, 33, 33, 5, 7)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_block_tile_staging_with_and_without_prefetch(rng, prefetch, shape):
+    """Both ways cuda.block moves K/V tiles: fetched a tile ahead into registers (PF=1), or
+    staged synchronously in register-sized parts (PF=0, several parts at d=59)."""
+    from numflash import plan as _plan
+    from numflash.cuda import block
+    from numflash.inputs import normalize
+    B, H, Nq, Nk, d, dv = shape
+    q, k, v = arrays(rng, (B, H, Nq, d), "float32"), arrays(rng, (B, H, Nk, d), "float32"), \
+        arrays(rng, (B, H, Nk, dv), "float32")
+    problem = normalize(q, k, v, causal=True)
+    device = _plan.choose(problem, "cuda", "block").device
+    cfg = block.tile_config(d, dv, block.SIMULATOR_TILE, "float32", prefetch=prefetch)
+    parts = block.staged_parts(cfg)
+    assert (parts == (1, 1)) if prefetch else (d < 16 or parts[0] > 1)
+    lse = block.run(problem, cfg, device)
+    rep = check(problem.out, q, k, v, lse=lse, causal=True)
+    assert rep.ok, str(rep)
+
+
+def test_launch_packing_marks_every_array_data_pointer():
+    """What the GPU fast path patches on a repeated call: the data-pointer slot of each array in
+    the numba ABI's flattened parameters (meminfo, parent, nitems, itemsize, data, shape, strides)."""
+    from numflash.cuda import launch
+
+    class FakeDeviceArray:
+        def __init__(self, ptr, shape, itemsize=4):
+            self.ndim, self.shape, self.itemsize = len(shape), shape, itemsize
+            self.size = int(np.prod(shape))
+            self.strides = tuple(int(np.prod(shape[i + 1:])) * itemsize for i in range(len(shape)))
+            self.data = type("Ptr", (), {"ptr": ptr})()
+
+    args = (FakeDeviceArray(1000, (2, 3, 4, 5)), FakeDeviceArray(2000, (2, 3, 4)), 0.5, 7)
+    values, slots = launch._pack(args)
+    assert len(values) == 5 + 8 + 5 + 6 + 2
+    assert [values[s] for s in slots] == [1000, 2000]
+    assert values[slots[0] + 1: slots[0] + 5] == [2, 3, 4, 5]
+    assert values[-1] == 7 and values[-2] == np.float64(0.5).view(np.int64)
+    recipe = launch.Recipe(handle=0, grid=(4,), block=(32,), shared_bytes=0, values=values,
+                           slots=slots)
+    assert recipe.pointers == (1000, 2000) and recipe.grid == (4, 1, 1)
+
+
+def test_replay_signature_is_only_for_device_arrays(rng):
+    """NumPy calls never take the GPU fast path, and importing numflash imports neither numba
+    nor CuPy (the fast path's signature check must stay cheap to import)."""
+    import subprocess
+    import sys
+    from numflash.cuda import fastpath
+    q = arrays(rng, (1, 1, 8, 8), "float32")
+    assert fastpath.signature(q, q, q, (False, None)) is None
+    out = subprocess.run([sys.executable, "-c", "import sys, numflash; "
+                          "print('numba' in sys.modules, 'cupy' in sys.modules)"],
+                         capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["False", "False"]

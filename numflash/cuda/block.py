@@ -21,8 +21,9 @@ from numba import cuda
 
 from ..plan import Unsupported
 from . import launch
-from .common import NEG_INF, SMEM_ALIGN, compute_type, element_size, exp_for, group_max, \
-    group_sum, head_dim_bucket, key_end, tile_needs_mask, vector_load
+from .common import NEG_INF, SMEM_ALIGN, STAGE_CHUNK, compute_type, element_size, exp_for, \
+    group_max, group_sum, head_dim_bucket, key_end, stage_parts, tile_needs_mask, tile_stager, \
+    vector_load
 
 NAME = "cuda.block"
 
@@ -51,7 +52,17 @@ def _vector_width(n, acc):
     return w
 
 
-def make_kernel(D, DV, BR, BC, TM, TN, acc):
+# Registers a thread may hold for the next K and V tile (PF = 1); past this the tiles are staged
+# synchronously, STAGE_CHUNK 32-bit words per thread at a time.
+PREFETCH_REGS = 32
+
+
+def prefetch_fits(D, DV, BC, TM, TN, BR, acc):
+    threads = (BR // TM) * (BC // TN)
+    return -(-BC * D // threads) - (-BC * DV // threads) <= PREFETCH_REGS // (element_size(acc) // 4)
+
+
+def make_kernel(D, DV, BR, BC, TM, TN, acc, PF):
     """Kernel for head dims padded to D (q, k) and DV (v, a multiple of BC // TN).
 
     Index arithmetic is unsigned 64-bit throughout: numba guards every signed index with
@@ -70,6 +81,9 @@ def make_kernel(D, DV, BR, BC, TM, TN, acc):
     uVA, uVB, uVO = u(VA), u(VB), u(VO)
     QP, KP, K_OFF, V_OFF, P_OFF, S_OFF, _ = (u(x) for x in _layout(D, DV, BR, BC, TM, TN, acc))
     zero, one = u(0), u(1)
+    chunk = None if PF else STAGE_CHUNK // (element_size(acc) // 4)
+    fetch_k, store_k, K_REGS, K_PARTS = tile_stager(BC, D, NT, acc, True, KP, chunk)  # Kt[c][j]
+    fetch_v, store_v, V_REGS, V_PARTS = tile_stager(BC, DV, NT, acc, False, DV, chunk)  # Vs[j][c]
 
     def block_attention(q, k, v, out, lse, scale, causal, causal_offset):
         H = q.shape[1]
@@ -80,7 +94,9 @@ def make_kernel(D, DV, BR, BC, TM, TN, acc):
         ty = tid // uTX
         b = u(cuda.blockIdx.x // H)
         h = u(cuda.blockIdx.x % H)
-        i0 = u(cuda.blockIdx.y) * uBR
+        # Last query blocks first: under a causal mask they have the most keys, and starting
+        # the longest blocks first leaves short ones, not long ones, for the final wave.
+        i0 = u(cuda.gridDim.y - 1 - cuda.blockIdx.y) * uBR
         smem = cuda.shared.array(0, ACC, alignment=SMEM_ALIGN)
         scratch = smem[S_OFF:]
 
@@ -108,18 +124,27 @@ def make_kernel(D, DV, BR, BC, TM, TN, acc):
         col0 = tx * uTO
         last_row = min(Nq, i0 + uBR) - one
         block_keys = u(key_end(last_row, Nk, causal, causal_offset))
+        kreg = cuda.local.array(K_REGS, ACC)
+        vreg = cuda.local.array(V_REGS, ACC)
+        if PF:  # tile j+1 is fetched into registers while tile j is computed on
+            fetch_k(kbh, zero, Nk, d, kreg, tid, zero)
+            fetch_v(vbh, zero, Nk, dv, vreg, tid, zero)
         for j0 in range(zero, block_keys, uBC):
             cuda.syncthreads()  # previous tile's Kt, Vs, Pt are no longer read
-            for idx in range(tid, uBC * uD, uNT):
-                j = idx // uD
-                c = idx - j * uD
-                smem[K_OFF + c * KP + j] = ACC(kbh[j0 + j, c]) if j0 + j < Nk and c < d \
-                    else ACC(0)
-            for idx in range(tid, uBC * uDV, uNT):
-                j = idx // uDV
-                c = idx - j * uDV
-                smem[V_OFF + idx] = ACC(vbh[j0 + j, c]) if j0 + j < Nk and c < dv else ACC(0)
+            if PF:
+                store_k(smem, K_OFF, kreg, tid, zero)
+                store_v(smem, V_OFF, vreg, tid, zero)
+            else:
+                for part in range(u(K_PARTS)):
+                    fetch_k(kbh, j0, Nk, d, kreg, tid, part)
+                    store_k(smem, K_OFF, kreg, tid, part)
+                for part in range(u(V_PARTS)):
+                    fetch_v(vbh, j0, Nk, dv, vreg, tid, part)
+                    store_v(smem, V_OFF, vreg, tid, part)
             cuda.syncthreads()
+            if PF and j0 + uBC < block_keys:
+                fetch_k(kbh, j0 + uBC, Nk, d, kreg, tid, zero)
+                fetch_v(vbh, j0 + uBC, Nk, dv, vreg, tid, zero)
 
             for ii in range(uTM):
                 for jj in range(uTN):
@@ -232,20 +257,36 @@ def tile_candidates(device, acc, D):
     raise AssertionError("every (arch, acc) has a class up to d=256")
 
 
+def tile_config(d, dv, tile, acc, prefetch=None):
+    """The kernel config for head dims d, dv and a (BR, BC, TM, TN) tile; prefetch (PF) defaults
+    to whether the next tile fits in PREFETCH_REGS registers."""
+    BR, BC, TM, TN = tile
+    D = head_dim_bucket(d)
+    DV = -(-head_dim_bucket(dv) // (BC // TN)) * (BC // TN)
+    if prefetch is None:
+        prefetch = prefetch_fits(D, DV, BC, TM, TN, BR, acc)
+    return {"D": D, "DV": DV, "BR": BR, "BC": BC, "TM": TM, "TN": TN, "acc": acc,
+            "PF": int(prefetch)}
+
+
 def config(problem, device):
     B, H, Nq, Nk, d, dv = problem.shape
     acc = "float64" if problem.dtype_name == "float64" else "float32"
-    D = head_dim_bucket(d)
-    for BR, BC, TM, TN in tile_candidates(device, acc, D):
-        TX = BC // TN
-        DV = -(-head_dim_bucket(dv) // TX) * TX
-        cfg = {"D": D, "DV": DV, "BR": BR, "BC": BC, "TM": TM, "TN": TN, "acc": acc}
+    for tile in tile_candidates(device, acc, head_dim_bucket(d)):
+        cfg = tile_config(d, dv, tile, acc)
         if device.simulator or shared_bytes(cfg) <= device.smem_per_block_optin:
             return cfg
     raise Unsupported(f"{NAME}: even its smallest tile needs {shared_bytes(cfg)} bytes of shared "
                       f"memory for d={d}, dv={dv} in {acc}, more than the "
                       f"{device.smem_per_block_optin} a block may use on {device.name}; "
                       f"algorithm='row' or the CPU path can take it")
+
+
+def staged_parts(cfg):
+    """How many register-sized parts a K and a V tile are staged in (1 each with prefetch)."""
+    chunk = None if cfg["PF"] else STAGE_CHUNK // (element_size(cfg["acc"]) // 4)
+    threads = (cfg["BR"] // cfg["TM"]) * (cfg["BC"] // cfg["TN"])
+    return tuple(stage_parts(cfg["BC"], cols, threads, chunk)[1] for cols in (cfg["D"], cfg["DV"]))
 
 
 def shared_bytes(cfg):

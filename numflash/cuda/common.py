@@ -6,6 +6,8 @@ meaning; everything else is one definition.
 """
 import math
 
+import numpy as np
+
 from numba import cuda, float32, float64, int64
 
 from ..plan import simulator_enabled
@@ -155,3 +157,62 @@ def head_dim_bucket(n):
 
 def element_size(acc_name):
     return 8 if acc_name == "float64" else 4
+
+
+def _inlined_device(fn):
+    """A device function inlined into its caller, so local arrays it fills stay in registers."""
+    if simulator_enabled():
+        return cuda.jit(device=True)(fn)
+    return cuda.jit(device=True, forceinline=True)(fn)
+
+
+# 32-bit words of a tile a thread loads at once when tiles are staged synchronously: enough loads
+# in flight to cover memory latency, few enough registers to leave the accumulators alone.
+STAGE_CHUNK = 16
+
+
+def stage_parts(rows, cols, threads, chunk=None):
+    """(elements per part, parts) in which each thread stages its share of a rows x cols tile."""
+    per_thread = -(-rows * cols // threads)
+    size = per_thread if chunk is None else max(1, min(chunk, per_thread))
+    return size, -(-per_thread // size)
+
+
+def tile_stager(rows, cols, threads, acc, transposed, pitch, chunk=None):
+    """Device functions that move a rows x cols tile from global to shared memory through
+    registers, in parts of at most `chunk` elements per thread (all of its share if None).
+
+    Returns (fetch, store, part_size, parts):
+    fetch(src, r0, nr, nc, regs, tid, part): regs[w] <- src[r0 + r, c] for element w of this
+        thread's part (zero past nr rows or nc columns). The loads are independent, so all of a
+        part is in flight at once; a kernel fetching tile j+1 before it computes on tile j (one
+        part) hides the memory latency behind the compute.
+    store(smem, base, regs, tid, part): to smem[base + r * pitch + c], or [base + c * pitch + r]
+        if `transposed`. Consecutive threads take consecutive columns: coalesced global reads.
+    """
+    ACC = compute_type(acc)
+    u = np.uint64
+    per_thread = -(-rows * cols // threads)
+    size, parts = stage_parts(rows, cols, threads, chunk)
+    total, uC, uP, uT, uS = u(rows * cols), u(cols), u(pitch), u(threads), u(size)
+    exact = rows * cols % threads == 0 and per_thread % size == 0
+
+    @_inlined_device
+    def fetch(src, r0, nr, nc, regs, tid, part):
+        for w in range(size):
+            idx = tid + (part * uS + u(w)) * uT
+            r = idx // uC
+            c = idx - r * uC
+            regs[w] = ACC(src[r0 + r, c]) if (exact or idx < total) and r0 + r < nr and c < nc \
+                else ACC(0)
+
+    @_inlined_device
+    def store(smem, base, regs, tid, part):
+        for w in range(size):
+            idx = tid + (part * uS + u(w)) * uT
+            if exact or idx < total:
+                r = idx // uC
+                c = idx - r * uC
+                smem[base + (c * uP + r if transposed else r * uP + c)] = regs[w]
+
+    return fetch, store, size, parts

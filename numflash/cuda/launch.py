@@ -22,6 +22,7 @@ import threading
 import numpy as np
 
 from ..plan import simulator_enabled
+from . import fastpath
 from .common import FASTMATH
 
 _CUDA_DIR = pathlib.Path(__file__).parent
@@ -79,21 +80,62 @@ def _signature_key(args):
 
 
 def _pack(args):
-    """The kernel's parameters as one int64 array, in the numba ABI: each array becomes meminfo,
-    parent, nitems, itemsize, data, shape..., strides...; floats travel as their float64 bits."""
-    flat = []
+    """The kernel's parameters in the numba ABI as int64 values, and for each array argument the
+    index of its data pointer among them. Each array becomes meminfo, parent, nitems, itemsize,
+    data, shape..., strides...; floats travel as their float64 bits."""
+    flat, slots = [], []
     for a in args:
         if hasattr(a, "ndim"):
+            slots.append(len(flat) + 4)
             flat += (0, 0, a.size, a.itemsize, a.data.ptr, *a.shape, *a.strides)
         elif isinstance(a, float):
             flat.append(_F64_BITS.unpack(_F64.pack(a))[0])
         else:
             flat.append(int(a))
-    return np.array(flat, dtype=np.int64)
+    return flat, slots
+
+
+class Recipe:
+    """One launch ready to be replayed with new data pointers for its array arguments.
+
+    The parameter values live in ctypes buffers, one per calling thread (cuLaunchKernel copies
+    them at the call, so a thread may patch and reuse its buffer right after).
+    """
+    __slots__ = ("handle", "grid", "block", "shared_bytes", "values", "slots", "pointers",
+                 "_buffers", "_head")
+
+    def __init__(self, handle, grid, block, shared_bytes, values, slots):
+        self.handle, self.shared_bytes = handle, shared_bytes
+        self.grid = tuple(grid) + (1,) * (3 - len(grid))
+        self.block = tuple(block) + (1,) * (3 - len(block))
+        self._head = (handle, *self.grid, *self.block, shared_bytes)  # cuLaunchKernel's first 8
+        self.values, self.slots = values, tuple(slots)
+        self.pointers = tuple(values[s] for s in slots)  # the data pointers it was recorded with
+        self._buffers = {}
+
+    def _buffer(self):
+        ident = threading.get_ident()
+        buf = self._buffers.get(ident)
+        if buf is None:
+            n = len(self.values)
+            values = (ctypes.c_int64 * n)(*self.values)
+            base = ctypes.addressof(values)
+            params = (ctypes.c_void_p * n)(*range(base, base + 8 * n, 8))
+            buf = self._buffers[ident] = (values, params, ctypes.addressof(params))
+        return buf
+
+    def launch(self, stream, pointers=()):
+        """Launch on `stream` (a CUstream handle), the first array arguments at `pointers`."""
+        values, _, params = self._buffer()
+        for slot, ptr in zip(self.slots, pointers):
+            values[slot] = ptr
+        err = (_launch_fn or _cu_launch_kernel())(*self._head, stream, params, None)
+        if err:
+            from cuda.bindings import driver
+            _driver_call((driver.CUresult(err),))
 
 
 _F64, _F64_BITS = struct.Struct("d"), struct.Struct("q")
-_OFFSETS = 8 * np.arange(512, dtype=np.uint64)  # byte offset of each packed parameter
 
 
 def _driver_call(result):
@@ -272,14 +314,10 @@ class Kernel:
                 loaded.fn, driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                 shared_bytes))
             loaded.max_shared = shared_bytes
-        values = _pack(args)
-        pointers = values.ctypes.data + _OFFSETS[:len(values)]
-        grid = tuple(grid) + (1,) * (3 - len(grid))
-        block = tuple(block) + (1,) * (3 - len(block))
-        err = _cu_launch_kernel()(loaded.handle, *grid, *block, shared_bytes,
-                                  cupy.cuda.get_current_stream().ptr, pointers.ctypes.data, None)
-        if err:
-            _driver_call((driver.CUresult(err),))
+        values, slots = _pack(args)
+        recipe = Recipe(loaded.handle, grid, block, shared_bytes, values, slots)
+        recipe.launch(cupy.cuda.get_current_stream().ptr)
+        fastpath.note_launch(recipe)
 
 
 class _Loaded:

@@ -12,7 +12,8 @@ import numpy as np
 from numba import cuda
 
 from . import launch
-from .common import NEG_INF, compute_type, element_size, exp_for, head_dim_bucket, key_end
+from .common import NEG_INF, STAGE_CHUNK, compute_type, element_size, exp_for, head_dim_bucket, \
+    key_end, tile_stager
 
 NAME = "cuda.row"
 ROWS = 128
@@ -30,6 +31,10 @@ def make_kernel(D, DV, BC, ROWS, acc):
     uD, uDV, uBC, uROWS = u(D), u(DV), u(BC), u(ROWS)
     V_OFF = u(BC * D)  # V tile starts after the K tile
     zero = u(0)
+    chunk = STAGE_CHUNK // (element_size(acc) // 4)
+    stage_k, store_k, STAGE_REGS, K_PARTS = tile_stager(BC, D, ROWS, acc, False, D, chunk)
+    stage_v, store_v, V_REGS, V_PARTS = tile_stager(BC, DV, ROWS, acc, False, DV, chunk)
+    STAGE_REGS = max(STAGE_REGS, V_REGS)
 
     def row_attention(q, k, v, out, lse, scale, causal, causal_offset):
         H = q.shape[1]
@@ -38,9 +43,11 @@ def make_kernel(D, DV, BC, ROWS, acc):
         tid = u(cuda.threadIdx.x)
         b = u(cuda.blockIdx.x // H)
         h = u(cuda.blockIdx.x % H)
-        block_first = u(cuda.blockIdx.y) * uROWS
+        block_first = u(cuda.gridDim.y - 1 - cuda.blockIdx.y) * uROWS  # longest (causal) first
         i = block_first + tid
         smem = cuda.shared.array(0, ACC)
+        kbh, vbh = k[b, h], v[b, h]
+        regs = cuda.local.array(STAGE_REGS, ACC)
 
         qr = cuda.local.array(D, ACC)
         acc_o = cuda.local.array(DV, ACC)
@@ -55,14 +62,12 @@ def make_kernel(D, DV, BC, ROWS, acc):
         block_keys = u(key_end(min(Nq, block_first + uROWS) - u(1), Nk, causal, causal_offset))
         for j0 in range(zero, block_keys, uBC):
             cuda.syncthreads()  # the previous tile is no longer read
-            for idx in range(tid, uBC * uD, uROWS):
-                j = idx // uD
-                c = idx - j * uD
-                smem[idx] = ACC(k[b, h, j0 + j, c]) if j0 + j < Nk and c < d else ACC(0)
-            for idx in range(tid, uBC * uDV, uROWS):
-                j = idx // uDV
-                c = idx - j * uDV
-                smem[V_OFF + idx] = ACC(v[b, h, j0 + j, c]) if j0 + j < Nk and c < dv else ACC(0)
+            for part in range(u(K_PARTS)):
+                stage_k(kbh, j0, Nk, d, regs, tid, part)
+                store_k(smem, zero, regs, tid, part)
+            for part in range(u(V_PARTS)):
+                stage_v(vbh, j0, Nk, dv, regs, tid, part)
+                store_v(smem, V_OFF, regs, tid, part)
             cuda.syncthreads()
             keys = min(uBC, row_keys - j0) if row_keys > j0 else zero
             for j in range(keys):

@@ -1,0 +1,109 @@
+"""Repeated GPU calls replay the recorded launch: no argument checks, planning or packing again.
+
+The first call with a given signature runs the full path: normalize() checks every argument,
+plan.choose() picks the kernel, the kernel module packs and launches it. That launch is recorded
+(a launch.Recipe) under the call's signature. A later call with the same signature allocates the
+output and lse, patches five data pointers (q, k, v, out, lse) into the recorded parameters and
+launches: about 64 us of Python on the full path (bench/NOTES.md, "Launch overhead") becomes a few.
+
+The signature holds everything the checks, the plan and the packed parameters depend on: the
+array type, shapes, strides, dtypes, devices and 16-byte alignment of q, k and v, the current
+device and every option with its type. (The simulator switch is not in it: numba reads
+NUMBA_ENABLE_CUDASIM once, at import, and with it on no CuPy call is ever recorded.) So a call that the full path would
+reject, or plan differently, never matches a recorded one. Calls with ``out=`` always take the
+full path (it must check that ``out`` does not overlap an input).
+
+This module imports nothing heavy: ``import numflash`` must not import numba or CuPy.
+"""
+import sys
+import threading
+
+_recorded = threading.local()
+_replays = {}
+_MAX_REPLAYS = 1024
+_cupy = _cupy_ndarray = _get_device = None  # set once CuPy has been imported by someone
+
+
+def note_launch(recipe):
+    """Called by launch.Kernel for every GPU launch; kept only inside ``recording()``."""
+    launches = getattr(_recorded, "launches", None)
+    if launches is not None:
+        launches.append(recipe)
+
+
+class recording:
+    """Collect the launches made in this thread inside the block."""
+
+    def __enter__(self):
+        self.launches = _recorded.launches = []
+        return self.launches
+
+    def __exit__(self, *exc):
+        _recorded.launches = None
+
+
+def signature(q, k, v, options):
+    """The replay key of a call, or None when it cannot be replayed (not three CuPy arrays)."""
+    global _cupy, _cupy_ndarray, _get_device
+    if _cupy_ndarray is None:
+        _cupy = sys.modules.get("cupy")
+        if _cupy is None:
+            return None
+        _cupy_ndarray, _get_device = _cupy.ndarray, _cupy.cuda.runtime.getDevice
+    t = _cupy_ndarray
+    if type(q) is not t or type(k) is not t or type(v) is not t:
+        return None
+    qd, kd, vd = q.data, k.data, v.data
+    key = (q.shape, q.strides, k.shape, k.strides, v.shape, v.strides, q.dtype, k.dtype, v.dtype,
+           qd.device_id, kd.device_id, vd.device_id, qd.ptr % 16, kd.ptr % 16, vd.ptr % 16,
+           _get_device(), options,
+           tuple(map(type, options)))  # causal=1 is not causal=True: only the latter is valid
+    try:
+        hash(key)  # an unhashable option (which the full path rejects) cannot be a key
+    except TypeError:
+        return None
+    return key
+
+
+class Replay:
+    """A recorded call: allocate out and lse like the full path did, then relaunch."""
+    __slots__ = ("recipe", "out_shape", "dtype", "lse_shape", "return_lse")
+
+    def __init__(self, recipe, problem):
+        self.recipe = recipe
+        self.dtype = problem.dtype
+        self.out_shape = tuple(problem.result.shape)
+        self.lse_shape = tuple(problem.q.shape[:3])
+        self.return_lse = problem.return_lse
+
+    def __call__(self, q, k, v):
+        cupy = _cupy
+        out = cupy.empty(self.out_shape, self.dtype)
+        lse = cupy.empty(self.lse_shape, cupy.float32)
+        self.recipe.launch(cupy.cuda.get_current_stream().ptr,
+                           (q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, lse.data.ptr))
+        return (out, lse) if self.return_lse else out
+
+
+def lookup(key):
+    return _replays.get(key) if key is not None else None
+
+
+def remember(key, launches, problem, lse):
+    """Keep the call's launch for replay if it was one launch with the conventional first five
+    array arguments (q, k, v, out, lse); any further array argument must outlive the process
+    (the mma kernel's debug placeholder). Returns the Replay, or None if the call cannot be one."""
+    if key is None or len(launches) != 1:
+        return None
+    recipe = launches[0]
+    expected = tuple(a.data.ptr for a in (problem.q, problem.k, problem.v, problem.out, lse))
+    if recipe.pointers[:5] != expected:
+        return None
+    if len(_replays) >= _MAX_REPLAYS:
+        _replays.clear()
+    replay = _replays[key] = Replay(recipe, problem)
+    return replay
+
+
+def clear():
+    _replays.clear()
