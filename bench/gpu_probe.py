@@ -69,7 +69,7 @@ def main(argv=None):
     ap.add_argument("--algorithms", default="block,row")
     ap.add_argument("--overhead-only", action="store_true", help="only the per-call overhead")
     ap.add_argument("--sweep-only", type=int, nargs="*", default=None,
-                    help="only the block tile sweep, at these sequence lengths (B4 H16 d64)")
+                    help="only the block tile sweep, at these sequence lengths (B4 H16; d=64, and 128 at 4096)")
     args = ap.parse_args(argv)
     algos = args.algorithms.split(",")
     shapes = [  # B, H, N, d, dtype, causal
@@ -123,23 +123,23 @@ def main(argv=None):
     from numflash import plan as _plan
     from numflash.cuda import block
     from numflash.inputs import normalize
-    sweep = {64: [((256, 64, 8, 8), None), ((256, 64, 8, 8), False), ((128, 32, 8, 4), None),
-                  ((128, 32, 8, 4), False), ((128, 64, 8, 8), None), ((128, 64, 8, 4), None),
-                  ((64, 64, 8, 4), None), ((128, 128, 8, 8), None), ((64, 32, 8, 4), None),
-                  ((64, 64, 4, 4), None), ((32, 64, 4, 4), None)],
-             128: [((128, 32, 8, 4), None), ((128, 32, 8, 4), True), ((128, 64, 8, 4), None),
-                   ((64, 32, 8, 4), None), ((64, 32, 8, 4), True), ((128, 16, 8, 2), True),
-                   ((64, 64, 8, 4), None)]}
-    runs = [(4096, 64), (4096, 128)] if not args.sweep_only else [(n, 64) for n in args.sweep_only]
+    sweep = {  # (tile, prefetch, pipelined micro-GEMMs); None: the module's default
+        64: [((256, 64, 8, 8), None, 0), ((256, 64, 8, 8), None, 1), ((256, 64, 8, 8), False, 1),
+             ((128, 32, 8, 4), None, 0), ((128, 32, 8, 4), None, 1), ((128, 64, 8, 8), None, 0),
+             ((128, 64, 8, 8), None, 1), ((128, 64, 8, 4), None, 1), ((64, 64, 8, 4), None, 1)],
+        128: [((128, 32, 8, 4), None, 0), ((128, 32, 8, 4), None, 1), ((128, 64, 8, 4), None, 0),
+              ((128, 64, 8, 4), None, 1), ((64, 64, 8, 4), None, 1), ((128, 64, 8, 8), None, 0),
+              ((128, 64, 8, 8), None, 1)]}
+    runs = [(n, d) for n in (args.sweep_only or [4096]) for d in ((64, 128) if n == 4096 else (64,))]
     for N, d in runs if not args.overhead_only else ():
         dt = "float32"
         q, k, v = (cp.asarray(rng.standard_normal((4, 16, N, d)).astype(dt)) for _ in range(3))
         prob = normalize(q, k, v)
         dev = _plan.choose(prob, "cuda", "block").device
-        for tile, prefetch in sweep[d]:
-            cfg = block.tile_config(d, d, tile, "float32", prefetch)
+        for tile, prefetch, pipelined in sweep[d]:
+            cfg = block.tile_config(d, d, tile, "float32", prefetch, pipelined)
             name = "x".join(map(str, tile[:2])) + "/" + "x".join(map(str, tile[2:])) + \
-                f" PF={cfg['PF']}"
+                f" PF={cfg['PF']} SP={cfg['SP']}"
             if block.shared_bytes(cfg) > dev.smem_per_block_optin:
                 continue
             try:

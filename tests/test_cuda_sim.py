@@ -113,12 +113,13 @@ def test_cuda_backend_refuses_cpu_only_algorithm_names(rng):
         numflash.attention(q, q, q, backend="cuda", algorithm="tiled")
 
 
-@pytest.mark.parametrize("prefetch", [True, False])
+@pytest.mark.parametrize("prefetch,pipelined", [(True, True), (False, True), (True, False)])
 @pytest.mark.parametrize("shape", [(1, 2, 17, 40, 59, 20), (1, 1, 33, 33, 5, 7)],
                          ids=lambda s: "x".join(map(str, s)))
-def test_block_tile_staging_with_and_without_prefetch(rng, prefetch, shape):
+def test_block_tile_staging_and_micro_gemm_variants(rng, prefetch, pipelined, shape):
     """Both ways cuda.block moves K/V tiles: fetched a tile ahead into registers (PF=1), or
-    staged synchronously in register-sized parts (PF=0, several parts at d=59)."""
+    staged synchronously in register-sized parts (PF=0, several parts at d=59); and both ways its
+    micro-GEMMs run: operands of step k+1 loaded before step k's FMAs (SP=1), or not."""
     from numflash import plan as _plan
     from numflash.cuda import block
     from numflash.inputs import normalize
@@ -127,7 +128,8 @@ def test_block_tile_staging_with_and_without_prefetch(rng, prefetch, shape):
         arrays(rng, (B, H, Nk, dv), "float32")
     problem = normalize(q, k, v, causal=True)
     device = _plan.choose(problem, "cuda", "block").device
-    cfg = block.tile_config(d, dv, block.SIMULATOR_TILE, "float32", prefetch=prefetch)
+    cfg = block.tile_config(d, dv, block.SIMULATOR_TILE, "float32", prefetch=prefetch,
+                            pipelined=pipelined)
     parts = block.staged_parts(cfg)
     assert (parts == (1, 1)) if prefetch else (d < 16 or parts[0] > 1)
     lse = block.run(problem, cfg, device)
@@ -170,3 +172,19 @@ def test_replay_signature_is_only_for_device_arrays(rng):
                           "print('numba' in sys.modules, 'cupy' in sys.modules)"],
                          capture_output=True, text=True, check=True).stdout.split()
     assert out == ["False", "False"]
+
+
+@pytest.mark.parametrize("dtype,d,dv,chunks", [("float32", 16, 200, 2), ("float64", 59, 111, 2),
+                                               ("float32", 100, 80, 1)])
+def test_row_kernel_large_head_dims(rng, dtype, d, dv, chunks):
+    """Head dims past the registers: the row kernel keeps q in shared memory (QS) and splits the
+    output columns across blocks (DV < dv), every option still exact."""
+    q, k, v = arrays(rng, (1, 2, 9, d), dtype), arrays(rng, (1, 2, 40, d), dtype), \
+        arrays(rng, (1, 2, 40, dv), dtype)
+    plan = numflash.explain(q, k, v, backend="cuda", algorithm="row")
+    assert plan.config["QS"] == 1 and -(-dv // plan.config["DV"]) == chunks
+    for causal in (False, "bottom_right"):
+        out, lse = numflash.attention(q, k, v, causal=causal, backend="cuda", algorithm="row",
+                                      return_lse=True)
+        rep = check(out, q, k, v, lse=lse, causal=causal)
+        assert rep.ok, str(rep)

@@ -22,8 +22,8 @@ from numba import cuda
 from ..plan import Unsupported
 from . import launch
 from .common import NEG_INF, SMEM_ALIGN, STAGE_CHUNK, compute_type, element_size, exp_for, \
-    group_max, group_sum, head_dim_bucket, key_end, stage_parts, tile_needs_mask, tile_stager, \
-    vector_load
+    group_max, group_sum, head_dim_bucket, inlined_device, key_end, stage_parts, tile_needs_mask, \
+    tile_stager, vector_load
 
 NAME = "cuda.block"
 
@@ -55,6 +55,7 @@ def _vector_width(n, acc):
 # Registers a thread may hold for the next K and V tile (PF = 1); past this the tiles are staged
 # synchronously, STAGE_CHUNK 32-bit words per thread at a time.
 PREFETCH_REGS = 32
+PIPELINED = 0  # micro-GEMMs load step k+1's operands before step k's FMAs (SP)
 
 
 def prefetch_fits(D, DV, BC, TM, TN, BR, acc):
@@ -62,7 +63,59 @@ def prefetch_fits(D, DV, BC, TM, TN, BR, acc):
     return -(-BC * D // threads) - (-BC * DV // threads) <= PREFETCH_REGS // (element_size(acc) // 4)
 
 
-def make_kernel(D, DV, BR, BC, TM, TN, acc, PF):
+def micro_gemm(M, N, acc, pipelined):
+    """Device function: out[M][N] += sum over k < steps of A[k][0:M] (outer) B[k][0:N], where the
+    rows A[k] and B[k] are read from shared memory at a_off + k * a_pitch and b_off + k * b_pitch
+    in 16-byte vectors into the register arrays a and b (a2 and b2: a second set).
+
+    `pipelined`: step k+1's operands are loaded into the second set before step k's FMAs, so the
+    shared-memory latency hides behind them (steps must be even); otherwise each step loads, then
+    multiplies, and only other warps hide the latency.
+    """
+    u = np.uint64
+    VA, VB = _vector_width(M, acc), _vector_width(N, acc)
+    uM, uN, uVA, uVB, zero, two = u(M), u(N), u(VA), u(VB), u(0), u(2)
+
+    @inlined_device
+    def load(smem, a, b, a_off, b_off):
+        for i in range(zero, uM, uVA):
+            t = vector_load(smem, a_off + i, VA)
+            for w in range(uVA):
+                a[i + w] = t[w]
+        for j in range(zero, uN, uVB):
+            t = vector_load(smem, b_off + j, VB)
+            for w in range(uVB):
+                b[j + w] = t[w]
+
+    @inlined_device
+    def fma(out, a, b):
+        for i in range(uM):
+            for j in range(uN):
+                out[i, j] += a[i] * b[j]
+
+    @inlined_device
+    def gemm(smem, out, a, b, a2, b2, a_off, a_pitch, b_off, b_pitch, steps):
+        if pipelined:
+            load(smem, a, b, a_off, b_off)
+            for k in range(zero, steps, two):
+                load(smem, a2, b2, a_off + a_pitch, b_off + b_pitch)
+                fma(out, a, b)
+                a_off += two * a_pitch
+                b_off += two * b_pitch
+                if k + two < steps:
+                    load(smem, a, b, a_off, b_off)
+                fma(out, a2, b2)
+        else:
+            for k in range(steps):
+                load(smem, a, b, a_off, b_off)
+                fma(out, a, b)
+                a_off += a_pitch
+                b_off += b_pitch
+
+    return gemm
+
+
+def make_kernel(D, DV, BR, BC, TM, TN, acc, PF, SP):
     """Kernel for head dims padded to D (q, k) and DV (v, a multiple of BC // TN).
 
     Index arithmetic is unsigned 64-bit throughout: numba guards every signed index with
@@ -75,13 +128,15 @@ def make_kernel(D, DV, BR, BC, TM, TN, acc, PF):
     TY, TX = BR // TM, BC // TN  # thread grid: TX threads share a row group (consecutive lanes)
     NT = TX * TY
     TO = DV // TX                # output columns per thread
-    VA, VB, VO = _vector_width(TM, acc), _vector_width(TN, acc), _vector_width(TO, acc)
-    uD, uDV, uBR, uBC, uNT = u(D), u(DV), u(BR), u(BC), u(NT)
+    qk_gemm = micro_gemm(TM, TN, acc, SP)   # S = Q K^T over the head dim
+    pv_gemm = micro_gemm(TM, TO, acc, SP)   # O += P V over the tile's keys
+    uD, uDV, uBR, uBC = u(D), u(DV), u(BR), u(BC)
     uTM, uTN, uTO, uTX = u(TM), u(TN), u(TO), u(TX)
-    uVA, uVB, uVO = u(VA), u(VB), u(VO)
     QP, KP, K_OFF, V_OFF, P_OFF, S_OFF, _ = (u(x) for x in _layout(D, DV, BR, BC, TM, TN, acc))
     zero, one = u(0), u(1)
     chunk = None if PF else STAGE_CHUNK // (element_size(acc) // 4)
+    fetch_q, store_q, Q_REGS, Q_PARTS = tile_stager(BR, D, NT, acc, True, QP,
+                                                    STAGE_CHUNK // (element_size(acc) // 4))
     fetch_k, store_k, K_REGS, K_PARTS = tile_stager(BC, D, NT, acc, True, KP, chunk)  # Kt[c][j]
     fetch_v, store_v, V_REGS, V_PARTS = tile_stager(BC, DV, NT, acc, False, DV, chunk)  # Vs[j][c]
 
@@ -101,10 +156,10 @@ def make_kernel(D, DV, BR, BC, TM, TN, acc, PF):
         scratch = smem[S_OFF:]
 
         qbh, kbh, vbh = q[b, h], k[b, h], v[b, h]  # 2-D views: two index products, not four
-        for idx in range(tid, uBR * uD, uNT):  # Qt[c][r] = q[i0 + r, c]
-            r = idx // uD
-            c = idx - r * uD
-            smem[c * QP + r] = ACC(qbh[i0 + r, c]) if i0 + r < Nq and c < d else ACC(0)
+        qreg = cuda.local.array(Q_REGS, ACC)
+        for part in range(u(Q_PARTS)):  # Qt[c][r] = q[i0 + r, c]
+            fetch_q(qbh, i0, Nq, d, qreg, tid, part)
+            store_q(smem, zero, qreg, tid, part)
 
         s = cuda.local.array((TM, TN), ACC)
         o = cuda.local.array((TM, TO), ACC)
@@ -113,6 +168,9 @@ def make_kernel(D, DV, BR, BC, TM, TN, acc, PF):
         a = cuda.local.array(TM, ACC)
         bk = cuda.local.array(TN, ACC)
         bv = cuda.local.array(TO, ACC)
+        a2 = cuda.local.array(TM if SP else 1, ACC)   # second operand set (pipelined)
+        bk2 = cuda.local.array(TN if SP else 1, ACC)
+        bv2 = cuda.local.array(TO if SP else 1, ACC)
         for ii in range(uTM):
             m[ii] = NEG_INF
             l[ii] = 0
@@ -149,22 +207,7 @@ def make_kernel(D, DV, BR, BC, TM, TN, acc, PF):
             for ii in range(uTM):
                 for jj in range(uTN):
                     s[ii, jj] = 0
-            qa = ty * uTM
-            kb = K_OFF + key0
-            for c in range(uD):
-                for ii in range(zero, uTM, uVA):
-                    t = vector_load(smem, qa + ii, VA)
-                    for w in range(uVA):
-                        a[ii + w] = t[w]
-                for jj in range(zero, uTN, uVB):
-                    t = vector_load(smem, kb + jj, VB)
-                    for w in range(uVB):
-                        bk[jj + w] = t[w]
-                for ii in range(uTM):
-                    for jj in range(uTN):
-                        s[ii, jj] += a[ii] * bk[jj]
-                qa += QP
-                kb += KP
+            qk_gemm(smem, s, a, bk, a2, bk2, ty * uTM, QP, K_OFF + key0, KP, uD)
             cuda.syncthreads()  # Kt is read by all; P overwrites it below
 
             # Keys past Nk or above the causal diagonal: only boundary tiles need the check.
@@ -199,22 +242,7 @@ def make_kernel(D, DV, BR, BC, TM, TN, acc, PF):
                         o[ii, kk] *= alpha
             cuda.syncthreads()
 
-            pa = P_OFF + ty * uTM
-            vb = V_OFF + col0
-            for j in range(uBC):
-                for ii in range(zero, uTM, uVA):
-                    t = vector_load(smem, pa + ii, VA)
-                    for w in range(uVA):
-                        a[ii + w] = t[w]
-                for kk in range(zero, uTO, uVO):
-                    t = vector_load(smem, vb + kk, VO)
-                    for w in range(uVO):
-                        bv[kk + w] = t[w]
-                for ii in range(uTM):
-                    for kk in range(uTO):
-                        o[ii, kk] += a[ii] * bv[kk]
-                pa += QP
-                vb += uDV
+            pv_gemm(smem, o, a, bv, a2, bv2, P_OFF + ty * uTM, QP, V_OFF + col0, uDV, uBC)
 
         for ii in range(uTM):
             total = group_sum(l[ii], TX, scratch, tid)
@@ -257,16 +285,16 @@ def tile_candidates(device, acc, D):
     raise AssertionError("every (arch, acc) has a class up to d=256")
 
 
-def tile_config(d, dv, tile, acc, prefetch=None):
+def tile_config(d, dv, tile, acc, prefetch=None, pipelined=PIPELINED):
     """The kernel config for head dims d, dv and a (BR, BC, TM, TN) tile; prefetch (PF) defaults
-    to whether the next tile fits in PREFETCH_REGS registers."""
+    to whether the next tile fits in PREFETCH_REGS registers, SP to PIPELINED."""
     BR, BC, TM, TN = tile
     D = head_dim_bucket(d)
     DV = -(-head_dim_bucket(dv) // (BC // TN)) * (BC // TN)
     if prefetch is None:
         prefetch = prefetch_fits(D, DV, BC, TM, TN, BR, acc)
     return {"D": D, "DV": DV, "BR": BR, "BC": BC, "TM": TM, "TN": TN, "acc": acc,
-            "PF": int(prefetch)}
+            "PF": int(prefetch), "SP": int(pipelined)}
 
 
 def config(problem, device):

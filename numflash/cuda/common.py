@@ -159,7 +159,7 @@ def element_size(acc_name):
     return 8 if acc_name == "float64" else 4
 
 
-def _inlined_device(fn):
+def inlined_device(fn):
     """A device function inlined into its caller, so local arrays it fills stay in registers."""
     if simulator_enabled():
         return cuda.jit(device=True)(fn)
@@ -197,7 +197,7 @@ def tile_stager(rows, cols, threads, acc, transposed, pitch, chunk=None):
     total, uC, uP, uT, uS = u(rows * cols), u(cols), u(pitch), u(threads), u(size)
     exact = rows * cols % threads == 0 and per_thread % size == 0
 
-    @_inlined_device
+    @inlined_device
     def fetch(src, r0, nr, nc, regs, tid, part):
         for w in range(size):
             idx = tid + (part * uS + u(w)) * uT
@@ -206,7 +206,7 @@ def tile_stager(rows, cols, threads, acc, transposed, pitch, chunk=None):
             regs[w] = ACC(src[r0 + r, c]) if (exact or idx < total) and r0 + r < nr and c < nc \
                 else ACC(0)
 
-    @_inlined_device
+    @inlined_device
     def store(smem, base, regs, tid, part):
         for w in range(size):
             idx = tid + (part * uS + u(w)) * uT

@@ -1,26 +1,36 @@
 """The FA1 per-row kernel: one thread owns one query row.
 
 The thread keeps its q row and its output accumulator in registers; the block's threads
-load each K/V tile into shared memory together (coalesced, one element per thread per step), then
+load each K/V tile into shared memory together (coalesced, staged through registers), then
 every thread runs the online-softmax update over the tile's keys one by one. When a key does not
 raise the running max (the common case after the first few), the accumulator needs no rescale.
-Grid: (batch x head, query chunk of ROWS rows), so any sequence length fits.
+Grid: (batch x head, query chunk of ROWS rows, output column chunk), so any sequence length fits.
+
+Large head dims would not fit in registers (q and the accumulator are one word each per element,
+255 registers a thread): past REG_WORDS the q row moves to shared memory (transposed, so a warp's
+threads read 32 consecutive words: no bank conflicts), and past ACC_WORDS the output columns are
+split across blocks (grid z), each block recomputing the scores for its DV columns. ptxas then
+reports no spills for any head dim up to 256, float32 or float64 (tests/test_cuda_compile.py).
 """
 import math
 
 import numpy as np
 from numba import cuda
 
+from ..plan import Unsupported
 from . import launch
 from .common import NEG_INF, STAGE_CHUNK, compute_type, element_size, exp_for, head_dim_bucket, \
     key_end, tile_stager
 
 NAME = "cuda.row"
-ROWS = 128
+REG_WORDS = 160   # 32-bit words of q row + accumulator a thread keeps in registers
+ACC_WORDS = 128   # accumulator words per thread once q is in shared memory
+KV_TILE_BYTES = 48 * 1024  # K and V tiles of one block
 
 
-def make_kernel(D, DV, BC, ROWS, acc):
-    """Kernel for head dims padded to D (q, k) and DV (v), BC keys a tile, ROWS threads a block.
+def make_kernel(D, DV, BC, ROWS, QS, acc):
+    """Kernel for q/k head dims padded to D, DV output columns a block, BC keys a tile, ROWS
+    threads a block; QS: the q row lives in shared memory instead of registers.
 
     Shared-memory indices are uint64 (with uint64 constants) so numba emits no negative-index
     wraparound code in the inner loops.
@@ -29,12 +39,14 @@ def make_kernel(D, DV, BC, ROWS, acc):
     exp = exp_for(acc)
     u = np.uint64
     uD, uDV, uBC, uROWS = u(D), u(DV), u(BC), u(ROWS)
-    V_OFF = u(BC * D)  # V tile starts after the K tile
+    V_OFF = u(BC * D)             # V tile after the K tile
+    Q_OFF = u(BC * (D + DV))      # then Qt[c][row], if QS
     zero = u(0)
     chunk = STAGE_CHUNK // (element_size(acc) // 4)
-    stage_k, store_k, STAGE_REGS, K_PARTS = tile_stager(BC, D, ROWS, acc, False, D, chunk)
+    stage_k, store_k, K_REGS, K_PARTS = tile_stager(BC, D, ROWS, acc, False, D, chunk)
     stage_v, store_v, V_REGS, V_PARTS = tile_stager(BC, DV, ROWS, acc, False, DV, chunk)
-    STAGE_REGS = max(STAGE_REGS, V_REGS)
+    STAGE_REGS = max(K_REGS, V_REGS)
+    Q_REGS = 1 if QS else D
 
     def row_attention(q, k, v, out, lse, scale, causal, causal_offset):
         H = q.shape[1]
@@ -44,15 +56,21 @@ def make_kernel(D, DV, BC, ROWS, acc):
         b = u(cuda.blockIdx.x // H)
         h = u(cuda.blockIdx.x % H)
         block_first = u(cuda.gridDim.y - 1 - cuda.blockIdx.y) * uROWS  # longest (causal) first
+        col0 = u(cuda.blockIdx.z) * uDV   # this block's output columns: col0 .. col0 + DV
         i = block_first + tid
         smem = cuda.shared.array(0, ACC)
-        kbh, vbh = k[b, h], v[b, h]
+        kbh, vbh = k[b, h], v[b, h, :, col0:]
+        cols = dv - col0 if dv > col0 else zero
         regs = cuda.local.array(STAGE_REGS, ACC)
 
-        qr = cuda.local.array(D, ACC)
-        acc_o = cuda.local.array(DV, ACC)
+        qr = cuda.local.array(Q_REGS, ACC)
         for c in range(uD):
-            qr[c] = ACC(q[b, h, i, c]) if i < Nq and c < d else ACC(0)
+            x = ACC(q[b, h, i, c]) if i < Nq and c < d else ACC(0)
+            if QS:
+                smem[Q_OFF + c * uROWS + tid] = x  # only this thread reads it back
+            else:
+                qr[c] = x
+        acc_o = cuda.local.array(DV, ACC)
         for c in range(uDV):
             acc_o[c] = 0
         m = ACC(NEG_INF)  # running max of the scaled scores
@@ -66,7 +84,7 @@ def make_kernel(D, DV, BC, ROWS, acc):
                 stage_k(kbh, j0, Nk, d, regs, tid, part)
                 store_k(smem, zero, regs, tid, part)
             for part in range(u(V_PARTS)):
-                stage_v(vbh, j0, Nk, dv, regs, tid, part)
+                stage_v(vbh, j0, Nk, cols, regs, tid, part)
                 store_v(smem, V_OFF, regs, tid, part)
             cuda.syncthreads()
             keys = min(uBC, row_keys - j0) if row_keys > j0 else zero
@@ -75,7 +93,7 @@ def make_kernel(D, DV, BC, ROWS, acc):
                 vj = V_OFF + j * uDV
                 dot = ACC(0)
                 for c in range(uD):
-                    dot += qr[c] * smem[kj + c]
+                    dot += (smem[Q_OFF + c * uROWS + tid] if QS else qr[c]) * smem[kj + c]
                 s = dot * sc  # scale the score, not q: pre-scaling would round q once more
                 if s > m:  # new max: rescale what was accumulated, this key's weight is 1
                     alpha = exp(m - s)
@@ -92,9 +110,10 @@ def make_kernel(D, DV, BC, ROWS, acc):
         if i < Nq:
             inv = 1 / l if l > 0 else ACC(0)  # a row that sees no key gives zeros
             for c in range(uDV):
-                if c < dv:
-                    out[b, h, i, c] = acc_o[c] * inv
-            lse[b, h, i] = m + math.log(l) if l > 0 else NEG_INF
+                if c < cols:
+                    out[b, h, i, col0 + c] = acc_o[c] * inv
+            if col0 == zero:
+                lse[b, h, i] = m + math.log(l) if l > 0 else NEG_INF
 
     return row_attention
 
@@ -102,17 +121,29 @@ def make_kernel(D, DV, BC, ROWS, acc):
 def config(problem, device):
     B, H, Nq, Nk, d, dv = problem.shape
     acc = "float64" if problem.dtype_name == "float64" else "float32"
+    esize = element_size(acc)
+    words = esize // 4
     D, DV = head_dim_bucket(d), head_dim_bucket(dv)
-    rows = 32 if device.simulator else ROWS
-    # Largest power-of-two tile (8..64 keys) whose K and V fit the 48 KB every GPU gives a block.
-    bc = 64
-    while bc > 8 and bc * (D + DV) * element_size(acc) > 48 * 1024:
-        bc //= 2
-    return {"D": D, "DV": DV, "BC": bc, "ROWS": rows, "acc": acc}
+    qs = (D + DV) * words > REG_WORDS
+    if qs and DV * words > ACC_WORDS:
+        DV = ACC_WORDS // words
+    limit = None if device.simulator else device.smem_per_block_optin
+    # The most rows a block (q in shared memory costs ROWS x D words), then the largest
+    # power-of-two key tile (8..64) whose K and V fit KV_TILE_BYTES and the device's limit.
+    for rows in ((32,) if device.simulator else (128, 64, 32, 16)):
+        for bc in (64, 32, 16, 8):
+            cfg = {"D": D, "DV": DV, "BC": bc, "ROWS": rows, "QS": int(qs), "acc": acc}
+            if bc * (D + DV) * esize <= KV_TILE_BYTES and (
+                    limit is None or shared_bytes(cfg) <= limit):
+                return cfg
+    raise Unsupported(f"{NAME}: its smallest block needs {shared_bytes(cfg)} bytes of shared "
+                      f"memory for d={d}, dv={dv} in {acc}, more than the {limit} a block may "
+                      f"use on {device.name}; the CPU path can take it")
 
 
 def shared_bytes(cfg):
-    return cfg["BC"] * (cfg["D"] + cfg["DV"]) * element_size(cfg["acc"])
+    words = cfg["BC"] * (cfg["D"] + cfg["DV"]) + (cfg["ROWS"] * cfg["D"] if cfg["QS"] else 0)
+    return words * element_size(cfg["acc"])
 
 
 def run(problem, cfg, device):
@@ -120,7 +151,7 @@ def run(problem, cfg, device):
     B, H, Nq, Nk, d, dv = p.shape
     kernel = launch.get_kernel(NAME, make_kernel, cfg)
     lse = p.empty_lse()
-    grid = (B * H, -(-Nq // cfg["ROWS"]))
+    grid = (B * H, -(-Nq // cfg["ROWS"]), -(-dv // cfg["DV"]))
     kernel(grid, (cfg["ROWS"],), shared_bytes(cfg),
            (p.q, p.k, p.v, p.out, lse, float(p.scale), int(p.causal), int(p.causal_offset)),
            device)
