@@ -128,7 +128,7 @@ def test_block_tile_staging_and_micro_gemm_variants(rng, prefetch, pipelined, sh
         arrays(rng, (B, H, Nk, dv), "float32")
     problem = normalize(q, k, v, causal=True)
     device = _plan.choose(problem, "cuda", "block").device
-    cfg = block.tile_config(d, dv, block.SIMULATOR_TILE, "float32", prefetch=prefetch,
+    cfg = block.tile_config(d, dv, block.SIMULATOR_TILE[:4], "float32", prefetch=prefetch,
                             pipelined=pipelined)
     parts = block.staged_parts(cfg)
     assert (parts == (1, 1)) if prefetch else (d < 16 or parts[0] > 1)

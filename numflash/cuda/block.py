@@ -55,7 +55,6 @@ def _vector_width(n, acc):
 # Registers a thread may hold for the next K and V tile (PF = 1); past this the tiles are staged
 # synchronously, STAGE_CHUNK 32-bit words per thread at a time.
 PREFETCH_REGS = 32
-PIPELINED = 0  # micro-GEMMs load step k+1's operands before step k's FMAs (SP)
 
 
 def prefetch_fits(D, DV, BC, TM, TN, BR, acc):
@@ -258,21 +257,30 @@ def make_kernel(D, DV, BR, BC, TM, TN, acc, PF, SP):
     return block_attention
 
 
-# Tile shapes (BR, BC, TM, TN), best first, per architecture, accumulator and head-dim class; the
-# first whose shared memory fits is taken. Measured on the H100 (bench/NOTES.md): 8x4 or 8x8 patches
-# per thread win, and shared memory per block (hence resident warps) decides between them. In
-# float64 an 8x4 patch leaves part of it in local memory, so float64 starts from 4x4. ptxas for
-# sm_80 and sm_75 runs the large patches to 255 registers and spills, so those start from 2x4.
+# Tiles (BR, BC, TM, TN) with their staging (PF: next tile prefetched into registers; None: if it
+# fits PREFETCH_REGS) and micro-GEMM (SP: software-pipelined) choices, best first, per architecture,
+# accumulator and head-dim class; the first whose shared memory fits is taken. From H100 sweeps
+# (bench/NOTES.md, v6): pipelined micro-GEMMs win everywhere they do not spill, and with them the
+# registers go to the pipeline rather than to a prefetched tile. 8x4 or 8x8 patches per thread win,
+# and shared memory per block (hence resident warps) decides between them. In float64 an 8x4 patch
+# leaves part of it in local memory, so float64 starts from 4x4. ptxas for sm_80 and sm_75 runs the
+# large patches to 255 registers and spills, so those start from 2x4.
 TILES = {
-    ("sm90", "float32", 64): ((256, 64, 8, 8), (128, 32, 8, 4), (64, 64, 8, 4), (32, 32, 2, 2),
-                              (16, 16, 1, 1)),
-    ("sm90", "float32", 128): ((128, 32, 8, 4), (128, 64, 8, 4), (32, 32, 2, 2), (16, 16, 1, 1)),
-    ("sm90", "float32", 256): ((64, 64, 8, 4), (32, 32, 2, 2), (16, 16, 1, 1)),
-    ("sm90", "float64", 256): ((64, 64, 4, 4), (64, 32, 4, 2), (32, 32, 2, 2), (16, 16, 1, 1)),
-    ("older", "float32", 256): ((32, 64, 2, 4), (32, 32, 2, 2), (16, 16, 1, 1)),
-    ("older", "float64", 256): ((32, 64, 2, 4), (32, 32, 2, 2), (16, 16, 1, 1)),
+    ("sm90", "float32", 64): ((256, 64, 8, 8, 0, 1), (128, 32, 8, 4, 1, 1), (64, 64, 8, 4, 0, 1),
+                              (32, 32, 2, 2, None, 1), (16, 16, 1, 1, None, 1)),
+    ("sm90", "float32", 128): ((128, 64, 8, 4, 0, 1), (128, 32, 8, 4, 0, 1),
+                               (32, 32, 2, 2, None, 1), (16, 16, 1, 1, None, 1)),
+    ("sm90", "float32", 256): ((64, 64, 8, 4, None, 1), (32, 32, 2, 2, None, 1),
+                               (16, 16, 1, 1, None, 1)),
+    ("sm90", "float64", 256): ((64, 64, 4, 4, None, 1), (64, 32, 4, 2, None, 1),
+                               (32, 32, 2, 2, None, 1), (16, 16, 1, 1, None, 1)),
+    ("older", "float32", 256): ((32, 64, 2, 4, None, 1), (32, 32, 2, 2, None, 1),
+                                (16, 16, 1, 1, None, 1)),
+    ("older", "float64", 256): ((32, 64, 2, 4, None, 1), (32, 32, 2, 2, None, 1),
+                                (16, 16, 1, 1, None, 1)),
 }
-SIMULATOR_TILE = (16, 16, 4, 4)  # 16 threads: the simulator runs each thread as a Python thread
+# 16 threads: the simulator runs each thread as a Python thread
+SIMULATOR_TILE = (16, 16, 4, 4, None, 1)
 
 
 def tile_candidates(device, acc, D):
@@ -285,10 +293,12 @@ def tile_candidates(device, acc, D):
     raise AssertionError("every (arch, acc) has a class up to d=256")
 
 
-def tile_config(d, dv, tile, acc, prefetch=None, pipelined=PIPELINED):
-    """The kernel config for head dims d, dv and a (BR, BC, TM, TN) tile; prefetch (PF) defaults
-    to whether the next tile fits in PREFETCH_REGS registers, SP to PIPELINED."""
-    BR, BC, TM, TN = tile
+def tile_config(d, dv, tile, acc, prefetch=None, pipelined=1):
+    """The kernel config for head dims d, dv and a (BR, BC, TM, TN) tile; prefetch (PF) None means
+    whether the next tile fits in PREFETCH_REGS registers. A TILES entry's PF and SP override."""
+    BR, BC, TM, TN = tile[:4]
+    if len(tile) > 4:
+        prefetch, pipelined = tile[4:]
     D = head_dim_bucket(d)
     DV = -(-head_dim_bucket(dv) // (BC // TN)) * (BC // TN)
     if prefetch is None:
