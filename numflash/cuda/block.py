@@ -1,13 +1,15 @@
 """The block-tiled kernel (FA2's parallelism): Q blocks across the grid, K/V tiles streamed.
 
 A block of NT threads owns BR query rows. Q is staged once in shared memory, then each BC-key tile of
-K and V is loaded, S = Q K^T is computed as register micro-tiles (thread (ty, tx) owns rows
-ty*TM .. +TM and keys tx*TN .. +TN, so its operands are contiguous in shared memory and are read
-with 16-byte vector loads: broadcast within a row group, conflict-free across it), the online
-softmax runs on the patch (row max over the TX threads of a row group by lane shuffles), P goes
-through shared memory, and O += P V accumulates in registers (rows as for S, columns
-tx*TO .. +TO). Row sums stay per thread and are reduced once at the end. Tiles that no row of the
-block can see (causal) are never loaded.
+K and V is loaded (through registers, the next tile's loads in flight during this one's compute
+where registers allow), S = Q K^T is computed as register micro-tiles (thread (ty, tx) owns rows
+ty*TM .. +TM and keys jj*TX + tx for jj < TN; K is stored so those keys sit next to each other,
+so its operands are contiguous in shared memory and are read with 16-byte vector loads: broadcast
+within a row group, conflict-free across it), the online softmax runs on the patch (row max over
+the TX threads of a row group by lane shuffles), P goes through shared memory in 16-byte stores
+(the TX lanes of a row group write consecutive keys: no bank conflicts), and O += P V accumulates
+in registers (rows as for S, columns tx*TO .. +TO). Row sums stay per thread and are reduced once
+at the end. Tiles that no row of the block can see (causal) are never loaded.
 
 Shared memory (in the compute type; row lengths padded to a multiple of 16 bytes, every region
 16-byte aligned): Qt[D][BR+pad], Kt[D][BC+pad] sharing its space with Pt[BC][BR+pad] (K is dead
@@ -23,7 +25,7 @@ from ..plan import Unsupported
 from . import launch
 from .common import NEG_INF, SMEM_ALIGN, STAGE_CHUNK, compute_type, element_size, exp_for, \
     group_max, group_sum, head_dim_bucket, inlined_device, key_end, stage_parts, tile_needs_mask, \
-    tile_stager, vector_load
+    tile_stager, vector_load, vector_store
 
 NAME = "cuda.block"
 
@@ -127,16 +129,18 @@ def make_kernel(D, DV, BR, BC, TM, TN, acc, PF, SP):
     TY, TX = BR // TM, BC // TN  # thread grid: TX threads share a row group (consecutive lanes)
     NT = TX * TY
     TO = DV // TX                # output columns per thread
+    VA = _vector_width(TM, acc)
     qk_gemm = micro_gemm(TM, TN, acc, SP)   # S = Q K^T over the head dim
     pv_gemm = micro_gemm(TM, TO, acc, SP)   # O += P V over the tile's keys
     uD, uDV, uBR, uBC = u(D), u(DV), u(BR), u(BC)
-    uTM, uTN, uTO, uTX = u(TM), u(TN), u(TO), u(TX)
+    uTM, uTN, uTO, uTX, uVA = u(TM), u(TN), u(TO), u(TX), u(VA)
     QP, KP, K_OFF, V_OFF, P_OFF, S_OFF, _ = (u(x) for x in _layout(D, DV, BR, BC, TM, TN, acc))
     zero, one = u(0), u(1)
     chunk = None if PF else STAGE_CHUNK // (element_size(acc) // 4)
     fetch_q, store_q, Q_REGS, Q_PARTS = tile_stager(BR, D, NT, acc, True, QP,
                                                     STAGE_CHUNK // (element_size(acc) // 4))
-    fetch_k, store_k, K_REGS, K_PARTS = tile_stager(BC, D, NT, acc, True, KP, chunk)  # Kt[c][j]
+    # Kt[c][position]: thread tx owns keys jj * TX + tx (jj < TN), stored next to each other
+    fetch_k, store_k, K_REGS, K_PARTS = tile_stager(BC, D, NT, acc, True, KP, chunk, TX)
     fetch_v, store_v, V_REGS, V_PARTS = tile_stager(BC, DV, NT, acc, False, DV, chunk)  # Vs[j][c]
 
     def block_attention(q, k, v, out, lse, scale, causal, causal_offset):
@@ -167,6 +171,7 @@ def make_kernel(D, DV, BR, BC, TM, TN, acc, PF, SP):
         a = cuda.local.array(TM, ACC)
         bk = cuda.local.array(TN, ACC)
         bv = cuda.local.array(TO, ACC)
+        pcol = cuda.local.array(TM, ACC)
         a2 = cuda.local.array(TM if SP else 1, ACC)   # second operand set (pipelined)
         bk2 = cuda.local.array(TN if SP else 1, ACC)
         bv2 = cuda.local.array(TO if SP else 1, ACC)
@@ -176,9 +181,9 @@ def make_kernel(D, DV, BR, BC, TM, TN, acc, PF, SP):
             for kk in range(uTO):
                 o[ii, kk] = 0
 
-        row0 = i0 + ty * uTM   # this thread's first row, key and output column
-        key0 = tx * uTN
+        row0 = i0 + ty * uTM   # this thread's first row and output column
         col0 = tx * uTO
+        key0 = tx * uTN        # where its keys jj * TX + tx (jj < TN) sit in Kt
         last_row = min(Nq, i0 + uBR) - one
         block_keys = u(key_end(last_row, Nk, causal, causal_offset))
         kreg = cuda.local.array(K_REGS, ACC)
@@ -214,7 +219,7 @@ def make_kernel(D, DV, BR, BC, TM, TN, acc, PF, SP):
                 for ii in range(uTM):
                     visible = u(key_end(row0 + ii, Nk, causal, causal_offset))
                     for jj in range(uTN):
-                        if j0 + key0 + jj >= visible:
+                        if j0 + jj * uTX + tx >= visible:
                             s[ii, jj] = NEG_INF
 
             for ii in range(uTM):
@@ -222,10 +227,9 @@ def make_kernel(D, DV, BR, BC, TM, TN, acc, PF, SP):
                 for jj in range(one, uTN):
                     mx = max(mx, s[ii, jj])
                 m_new = max(m[ii], group_max(mx, TX, scratch, tid))
-                pt = P_OFF + key0 * QP + ty * uTM + ii  # Pt[key0 + jj][row]
                 if m_new == NEG_INF:  # the row has seen no key yet: nothing to add
                     for jj in range(uTN):
-                        smem[pt + jj * QP] = 0
+                        s[ii, jj] = 0
                 else:
                     # scale is applied to scores, not to q: pre-scaling would round q once more
                     msc = m_new * sc
@@ -234,11 +238,19 @@ def make_kernel(D, DV, BR, BC, TM, TN, acc, PF, SP):
                     for jj in range(uTN):
                         p = exp(s[ii, jj] * sc - msc)
                         row_sum += p
-                        smem[pt + jj * QP] = p
+                        s[ii, jj] = p
                     l[ii] = l[ii] * alpha + row_sum
                     m[ii] = m_new
                     for kk in range(uTO):
                         o[ii, kk] *= alpha
+            # Pt[key][this thread's TM rows] in 16-byte stores: the TX lanes of a row group write
+            # consecutive keys, QP / 4 words apart (odd): no bank conflicts.
+            for jj in range(uTN):
+                for ii in range(uTM):
+                    pcol[ii] = s[ii, jj]
+                pt = P_OFF + (jj * uTX + tx) * QP + ty * uTM
+                for ii in range(zero, uTM, uVA):
+                    vector_store(smem, pt + ii, pcol, ii, VA)
             cuda.syncthreads()
 
             pv_gemm(smem, o, a, bv, a2, bv2, P_OFF + ty * uTM, QP, V_OFF + col0, uDV, uBC)

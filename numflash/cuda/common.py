@@ -53,6 +53,13 @@ if simulator_enabled():
         return tuple(array[index + w] for w in range(width))
 
     @cuda.jit(device=True)
+    def vector_store(array, index, src, src_index, width):
+        """array[index : index + width] = src[src_index : src_index + width] (one 16-byte store
+        on the GPU)."""
+        for w in range(width):
+            array[index + w] = src[src_index + w]
+
+    @cuda.jit(device=True)
     def exp_f32(x):
         return math.exp(x)
 
@@ -111,6 +118,36 @@ else:
             return context.make_tuple(builder, result, items)
 
         return result(array, index, width), codegen
+
+    @intrinsic
+    def vector_store(typingctx, array, index, src, src_index, width):
+        """array[index : index + width] = src[src_index : src_index + width] in one vector store
+        (st.shared.v4.f32 for four floats); src is a local array. The caller guarantees
+        index * itemsize is a multiple of width * itemsize."""
+        if not (isinstance(array, types.Array) and array.ndim == 1 and isinstance(src, types.Array)
+                and src.ndim == 1 and src.dtype == array.dtype
+                and isinstance(width, types.IntegerLiteral)):
+            return None
+        n = width.literal_value
+
+        def codegen(context, builder, sig, args):
+            arrty, _, srcty, _, _ = sig.args
+            ary = context.make_array(arrty)(context, builder, value=args[0])
+            ptr = cgutils.get_item_pointer(context, builder, arrty, ary, [args[1]],
+                                           wraparound=False)
+            src_ary = context.make_array(srcty)(context, builder, value=args[2])
+            elem = context.get_value_type(arrty.dtype)
+            vec = ir.Constant(ir.VectorType(elem, n), ir.Undefined)
+            for i in range(n):
+                at = builder.add(args[3], ir.Constant(args[3].type, i))
+                item = builder.load(cgutils.get_item_pointer(context, builder, srcty, src_ary,
+                                                             [at], wraparound=False))
+                vec = builder.insert_element(vec, item, ir.Constant(ir.IntType(32), i))
+            builder.store(vec, builder.bitcast(ptr, ir.VectorType(elem, n).as_pointer()),
+                          align=n * arrty.dtype.bitwidth // 8)
+            return context.get_dummy_value()
+
+        return types.void(array, index, src, src_index, width), codegen
 
     @cuda.jit(device=True)
     def exp_f32(x):
@@ -178,7 +215,7 @@ def stage_parts(rows, cols, threads, chunk=None):
     return size, -(-per_thread // size)
 
 
-def tile_stager(rows, cols, threads, acc, transposed, pitch, chunk=None):
+def tile_stager(rows, cols, threads, acc, transposed, pitch, chunk=None, interleave=1):
     """Device functions that move a rows x cols tile from global to shared memory through
     registers, in parts of at most `chunk` elements per thread (all of its share if None).
 
@@ -189,12 +226,15 @@ def tile_stager(rows, cols, threads, acc, transposed, pitch, chunk=None):
         part) hides the memory latency behind the compute.
     store(smem, base, regs, tid, part): to smem[base + r * pitch + c], or [base + c * pitch + r]
         if `transposed`. Consecutive threads take consecutive columns: coalesced global reads.
+        With `interleave` = n, row r is stored at position (r % n) * (rows / n) + r // n, so that
+        the rows r = i * n + t (i = 0, 1, ...) a thread t owns lie next to each other.
     """
     ACC = compute_type(acc)
     u = np.uint64
     per_thread = -(-rows * cols // threads)
     size, parts = stage_parts(rows, cols, threads, chunk)
     total, uC, uP, uT, uS = u(rows * cols), u(cols), u(pitch), u(threads), u(size)
+    uI, uRI = u(interleave), u(rows // interleave)
     exact = rows * cols % threads == 0 and per_thread % size == 0
 
     @inlined_device
@@ -213,6 +253,8 @@ def tile_stager(rows, cols, threads, acc, transposed, pitch, chunk=None):
             if exact or idx < total:
                 r = idx // uC
                 c = idx - r * uC
+                if interleave > 1:
+                    r = (r % uI) * uRI + r // uI
                 smem[base + (c * uP + r if transposed else r * uP + c)] = regs[w]
 
     return fetch, store, size, parts
