@@ -3,15 +3,16 @@
 The first call with a given signature runs the full path: normalize() checks every argument,
 plan.choose() picks the kernel, the kernel module packs and launches it. That launch is recorded
 (a launch.Recipe) under the call's signature. A later call with the same signature allocates the
-output and lse, patches five data pointers (q, k, v, out, lse) into the recorded parameters and
-launches: about 64 us of Python on the full path (bench/NOTES.md, "Launch overhead") becomes a few.
+output (and the lse if it is returned), patches five data pointers (q, k, v, out, lse) into the
+recorded parameters and launches: ~20 us of host time a call instead of ~90-125 us on the full
+path (bench/NOTES.md, "Launch overhead").
 
 The signature holds everything the checks, the plan and the packed parameters depend on: the
 array type, shapes, strides, dtypes, devices and 16-byte alignment of q, k and v, the current
-device and every option with its type. (The simulator switch is not in it: numba reads
-NUMBA_ENABLE_CUDASIM once, at import, and with it on no CuPy call is ever recorded.) So a call that the full path would
-reject, or plan differently, never matches a recorded one. Calls with ``out=`` always take the
-full path (it must check that ``out`` does not overlap an input).
+device and every option with its type. So a call that the full path would reject, or plan
+differently, never matches a recorded one. (The simulator switch is not in it: numba reads
+NUMBA_ENABLE_CUDASIM once, at import, and with it on no CuPy call is ever recorded.) Calls with
+``out=`` always take the full path (it must check that ``out`` does not overlap an input).
 
 This module imports nothing heavy: ``import numflash`` must not import numba or CuPy.
 """
@@ -65,21 +66,30 @@ def signature(q, k, v, options):
     return key
 
 
-class Replay:
-    """A recorded call: allocate out and lse like the full path did, then relaunch."""
-    __slots__ = ("recipe", "out_shape", "dtype", "lse_shape", "return_lse")
+# An lse nobody asked for goes to one buffer per replay up to this size (one allocation less per
+# call; concurrent launches may write it at once, and nothing reads it).
+SCRATCH_LSE_BYTES = 1 << 20
 
-    def __init__(self, recipe, problem):
+
+class Replay:
+    """A recorded call: allocate out (and lse, if returned) like the full path did, relaunch."""
+    __slots__ = ("recipe", "out_shape", "dtype", "lse_shape", "return_lse", "scratch_lse")
+
+    def __init__(self, recipe, problem, lse):
         self.recipe = recipe
         self.dtype = problem.dtype
         self.out_shape = tuple(problem.result.shape)
         self.lse_shape = tuple(problem.q.shape[:3])
         self.return_lse = problem.return_lse
+        self.scratch_lse = lse if not self.return_lse and lse.nbytes <= SCRATCH_LSE_BYTES \
+            else None
 
     def __call__(self, q, k, v):
         cupy = _cupy
         out = cupy.empty(self.out_shape, self.dtype)
-        lse = cupy.empty(self.lse_shape, cupy.float32)
+        lse = self.scratch_lse
+        if lse is None:
+            lse = cupy.empty(self.lse_shape, cupy.float32)
         self.recipe.launch(cupy.cuda.get_current_stream().ptr,
                            (q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, lse.data.ptr))
         return (out, lse) if self.return_lse else out
@@ -101,7 +111,7 @@ def remember(key, launches, problem, lse):
         return None
     if len(_replays) >= _MAX_REPLAYS:
         _replays.clear()
-    replay = _replays[key] = Replay(recipe, problem)
+    replay = _replays[key] = Replay(recipe, problem, lse)
     return replay
 
 
