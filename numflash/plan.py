@@ -95,8 +95,11 @@ KERNELS = (
 AUTO_ORDER = {"cpu": ("cpu.tiled",), "cuda": ("cuda.mma", "cuda.block", "cuda.row")}
 
 
+_SPECS = {s.name: s for s in KERNELS}
+
+
 def kernel_specs():
-    return {s.name: s for s in KERNELS}
+    return _SPECS
 
 
 @dataclass

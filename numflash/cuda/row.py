@@ -21,8 +21,8 @@ from numba import cuda
 
 from ..plan import Unsupported
 from . import launch
-from .common import NEG_INF, STAGE_CHUNK, compute_type, element_size, exp_for, head_dim_bucket, \
-    key_end, tile_stager
+from .common import NEG_INF, SMEM_ALIGN, STAGE_CHUNK, compute_type, element_size, exp_for, \
+    head_dim_bucket, key_end, tile_stager, vector_load
 
 NAME = "cuda.row"
 REG_WORDS = 256   # 32-bit words of q row + accumulator a thread keeps in registers
@@ -49,6 +49,8 @@ def make_kernel(D, DV, BC, ROWS, QS, acc):
     stage_v, store_v, V_REGS, V_PARTS = tile_stager(BC, DV, ROWS, acc, False, DV, chunk)
     STAGE_REGS = max(K_REGS, V_REGS)
     Q_REGS = 1 if QS else D
+    VW = 16 // element_size(acc)  # elements per 16-byte load; D and DV are multiples of 16
+    uVW = u(VW)
 
     def row_attention(q, k, v, out, lse, scale, causal, causal_offset):
         H = q.shape[1]
@@ -60,7 +62,7 @@ def make_kernel(D, DV, BC, ROWS, QS, acc):
         block_first = u(cuda.gridDim.y - 1 - cuda.blockIdx.y) * uROWS  # longest (causal) first
         col0 = u(cuda.blockIdx.z) * uDV   # this block's output columns: col0 .. col0 + DV
         i = block_first + tid
-        smem = cuda.shared.array(0, ACC)
+        smem = cuda.shared.array(0, ACC, alignment=SMEM_ALIGN)
         kbh, vbh = k[b, h], v[b, h, :, col0:]
         cols = dv - col0 if dv > col0 else zero
         regs = cuda.local.array(STAGE_REGS, ACC)
@@ -90,24 +92,30 @@ def make_kernel(D, DV, BC, ROWS, QS, acc):
                 store_v(smem, V_OFF, regs, tid, part)
             cuda.syncthreads()
             keys = min(uBC, row_keys - j0) if row_keys > j0 else zero
-            for j in range(keys):
+            for j in range(keys):  # K and V rows: 16-byte loads, broadcast to every thread
                 kj = j * uD
                 vj = V_OFF + j * uDV
                 dot = ACC(0)
-                for c in range(uD):
-                    dot += (smem[Q_OFF + c * uROWS + tid] if QS else qr[c]) * smem[kj + c]
+                for c in range(zero, uD, uVW):
+                    t = vector_load(smem, kj + c, VW)
+                    for w in range(uVW):
+                        dot += (smem[Q_OFF + (c + w) * uROWS + tid] if QS else qr[c + w]) * t[w]
                 s = dot * sc  # scale the score, not q: pre-scaling would round q once more
                 if s > m:  # new max: rescale what was accumulated, this key's weight is 1
                     alpha = exp(m - s)
                     l = l * alpha + 1
-                    for c in range(uDV):
-                        acc_o[c] = acc_o[c] * alpha + smem[vj + c]
+                    for c in range(zero, uDV, uVW):
+                        t = vector_load(smem, vj + c, VW)
+                        for w in range(uVW):
+                            acc_o[c + w] = acc_o[c + w] * alpha + t[w]
                     m = s
                 else:
                     p = exp(s - m)
                     l += p
-                    for c in range(uDV):
-                        acc_o[c] += p * smem[vj + c]
+                    for c in range(zero, uDV, uVW):
+                        t = vector_load(smem, vj + c, VW)
+                        for w in range(uVW):
+                            acc_o[c + w] += p * t[w]
 
         if i < Nq:
             inv = 1 / l if l > 0 else ACC(0)  # a row that sees no key gives zeros
