@@ -75,6 +75,7 @@ def make_kernel(D, DV, BC, ROWS, QS, acc):
             else:
                 qr[c] = x
         acc_o = cuda.local.array(DV, ACC)
+        dots = cuda.local.array(VW, ACC)
         for c in range(uDV):
             acc_o[c] = 0
         m = ACC(NEG_INF)  # running max of the scaled scores
@@ -95,11 +96,15 @@ def make_kernel(D, DV, BC, ROWS, QS, acc):
             for j in range(keys):  # K and V rows: 16-byte loads, broadcast to every thread
                 kj = j * uD
                 vj = V_OFF + j * uDV
-                dot = ACC(0)
+                for w in range(uVW):  # VW partial sums: VW independent FMA chains, not one
+                    dots[w] = 0
                 for c in range(zero, uD, uVW):
                     t = vector_load(smem, kj + c, VW)
                     for w in range(uVW):
-                        dot += (smem[Q_OFF + (c + w) * uROWS + tid] if QS else qr[c + w]) * t[w]
+                        dots[w] += (smem[Q_OFF + (c + w) * uROWS + tid] if QS else qr[c + w]) * t[w]
+                dot = dots[0]
+                for w in range(u(1), uVW):
+                    dot += dots[w]
                 s = dot * sc  # scale the score, not q: pre-scaling would round q once more
                 if s > m:  # new max: rescale what was accumulated, this key's weight is 1
                     alpha = exp(m - s)
