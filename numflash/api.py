@@ -30,8 +30,8 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, layout="bhsd", backe
     """
     key = None
     if out is None:  # a repeated CuPy call replays its recorded launch (cuda/fastpath.py)
-        key = _fastpath.signature(q, k, v, (causal, softmax_scale, layout, backend, algorithm,
-                                            bool(return_lse), precision))
+        key = _fastpath.signature(q, k, v, _fastpath.call_options(
+            causal, softmax_scale, layout, backend, algorithm, return_lse, precision))
         replay = _fastpath.lookup(key)
         if replay is not None:
             return replay(q, k, v)

@@ -97,3 +97,28 @@ def test_inspect_cli_check_passes():
         sys.exit(main(["--arch", "90", "--d", "64", "--dtype", "float32", "--check"]))
     """)
     assert "cuda.block" in out and "cuda.row" in out
+
+
+def test_block_configs_for_unequal_head_dims_do_not_spill():
+    """The tile class follows the larger of d and dv: dv sizes the output patch in registers."""
+    out = run_without_simulator("""
+        import json
+        from numflash.inspect import argtypes
+        from numflash.cuda import block, launch
+        from numflash.plan import Device
+
+        class Shape:
+            def __init__(self, d, dv, dt):
+                self.shape, self.dtype_name = (1, 1, 128, 128, d, dv), dt
+
+        rows = []
+        for cc, optin in (((9, 0), 227 * 1024), ((8, 0), 163 * 1024)):
+            device = Device(name="sm", cc=cc, smem_per_block_optin=optin)
+            for d, dv, dt in ((64, 256, "float32"), (256, 16, "float32"), (64, 256, "float64")):
+                cfg = block.config(Shape(d, dv, dt), device)
+                res = launch.compile_to_cubin(block.make_kernel(**cfg), argtypes(dt), cc)[3]
+                rows.append([d, dv, dt, res.get("spill_store_bytes", 0), res.get("stack_bytes", 0)])
+        print(json.dumps(rows))
+    """)
+    rows = json.loads(out.splitlines()[-1])
+    assert len(rows) == 6 and not [r for r in rows if r[3] or r[4]], rows

@@ -192,6 +192,7 @@ def test_repeated_call_replays_its_launch_with_new_inputs(rng, monkeypatch, dtyp
     original = api.normalize
     monkeypatch.setattr(api, "normalize", lambda *a, **kw: full_path.append(1) or original(*a, **kw))
     q, k, v = inputs()
+    cp.cuda.Device().synchronize()  # inputs were written on the default stream
     stream = cp.cuda.Stream(non_blocking=True)
     with stream:
         res = numflash.attention(q, k, v, **options)
@@ -222,3 +223,36 @@ def test_replay_never_takes_what_the_full_path_rejects(rng):
     out = cp.empty_like(q)
     with pytest.raises(ValueError, match="overlaps"):
         numflash.attention(q, q, out, out=out)            # out= always takes the full path
+
+
+def test_replays_from_threads_on_their_own_streams(rng):
+    """Replays keep one parameter buffer per thread and launch on each thread's current stream;
+    an lse nobody asked for goes to a buffer kept for the recording stream only."""
+    import threading
+    cp = cupy()
+    shape = (2, 2, 256, 64)
+    q0 = make(rng, shape, "float32")
+    numflash.attention(q0, q0, q0, causal=True)  # recorded on the default stream
+    sets = [[tuple(make(rng, shape, "float32") for _ in range(3)) for _ in range(5)]
+            for _ in range(4)]
+    cp.cuda.Device().synchronize()
+    results, errors = [[] for _ in sets], []
+
+    def work(i):
+        try:
+            with cp.cuda.Stream(non_blocking=True) as stream:
+                for q, k, v in sets[i]:
+                    results[i].append(numflash.attention(q, k, v, causal=True))
+                stream.synchronize()
+        except Exception as e:  # reported below, in the test's thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(sets))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    for outs, inputs in zip(results, sets):
+        for out, (q, k, v) in zip(outs, inputs):
+            assert check(out, q, k, v, causal=True).ok

@@ -113,27 +113,37 @@ def test_cuda_backend_refuses_cpu_only_algorithm_names(rng):
         numflash.attention(q, q, q, backend="cuda", algorithm="tiled")
 
 
-@pytest.mark.parametrize("prefetch,pipelined", [(True, True), (False, True), (True, False)])
-@pytest.mark.parametrize("shape", [(1, 2, 17, 40, 59, 20), (1, 1, 33, 33, 5, 7)],
-                         ids=lambda s: "x".join(map(str, s)))
-def test_block_tile_staging_and_micro_gemm_variants(rng, prefetch, pipelined, shape):
+STAGING_CASES = [  # (prefetch, pipelined, tile, dtype, (B, H, Nq, Nk, d, dv))
+    (True, True, (16, 16, 4, 4), "float32", (1, 2, 17, 40, 59, 20)),
+    (False, True, (16, 16, 4, 4), "float32", (1, 2, 17, 40, 59, 20)),
+    (True, False, (16, 16, 4, 4), "float32", (1, 1, 33, 33, 5, 7)),
+    (False, False, (16, 16, 4, 2), "float32", (1, 2, 17, 40, 59, 20)),
+    (False, True, (16, 16, 4, 2), "float32", (1, 1, 33, 33, 5, 7)),
+    (True, True, (16, 16, 4, 2), "float64", (1, 1, 20, 37, 24, 40)),
+]
+
+
+@pytest.mark.parametrize("prefetch,pipelined,tile,dtype,shape", STAGING_CASES,
+                         ids=lambda x: "x".join(map(str, x)) if isinstance(x, tuple) else str(x))
+def test_block_tile_staging_and_micro_gemm_variants(rng, prefetch, pipelined, tile, dtype, shape):
     """Both ways cuda.block moves K/V tiles: fetched a tile ahead into registers (PF=1), or
-    staged synchronously in register-sized parts (PF=0, several parts at d=59); and both ways its
-    micro-GEMMs run: operands of step k+1 loaded before step k's FMAs (SP=1), or not."""
+    staged synchronously in register-sized parts (PF=0, several parts at d=59); both ways its
+    micro-GEMMs run: operands of step k+1 loaded before step k's FMAs (SP=1), or not; and key
+    interleaving with TX != TN (TX = TN would map every key to itself)."""
     from numflash import plan as _plan
     from numflash.cuda import block
     from numflash.inputs import normalize
     B, H, Nq, Nk, d, dv = shape
-    q, k, v = arrays(rng, (B, H, Nq, d), "float32"), arrays(rng, (B, H, Nk, d), "float32"), \
-        arrays(rng, (B, H, Nk, dv), "float32")
-    problem = normalize(q, k, v, causal=True)
+    q, k, v = arrays(rng, (B, H, Nq, d), dtype), arrays(rng, (B, H, Nk, d), dtype), \
+        arrays(rng, (B, H, Nk, dv), dtype)
+    problem = normalize(q, k, v, causal="bottom_right")
     device = _plan.choose(problem, "cuda", "block").device
-    cfg = block.tile_config(d, dv, block.SIMULATOR_TILE[:4], "float32", prefetch=prefetch,
-                            pipelined=pipelined)
+    acc = "float64" if dtype == "float64" else "float32"
+    cfg = block.tile_config(d, dv, tile, acc, prefetch=prefetch, pipelined=pipelined)
     parts = block.staged_parts(cfg)
     assert (parts == (1, 1)) if prefetch else (d < 16 or parts[0] > 1)
     lse = block.run(problem, cfg, device)
-    rep = check(problem.out, q, k, v, lse=lse, causal=True)
+    rep = check(problem.out, q, k, v, lse=lse, causal="bottom_right")
     assert rep.ok, str(rep)
 
 
@@ -160,18 +170,60 @@ def test_launch_packing_marks_every_array_data_pointer():
     assert recipe.pointers == (1000, 2000) and recipe.grid == (4, 1, 1)
 
 
-def test_replay_signature_is_only_for_device_arrays(rng):
-    """NumPy calls never take the GPU fast path, and importing numflash imports neither numba
-    nor CuPy (the fast path's signature check must stay cheap to import)."""
+def test_importing_numflash_imports_neither_numba_nor_cupy():
+    """The GPU fast path's signature check runs before anything else in attention(): importing
+    numflash must stay cheap."""
     import subprocess
     import sys
-    from numflash.cuda import fastpath
-    q = arrays(rng, (1, 1, 8, 8), "float32")
-    assert fastpath.signature(q, q, q, (False, None)) is None
     out = subprocess.run([sys.executable, "-c", "import sys, numflash; "
                           "print('numba' in sys.modules, 'cupy' in sys.modules)"],
                          capture_output=True, text=True, check=True).stdout.split()
     assert out == ["False", "False"]
+
+
+def test_replay_signature_tells_apart_what_the_full_path_would(rng, monkeypatch):
+    """The fast path's key, with a stand-in for CuPy: equal for the same call on other data,
+    different wherever a check, the plan or the packed parameters could differ, and absent where
+    a replay would not be valid (NumPy arrays, another device, unhashable options)."""
+    import types
+    from numflash.cuda import fastpath
+
+    class FakeArray:  # what signature() reads of a cupy.ndarray
+        def __init__(self, a, ptr, device=0):
+            self.shape, self.strides, self.dtype = a.shape, a.strides, a.dtype
+            self.data = types.SimpleNamespace(ptr=ptr, device_id=device)
+
+    current = [0]
+    fake = types.SimpleNamespace(ndarray=FakeArray, cuda=types.SimpleNamespace(
+        runtime=types.SimpleNamespace(getDevice=lambda: current[0])))
+    monkeypatch.setattr(fastpath, "_cupy", fake)
+    monkeypatch.setattr(fastpath, "_cupy_ndarray", FakeArray)
+    monkeypatch.setattr(fastpath, "_get_device", fake.cuda.runtime.getDevice)
+
+    a = arrays(rng, (2, 3, 8, 16), "float32")
+    opts = fastpath.call_options(False, None, "bhsd", "auto", "auto", False, "auto")
+
+    def key(q=a, k=a, v=a, options=opts, ptrs=(4096, 8192, 12288), device=0):
+        return fastpath.signature(FakeArray(q, ptrs[0], device), FakeArray(k, ptrs[1], device),
+                                  FakeArray(v, ptrs[2], device), options)
+
+    base = key()
+    assert base is not None and key(ptrs=(0, 16, 32)) == base     # other data, same layout
+    assert key(ptrs=(8, 16, 32)) != base                           # 16-byte alignment differs
+    assert key(q=a[:, :, ::2]) != base                             # shape
+    assert key(q=np.asfortranarray(a)) != base                     # strides
+    assert key(v=a.astype(np.float64)) != base                     # dtype
+    for changed in ((True, None), (1, None), (False, 0.5), (False, np.float64(0.5))):
+        other = fastpath.call_options(*changed, "bhsd", "auto", "auto", False, "auto")
+        assert key(options=other) != base
+    assert key(options=fastpath.call_options(1, None, "bhsd", "auto", "auto", False, "auto")) \
+        != key(options=fastpath.call_options(True, None, "bhsd", "auto", "auto", False, "auto"))
+    assert key(options=fastpath.call_options([1], None, "bhsd", "auto", "auto", False,
+                                             "auto")) is None       # unhashable: full path
+    assert key(device=1) is None                                    # q not on the current device
+    current[0] = 1
+    assert key(device=1) is not None and key(device=1) != base
+    assert fastpath.signature(a, a, a, opts) is None                # NumPy arrays
 
 
 @pytest.mark.parametrize("dtype,d,dv,chunks", [("float32", 16, 256, 2), ("float64", 59, 111, 2),
@@ -179,8 +231,8 @@ def test_replay_signature_is_only_for_device_arrays(rng):
 def test_row_kernel_large_head_dims(rng, dtype, d, dv, chunks):
     """Head dims past the registers: the row kernel keeps q in shared memory (QS) and splits the
     output columns across blocks (DV < dv), every option still exact."""
-    q, k, v = arrays(rng, (1, 2, 9, d), dtype), arrays(rng, (1, 2, 40, d), dtype), \
-        arrays(rng, (1, 2, 40, dv), dtype)
+    q, k, v = arrays(rng, (1, 2, 9, d), dtype), arrays(rng, (1, 2, 70, d), dtype), \
+        arrays(rng, (1, 2, 70, dv), dtype)
     plan = numflash.explain(q, k, v, backend="cuda", algorithm="row")
     assert plan.config["QS"] == 1 and -(-dv // plan.config["DV"]) == chunks
     for causal in (False, "bottom_right"):

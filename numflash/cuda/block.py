@@ -23,9 +23,9 @@ from numba import cuda
 
 from ..plan import Unsupported
 from . import launch
-from .common import NEG_INF, SMEM_ALIGN, STAGE_CHUNK, compute_type, element_size, exp_for, \
-    group_max, group_sum, head_dim_bucket, inlined_device, key_end, stage_parts, tile_needs_mask, \
-    tile_stager, vector_load, vector_store
+from .common import NEG_INF, SMEM_ALIGN, compute_type, element_size, exp_for, \
+    group_max, group_sum, head_dim_bucket, inlined_device, key_end, stage_chunk, stage_parts, \
+    tile_needs_mask, tile_stager, vector_load, vector_store
 
 NAME = "cuda.block"
 
@@ -55,13 +55,15 @@ def _vector_width(n, acc):
 
 
 # Registers a thread may hold for the next K and V tile (PF = 1); past this the tiles are staged
-# synchronously, STAGE_CHUNK 32-bit words per thread at a time.
+# synchronously, stage_chunk() elements per thread at a time.
 PREFETCH_REGS = 32
 
 
 def prefetch_fits(D, DV, BC, TM, TN, BR, acc):
+    """Whether a thread's share of the next K and V tiles fits PREFETCH_REGS registers."""
     threads = (BR // TM) * (BC // TN)
-    return -(-BC * D // threads) - (-BC * DV // threads) <= PREFETCH_REGS // (element_size(acc) // 4)
+    held = sum(stage_parts(BC, cols, threads)[0] for cols in (D, DV))
+    return held * (element_size(acc) // 4) <= PREFETCH_REGS
 
 
 def micro_gemm(M, N, acc, pipelined):
@@ -130,15 +132,15 @@ def make_kernel(D, DV, BR, BC, TM, TN, acc, PF, SP):
     NT = TX * TY
     TO = DV // TX                # output columns per thread
     VA = _vector_width(TM, acc)
+    assert not SP or (D % 2 == 0 and BC % 2 == 0), "pipelined micro-GEMMs take even step counts"
     qk_gemm = micro_gemm(TM, TN, acc, SP)   # S = Q K^T over the head dim
     pv_gemm = micro_gemm(TM, TO, acc, SP)   # O += P V over the tile's keys
     uD, uDV, uBR, uBC = u(D), u(DV), u(BR), u(BC)
     uTM, uTN, uTO, uTX, uVA = u(TM), u(TN), u(TO), u(TX), u(VA)
     QP, KP, K_OFF, V_OFF, P_OFF, S_OFF, _ = (u(x) for x in _layout(D, DV, BR, BC, TM, TN, acc))
     zero, one = u(0), u(1)
-    chunk = None if PF else STAGE_CHUNK // (element_size(acc) // 4)
-    fetch_q, store_q, Q_REGS, Q_PARTS = tile_stager(BR, D, NT, acc, True, QP,
-                                                    STAGE_CHUNK // (element_size(acc) // 4))
+    chunk = None if PF else stage_chunk(acc)
+    fetch_q, store_q, Q_REGS, Q_PARTS = tile_stager(BR, D, NT, acc, True, QP, stage_chunk(acc))
     # Kt[c][position]: thread tx owns keys jj * TX + tx (jj < TN), stored next to each other
     fetch_k, store_k, K_REGS, K_PARTS = tile_stager(BC, D, NT, acc, True, KP, chunk, TX)
     fetch_v, store_v, V_REGS, V_PARTS = tile_stager(BC, DV, NT, acc, False, DV, chunk)  # Vs[j][c]
@@ -278,7 +280,7 @@ def make_kernel(D, DV, BR, BC, TM, TN, acc, PF, SP):
 # leaves part of it in local memory, so float64 starts from 4x4. ptxas for sm_80 and sm_75 runs the
 # large patches to 255 registers and spills, so those start from 2x4.
 TILES = {
-    ("sm90", "float32", 64): ((256, 64, 8, 8, 0, 1), (128, 32, 8, 4, 1, 1), (64, 64, 8, 4, 0, 1),
+    ("sm90", "float32", 64): ((256, 64, 8, 8, 0, 1), (128, 32, 8, 4, None, 1), (64, 64, 8, 4, 0, 1),
                               (32, 32, 2, 2, None, 1), (16, 16, 1, 1, None, 1)),
     ("sm90", "float32", 128): ((128, 64, 8, 4, 0, 1), (128, 32, 8, 4, 0, 1),
                                (32, 32, 2, 2, None, 1), (16, 16, 1, 1, None, 1)),
@@ -322,7 +324,8 @@ def tile_config(d, dv, tile, acc, prefetch=None, pipelined=1):
 def config(problem, device):
     B, H, Nq, Nk, d, dv = problem.shape
     acc = "float64" if problem.dtype_name == "float64" else "float32"
-    for tile in tile_candidates(device, acc, head_dim_bucket(d)):
+    # The class of the larger head dim: dv sizes the output patch as d sizes the score loop.
+    for tile in tile_candidates(device, acc, head_dim_bucket(max(d, dv))):
         cfg = tile_config(d, dv, tile, acc)
         if device.simulator or shared_bytes(cfg) <= device.smem_per_block_optin:
             return cfg
@@ -334,7 +337,7 @@ def config(problem, device):
 
 def staged_parts(cfg):
     """How many register-sized parts a K and a V tile are staged in (1 each with prefetch)."""
-    chunk = None if cfg["PF"] else STAGE_CHUNK // (element_size(cfg["acc"]) // 4)
+    chunk = None if cfg["PF"] else stage_chunk(cfg["acc"])
     threads = (cfg["BR"] // cfg["TM"]) * (cfg["BC"] // cfg["TN"])
     return tuple(stage_parts(cfg["BC"], cols, threads, chunk)[1] for cols in (cfg["D"], cfg["DV"]))
 

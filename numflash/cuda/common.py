@@ -50,12 +50,14 @@ if simulator_enabled():
     @cuda.jit(device=True)
     def vector_load(array, index, width):
         """array[index : index + width] as a tuple (one 16-byte load on the GPU)."""
+        assert index % width == 0, "a vector access on the GPU needs width-aligned indices"
         return tuple(array[index + w] for w in range(width))
 
     @cuda.jit(device=True)
     def vector_store(array, index, src, src_index, width):
         """array[index : index + width] = src[src_index : src_index + width] (one 16-byte store
         on the GPU)."""
+        assert index % width == 0, "a vector access on the GPU needs width-aligned indices"
         for w in range(width):
             array[index + w] = src[src_index + w]
 
@@ -208,6 +210,11 @@ def inlined_device(fn):
 STAGE_CHUNK = 16
 
 
+def stage_chunk(acc):
+    """STAGE_CHUNK in elements of the compute type."""
+    return STAGE_CHUNK // (element_size(acc) // 4)
+
+
 def stage_parts(rows, cols, threads, chunk=None):
     """(elements per part, parts) in which each thread stages its share of a rows x cols tile."""
     per_thread = -(-rows * cols // threads)
@@ -229,6 +236,7 @@ def tile_stager(rows, cols, threads, acc, transposed, pitch, chunk=None, interle
         With `interleave` = n, row r is stored at position (r % n) * (rows / n) + r // n, so that
         the rows r = i * n + t (i = 0, 1, ...) a thread t owns lie next to each other.
     """
+    assert rows % interleave == 0 and pitch >= (rows if transposed else cols)  # no overlap
     ACC = compute_type(acc)
     u = np.uint64
     per_thread = -(-rows * cols // threads)

@@ -44,7 +44,8 @@ class recording:
 
 
 def signature(q, k, v, options):
-    """The replay key of a call, or None when it cannot be replayed (not three CuPy arrays)."""
+    """The replay key of a call, or None when it cannot be replayed: not three CuPy arrays, or q
+    not on the current device (the full path switches devices; a replay launches as it stands)."""
     global _cupy, _cupy_ndarray, _get_device
     if _cupy_ndarray is None:
         _cupy = sys.modules.get("cupy")
@@ -55,10 +56,11 @@ def signature(q, k, v, options):
     if type(q) is not t or type(k) is not t or type(v) is not t:
         return None
     qd, kd, vd = q.data, k.data, v.data
+    if qd.device_id != _get_device():
+        return None
     key = (q.shape, q.strides, k.shape, k.strides, v.shape, v.strides, q.dtype, k.dtype, v.dtype,
            qd.device_id, kd.device_id, vd.device_id, qd.ptr % 16, kd.ptr % 16, vd.ptr % 16,
-           _get_device(), options,
-           tuple(map(type, options)))  # causal=1 is not causal=True: only the latter is valid
+           options, tuple(map(type, options)))  # causal=1 is not causal=True: only True is valid
     try:
         hash(key)  # an unhashable option (which the full path rejects) cannot be a key
     except TypeError:
@@ -66,14 +68,31 @@ def signature(q, k, v, options):
     return key
 
 
-# An lse nobody asked for goes to one buffer per replay up to this size (one allocation less per
-# call; concurrent launches may write it at once, and nothing reads it).
-SCRATCH_LSE_BYTES = 1 << 20
+def call_options(causal, softmax_scale, layout, backend, algorithm, return_lse, precision):
+    """attention()'s options as they enter the signature."""
+    return (causal, softmax_scale, layout, backend, algorithm, bool(return_lse), precision)
+
+
+_kept = {}
+
+
+def keep(array):
+    """Mark a device array a kernel passes on every launch as living as long as the process, so
+    launches that pass it may be replayed (the mma kernel's debug placeholder)."""
+    _kept[array.data.ptr] = array
+    return array
+
+
+# An lse nobody asked for goes to one buffer per replay, up to this size, for launches on the
+# stream it was allocated on (one allocation less per call). Launches there are ordered, and when
+# the replay is dropped, CuPy's pool hands the memory out again on that same stream only.
+SCRATCH_LSE_BYTES = 1 << 18
 
 
 class Replay:
     """A recorded call: allocate out (and lse, if returned) like the full path did, relaunch."""
-    __slots__ = ("recipe", "out_shape", "dtype", "lse_shape", "return_lse", "scratch_lse")
+    __slots__ = ("recipe", "out_shape", "dtype", "lse_shape", "return_lse", "scratch_lse",
+                 "scratch_stream")
 
     def __init__(self, recipe, problem, lse):
         self.recipe = recipe
@@ -81,17 +100,19 @@ class Replay:
         self.out_shape = tuple(problem.result.shape)
         self.lse_shape = tuple(problem.q.shape[:3])
         self.return_lse = problem.return_lse
-        self.scratch_lse = lse if not self.return_lse and lse.nbytes <= SCRATCH_LSE_BYTES \
-            else None
+        small = not self.return_lse and lse.nbytes <= SCRATCH_LSE_BYTES
+        self.scratch_lse = lse if small else None
+        self.scratch_stream = _cupy.cuda.get_current_stream().ptr if small else None
 
     def __call__(self, q, k, v):
         cupy = _cupy
+        stream = cupy.cuda.get_current_stream().ptr
         out = cupy.empty(self.out_shape, self.dtype)
-        lse = self.scratch_lse
+        lse = self.scratch_lse if stream == self.scratch_stream else None
         if lse is None:
             lse = cupy.empty(self.lse_shape, cupy.float32)
-        self.recipe.launch(cupy.cuda.get_current_stream().ptr,
-                           (q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, lse.data.ptr))
+        self.recipe.launch(stream, (q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr,
+                                    lse.data.ptr))
         return (out, lse) if self.return_lse else out
 
 
@@ -100,14 +121,14 @@ def lookup(key):
 
 
 def remember(key, launches, problem, lse):
-    """Keep the call's launch for replay if it was one launch with the conventional first five
-    array arguments (q, k, v, out, lse); any further array argument must outlive the process
-    (the mma kernel's debug placeholder). Returns the Replay, or None if the call cannot be one."""
+    """Keep the call's launch for replay if it was one launch whose first five array arguments
+    are q, k, v, out and lse, and whose other array arguments were marked with keep(). Returns
+    the Replay, or None if the call cannot be one."""
     if key is None or len(launches) != 1:
         return None
     recipe = launches[0]
     expected = tuple(a.data.ptr for a in (problem.q, problem.k, problem.v, problem.out, lse))
-    if recipe.pointers[:5] != expected:
+    if recipe.pointers[:5] != expected or any(p not in _kept for p in recipe.pointers[5:]):
         return None
     if len(_replays) >= _MAX_REPLAYS:
         _replays.clear()

@@ -720,7 +720,7 @@ def run(problem, cfg, device, debug=None):
     """Launch; returns lse. ``debug``: a float32 (B, H, Nq, BC) CuPy array to receive the masked
     raw scores of key tile 0 (only with cfg["DBG"] = 1)."""
     import cupy
-    from . import launch
+    from . import fastpath, launch
     p = problem
     B, H, Nq, Nk, d, dv = p.shape
     kernel = launch.get_kernel(NAME, make_kernel, cfg)
@@ -728,7 +728,7 @@ def run(problem, cfg, device, debug=None):
     if debug is None:
         key = p.q.device.id
         if key not in _dummy:
-            _dummy[key] = cupy.zeros((1, 1, 1, 1), dtype=cupy.float32)
+            _dummy[key] = fastpath.keep(cupy.zeros((1, 1, 1, 1), dtype=cupy.float32))
         debug = _dummy[key]
     BR = 16 * cfg["NW"]
     grid = (-(-Nq // BR), B * H)

@@ -21,8 +21,8 @@ from numba import cuda
 
 from ..plan import Unsupported
 from . import launch
-from .common import NEG_INF, SMEM_ALIGN, STAGE_CHUNK, compute_type, element_size, exp_for, \
-    head_dim_bucket, key_end, tile_stager, vector_load
+from .common import NEG_INF, SMEM_ALIGN, compute_type, element_size, exp_for, head_dim_bucket, \
+    key_end, stage_chunk, tile_stager, vector_load
 
 NAME = "cuda.row"
 REG_WORDS = 256   # 32-bit words of q row + accumulator a thread keeps in registers
@@ -44,7 +44,7 @@ def make_kernel(D, DV, BC, ROWS, QS, acc):
     V_OFF = u(BC * D)             # V tile after the K tile
     Q_OFF = u(BC * (D + DV))      # then Qt[c][row], if QS
     zero = u(0)
-    chunk = STAGE_CHUNK // (element_size(acc) // 4)
+    chunk = stage_chunk(acc)
     stage_k, store_k, K_REGS, K_PARTS = tile_stager(BC, D, ROWS, acc, False, D, chunk)
     stage_v, store_v, V_REGS, V_PARTS = tile_stager(BC, DV, ROWS, acc, False, DV, chunk)
     STAGE_REGS = max(K_REGS, V_REGS)
