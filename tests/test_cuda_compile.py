@@ -1,5 +1,5 @@
 """Every CUDA kernel variant compiles, with no GPU, to PTX and to a cubin for sm_75, sm_80 and
-sm_90 (numba -> NVVM -> nvJitLink, which runs ptxas), and what the default configs spill.
+sm_90 (numba -> NVVM -> nvJitLink, which runs ptxas), and no default config spills.
 
 numba's simulator replaces numba.cuda in this process (tests/conftest.py), so compilation runs in a
 subprocess with the simulator off.
@@ -30,7 +30,7 @@ def report():
         import io, json
         from numflash.inspect import inspect
         archs = [(int(a[0]), int(a[1:])) for a in "{ARCHS}".split(",")]
-        rows = inspect(archs, head_dims=(1, 59, 64, 128, 256), out=io.StringIO())
+        rows = inspect(archs, head_dims=(1, 59, 64, 96, 128, 256), out=io.StringIO())
         print(json.dumps([dict(r, cc=list(r["cc"])) for r in rows]))
     """)
     return json.loads(out.splitlines()[-1])
@@ -49,23 +49,14 @@ def spill_bytes(r):
     return r.get("spill_store_bytes", 0) + r.get("spill_load_bytes", 0)
 
 
-def test_block_kernel_default_configs_do_not_spill(report):
-    rows = [r for r in report if r["kernel"] == "cuda.block" and "config" in r]
+@pytest.mark.parametrize("kernel", ["cuda.block", "cuda.row"])
+def test_default_configs_do_not_spill(report, kernel):
+    rows = [r for r in report if r["kernel"] == kernel and "config" in r]
     spills = [r for r in rows if spill_bytes(r) or r.get("stack_bytes", 0)]
     assert rows and not spills, spills
-
-
-def test_row_kernel_spills_only_where_it_is_faster_than_shared_memory(report):
-    """Up to 256 words of q + accumulator the row kernel keeps both in registers and ptxas spills
-    at most ~0.5 KB each way (measured 2x faster than q in shared memory at float32 d=128); past
-    that q lives in shared memory and the output columns split across blocks: no spills at all."""
-    rows = [r for r in report if r["kernel"] == "cuda.row" and "config" in r]
-    in_shared = [r for r in rows if r["config"]["QS"]]
-    assert in_shared and not [r for r in in_shared if spill_bytes(r)]
-    assert any(r["config"]["DV"] < r["d"] for r in in_shared)  # output columns split
-    assert all(spill_bytes(r) <= 1200 for r in rows), [spill_bytes(r) for r in rows]
-    assert not [r for r in rows if r["config"]["D"] <= 64 and r["dtype"] != "float64"
-                and spill_bytes(r)]
+    if kernel == "cuda.row":  # both ways past the registers were compiled: split columns, q shared
+        assert any(r["config"]["QS"] for r in rows)
+        assert any(not r["config"]["QS"] and r["config"]["DV"] < r["d"] for r in rows)
 
 
 def test_only_sm75_float64_at_d256_is_refused_and_says_why(report):

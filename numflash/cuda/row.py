@@ -7,12 +7,15 @@ raise the running max (the common case after the first few), the accumulator nee
 Grid: (batch x head, query chunk of ROWS rows, output column chunk), so any sequence length fits.
 
 Large head dims do not fit in registers (q and the accumulator are one word each per element,
-255 registers a thread). Past REG_WORDS the q row moves to shared memory (transposed, so a warp's
-threads read 32 consecutive words: no bank conflicts), and past ACC_WORDS the output columns are
-split across blocks (grid z), each block recomputing the scores for its DV columns. q in shared
-memory costs a shared load per FMA of the scores, so it only starts where registers would spill
-kilobytes: at 256 words (float32 d=128, float64 d=64) ptxas spills 0.3-0.5 KB, and that kernel ran
-49.6 and 51.4 ms on the H100 against 96.0 and 57.0 ms with q in shared memory (bench/NOTES.md).
+255 registers a thread). Past REG_WORDS the output columns split across blocks (grid z), each
+block recomputing the scores for its DV columns, while q still fits beside them in at most
+MAX_SPLITS splits; beyond that q moves to shared memory (transposed, so a warp's threads read 32
+consecutive words: no bank conflicts) and the accumulator takes ACC_WORDS. ptxas then reports no
+spills for any head dim up to 256, float32 or float64, on sm_75/80/90 (tests/test_cuda_compile.py).
+Keeping q and a 256-word accumulator in registers regardless was faster at float32 d=128 (0.3-0.5
+KB spilled, 49.6 ms against 96.0 ms with q in shared memory on the H100, bench/NOTES.md), but
+the thresholds between those two are at the edge of ptxas' allocation (8-252 bytes spilled at
+192 words, depending on head dim and architecture), so this kernel stays spill-free everywhere.
 """
 import math
 
@@ -25,7 +28,8 @@ from .common import NEG_INF, SMEM_ALIGN, compute_type, element_size, exp_for, he
     key_end, stage_chunk, tile_stager, vector_load
 
 NAME = "cuda.row"
-REG_WORDS = 256   # 32-bit words of q row + accumulator a thread keeps in registers
+REG_WORDS = 160   # 32-bit words of q row + accumulator a thread keeps in registers (no spills)
+MAX_SPLITS = 2    # output column splits (score recomputations) before q goes to shared memory
 ACC_WORDS = 128   # accumulator words per thread once q is in shared memory (no spills)
 KV_TILE_BYTES = 48 * 1024  # K and V tiles of one block
 
@@ -139,9 +143,13 @@ def config(problem, device):
     esize = element_size(acc)
     words = esize // 4
     D, DV = head_dim_bucket(d), head_dim_bucket(dv)
-    qs = (D + DV) * words > REG_WORDS
-    if qs and DV * words > ACC_WORDS:
-        DV = ACC_WORDS // words
+    qs = False
+    if (D + DV) * words > REG_WORDS:
+        # The output columns split across blocks (each recomputing the scores) to fit beside q;
+        # past MAX_SPLITS splits q moves to shared memory and leaves the registers to them.
+        room = max(0, REG_WORDS // words - D) // 16 * 16
+        qs = room == 0 or -(-DV // room) > MAX_SPLITS
+        DV = min(DV, ACC_WORDS // words if qs else room)
     limit = None if device.simulator else device.smem_per_block_optin
     # The most rows a block (q in shared memory costs ROWS x D words), then the largest
     # power-of-two key tile (8..64) whose K and V fit KV_TILE_BYTES and the device's limit.
