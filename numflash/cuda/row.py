@@ -12,10 +12,8 @@ block recomputing the scores for its DV columns, while q still fits beside them 
 MAX_SPLITS splits; beyond that q moves to shared memory (transposed, so a warp's threads read 32
 consecutive words: no bank conflicts) and the accumulator takes ACC_WORDS. ptxas then reports no
 spills for any head dim up to 256, float32 or float64, on sm_75/80/90 (tests/test_cuda_compile.py).
-Keeping q and a 256-word accumulator in registers regardless was faster at float32 d=128 (0.3-0.5
-KB spilled, 49.6 ms against 96.0 ms with q in shared memory on the H100, bench/NOTES.md), but
-the thresholds between those two are at the edge of ptxas' allocation (8-252 bytes spilled at
-192 words, depending on head dim and architecture), so this kernel stays spill-free everywhere.
+On the H100 this beat keeping everything in registers and letting ptxas spill 0.3-0.5 KB: float32
+d=128 45.4 against 47.0 ms, float64 d=64 39.6 against 43.5 ms (bench/NOTES.md).
 """
 import math
 
