@@ -69,7 +69,8 @@ def main(argv=None):
     ap.add_argument("--algorithms", default="block,row")
     ap.add_argument("--overhead-only", action="store_true", help="only the per-call overhead")
     ap.add_argument("--sweep-only", type=int, nargs="*", default=None,
-                    help="only the block tile sweep, at these sequence lengths (B4 H16; d=64, and 128 at 4096)")
+                    help="only the block tile sweep at these sequence lengths "
+                         "(B4 H16; d=64, and 128 at 4096)")
     args = ap.parse_args(argv)
     algos = args.algorithms.split(",")
     shapes = [  # B, H, N, d, dtype, causal
@@ -130,7 +131,8 @@ def main(argv=None):
         128: [((128, 32, 8, 4), None, 0), ((128, 32, 8, 4), None, 1), ((128, 64, 8, 4), None, 0),
               ((128, 64, 8, 4), None, 1), ((64, 64, 8, 4), None, 1), ((128, 64, 8, 8), None, 0),
               ((128, 64, 8, 8), None, 1)]}
-    runs = [(n, d) for n in (args.sweep_only or [4096]) for d in ((64, 128) if n == 4096 else (64,))]
+    runs = [(n, d) for n in (args.sweep_only or [4096])
+            for d in ((64, 128) if n == 4096 else (64,))]
     for N, d in runs if not args.overhead_only else ():
         dt = "float32"
         q, k, v = (cp.asarray(rng.standard_normal((4, 16, N, d)).astype(dt)) for _ in range(3))

@@ -190,7 +190,8 @@ def test_repeated_call_replays_its_launch_with_new_inputs(rng, monkeypatch, dtyp
     first = numflash.attention(*inputs(), **options)
     full_path = []
     original = api.normalize
-    monkeypatch.setattr(api, "normalize", lambda *a, **kw: full_path.append(1) or original(*a, **kw))
+    monkeypatch.setattr(api, "normalize",
+                        lambda *a, **kw: full_path.append(1) or original(*a, **kw))
     q, k, v = inputs()
     cp.cuda.Device().synchronize()  # inputs were written on the default stream
     stream = cp.cuda.Stream(non_blocking=True)
@@ -200,7 +201,8 @@ def test_repeated_call_replays_its_launch_with_new_inputs(rng, monkeypatch, dtyp
     assert full_path == [], "the repeated call went through normalize()"
     out, lse = res if options.get("return_lse") else (res, None)
     assert type(out) is type(first[0] if isinstance(first, tuple) else first)
-    assert out.dtype == q.dtype and out.data.ptr != (first[0] if lse is not None else first).data.ptr
+    first_out = first[0] if lse is not None else first
+    assert out.dtype == q.dtype and out.data.ptr != first_out.data.ptr
     kw = {key: options[key] for key in ("causal", "softmax_scale", "layout") if key in options}
     rep = check(out, q, k, v, lse=lse, **kw)
     assert rep.ok, str(rep)

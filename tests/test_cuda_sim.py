@@ -149,7 +149,8 @@ def test_block_tile_staging_and_micro_gemm_variants(rng, prefetch, pipelined, ti
 
 def test_launch_packing_marks_every_array_data_pointer():
     """What the GPU fast path patches on a repeated call: the data-pointer slot of each array in
-    the numba ABI's flattened parameters (meminfo, parent, nitems, itemsize, data, shape, strides)."""
+    the numba ABI's flattened parameters (meminfo, parent, nitems, itemsize, data, shape,
+    strides)."""
     from numflash.cuda import launch
 
     class FakeDeviceArray:

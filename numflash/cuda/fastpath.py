@@ -4,8 +4,8 @@ The first call with a given signature runs the full path: normalize() checks eve
 plan.choose() picks the kernel, the kernel module packs and launches it. That launch is recorded
 (a launch.Recipe) under the call's signature. A later call with the same signature allocates the
 output (and the lse if it is returned), patches five data pointers (q, k, v, out, lse) into the
-recorded parameters and launches: ~20 us of host time a call instead of ~90-125 us on the full
-path (bench/NOTES.md, "Launch overhead").
+recorded parameters and launches: ~17-22 us of host time a call instead of ~125-135 us on the
+full path (bench/NOTES.md, "Launch overhead").
 
 The signature holds everything the checks, the plan and the packed parameters depend on: the
 array type, shapes, strides, dtypes, devices and 16-byte alignment of q, k and v, the current
