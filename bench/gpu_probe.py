@@ -18,6 +18,20 @@ from numflash.cuda import fastpath, launch
 from numflash.testing import check
 
 
+def host_us_per_call(call, batches=30, calls=100):
+    """Median host time of one call in microseconds, over batches of `calls` calls between
+    synchronizations (far fewer than the launch queue holds, so a kernel slower than its launch
+    does not turn this into a GPU timing)."""
+    per = []
+    for _ in range(batches):
+        cp.cuda.Device().synchronize()
+        t = time.perf_counter()
+        for _ in range(calls):
+            call()
+        per.append((time.perf_counter() - t) / calls * 1e6)
+    return statistics.median(per)
+
+
 def cuda_time(fn, inputs, warmup=2, reps=10):
     """Median / min / max ms over reps, cycling through input sets, with CUDA events."""
     for i in range(warmup):
@@ -165,19 +179,9 @@ def main(argv=None):
     numflash.attention(q, q, q)
     empty((1,), (32,), (q,))
     cp.cuda.Device().synchronize()
-    # Host time only: 100 calls between synchronizations, far fewer than the launch queue holds,
-    # so a kernel slower than its launch does not turn this into a GPU timing.
-    overhead = {}
-    for name, call in (("numflash", lambda: numflash.attention(q, q, q)),
-                       ("raw_kernel", lambda: empty((1,), (32,), (q,)))):
-        per = []
-        for _ in range(30):
-            cp.cuda.Device().synchronize()
-            t = time.perf_counter()
-            for _ in range(100):
-                call()
-            per.append((time.perf_counter() - t) / 100 * 1e6)
-        overhead[name] = statistics.median(per)
+    overhead = {name: host_us_per_call(call) for name, call in (
+        ("numflash", lambda: numflash.attention(q, q, q)),
+        ("raw_kernel", lambda: empty((1,), (32,), (q,))))}
     print(f"per-call host time: numflash {overhead['numflash']:.1f} us, bare RawKernel "
           f"{overhead['raw_kernel']:.1f} us, difference {overhead['numflash'] - overhead['raw_kernel']:.1f} us")
     # Where the replayed call's time goes, piece by piece (host time, 100-call batches).
@@ -191,14 +195,7 @@ def main(argv=None):
                        ("fastpath.signature", lambda: fastpath.signature(q, q, q, options)),
                        ("Recipe.launch", lambda: replay.recipe.launch(stream_ptr, pointers)),
                        ("Replay (2 empty + launch)", lambda: replay(q, q, q))):
-        per = []
-        for _ in range(30):
-            cp.cuda.Device().synchronize()
-            t = time.perf_counter()
-            for _ in range(100):
-                call()
-            per.append((time.perf_counter() - t) / 100 * 1e6)
-        print(f"  piece {name:28s} {statistics.median(per):6.2f} us", flush=True)
+        print(f"  piece {name:28s} {host_us_per_call(call):6.2f} us", flush=True)
     first_call = []
     for _ in range(200):  # the full path (checks, plan, packing), as every new signature takes
         fastpath.clear()

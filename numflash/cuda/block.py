@@ -66,6 +66,11 @@ def prefetch_fits(D, DV, BC, TM, TN, BR, acc):
     return held * (element_size(acc) // 4) <= PREFETCH_REGS
 
 
+def kv_chunk(prefetch, acc):
+    """Part size for staging K and V: a whole tile when prefetched, else stage_chunk()."""
+    return None if prefetch else stage_chunk(acc)
+
+
 def micro_gemm(M, N, acc, pipelined):
     """Device function: out[M][N] += sum over k < steps of A[k][0:M] (outer) B[k][0:N], where the
     rows A[k] and B[k] are read from shared memory at a_off + k * a_pitch and b_off + k * b_pitch
@@ -139,11 +144,11 @@ def make_kernel(D, DV, BR, BC, TM, TN, acc, PF, SP):
     uTM, uTN, uTO, uTX, uVA = u(TM), u(TN), u(TO), u(TX), u(VA)
     QP, KP, K_OFF, V_OFF, P_OFF, S_OFF, _ = (u(x) for x in _layout(D, DV, BR, BC, TM, TN, acc))
     zero, one = u(0), u(1)
-    chunk = None if PF else stage_chunk(acc)
-    fetch_q, store_q, Q_REGS, Q_PARTS = tile_stager(BR, D, NT, acc, True, QP, stage_chunk(acc))
+    chunk = kv_chunk(PF, acc)
+    _, _, stage_q, Q_REGS, _ = tile_stager(BR, D, NT, acc, True, QP, stage_chunk(acc))
     # Kt[c][position]: thread tx owns keys jj * TX + tx (jj < TN), stored next to each other
-    fetch_k, store_k, K_REGS, K_PARTS = tile_stager(BC, D, NT, acc, True, KP, chunk, TX)
-    fetch_v, store_v, V_REGS, V_PARTS = tile_stager(BC, DV, NT, acc, False, DV, chunk)  # Vs[j][c]
+    fetch_k, store_k, stage_k, K_REGS, _ = tile_stager(BC, D, NT, acc, True, KP, chunk, TX)
+    fetch_v, store_v, stage_v, V_REGS, _ = tile_stager(BC, DV, NT, acc, False, DV, chunk)  # Vs
 
     def block_attention(q, k, v, out, lse, scale, causal, causal_offset):
         H = q.shape[1]
@@ -162,9 +167,7 @@ def make_kernel(D, DV, BR, BC, TM, TN, acc, PF, SP):
 
         qbh, kbh, vbh = q[b, h], k[b, h], v[b, h]  # 2-D views: two index products, not four
         qreg = cuda.local.array(Q_REGS, ACC)
-        for part in range(u(Q_PARTS)):  # Qt[c][r] = q[i0 + r, c]
-            fetch_q(qbh, i0, Nq, d, qreg, tid, part)
-            store_q(smem, zero, qreg, tid, part)
+        stage_q(qbh, i0, Nq, d, qreg, smem, zero, tid)  # Qt[c][r] = q[i0 + r, c]
 
         s = cuda.local.array((TM, TN), ACC)
         o = cuda.local.array((TM, TO), ACC)
@@ -199,12 +202,8 @@ def make_kernel(D, DV, BR, BC, TM, TN, acc, PF, SP):
                 store_k(smem, K_OFF, kreg, tid, zero)
                 store_v(smem, V_OFF, vreg, tid, zero)
             else:
-                for part in range(u(K_PARTS)):
-                    fetch_k(kbh, j0, Nk, d, kreg, tid, part)
-                    store_k(smem, K_OFF, kreg, tid, part)
-                for part in range(u(V_PARTS)):
-                    fetch_v(vbh, j0, Nk, dv, vreg, tid, part)
-                    store_v(smem, V_OFF, vreg, tid, part)
+                stage_k(kbh, j0, Nk, d, kreg, smem, K_OFF, tid)
+                stage_v(vbh, j0, Nk, dv, vreg, smem, V_OFF, tid)
             cuda.syncthreads()
             if PF and j0 + uBC < block_keys:
                 fetch_k(kbh, j0 + uBC, Nk, d, kreg, tid, zero)
@@ -337,7 +336,7 @@ def config(problem, device):
 
 def staged_parts(cfg):
     """How many register-sized parts a K and a V tile are staged in (1 each with prefetch)."""
-    chunk = None if cfg["PF"] else stage_chunk(cfg["acc"])
+    chunk = kv_chunk(cfg["PF"], cfg["acc"])
     threads = (cfg["BR"] // cfg["TM"]) * (cfg["BC"] // cfg["TN"])
     return tuple(stage_parts(cfg["BC"], cols, threads, chunk)[1] for cols in (cfg["D"], cfg["DV"]))
 

@@ -226,7 +226,7 @@ def tile_stager(rows, cols, threads, acc, transposed, pitch, chunk=None, interle
     """Device functions that move a rows x cols tile from global to shared memory through
     registers, in parts of at most `chunk` elements per thread (all of its share if None).
 
-    Returns (fetch, store, part_size, parts):
+    Returns (fetch, store, stage, part_size, parts):
     fetch(src, r0, nr, nc, regs, tid, part): regs[w] <- src[r0 + r, c] for element w of this
         thread's part (zero past nr rows or nc columns). The loads are independent, so all of a
         part is in flight at once; a kernel fetching tile j+1 before it computes on tile j (one
@@ -235,6 +235,8 @@ def tile_stager(rows, cols, threads, acc, transposed, pitch, chunk=None, interle
         if `transposed`. Consecutive threads take consecutive columns: coalesced global reads.
         With `interleave` = n, row r is stored at position (r % n) * (rows / n) + r // n, so that
         the rows r = i * n + t (i = 0, 1, ...) a thread t owns lie next to each other.
+    stage(src, r0, nr, nc, regs, smem, base, tid): the whole tile, synchronously: fetch then
+        store each part in turn.
     """
     assert rows % interleave == 0 and pitch >= (rows if transposed else cols)  # no overlap
     ACC = compute_type(acc)
@@ -265,4 +267,10 @@ def tile_stager(rows, cols, threads, acc, transposed, pitch, chunk=None, interle
                     r = (r % uI) * uRI + r // uI
                 smem[base + (c * uP + r if transposed else r * uP + c)] = regs[w]
 
-    return fetch, store, size, parts
+    @inlined_device
+    def stage(src, r0, nr, nc, regs, smem, base, tid):
+        for part in range(u(parts)):
+            fetch(src, r0, nr, nc, regs, tid, part)
+            store(smem, base, regs, tid, part)
+
+    return fetch, store, stage, size, parts

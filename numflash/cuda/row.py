@@ -47,8 +47,8 @@ def make_kernel(D, DV, BC, ROWS, QS, acc):
     Q_OFF = u(BC * (D + DV))      # then Qt[c][row], if QS
     zero = u(0)
     chunk = stage_chunk(acc)
-    stage_k, store_k, K_REGS, K_PARTS = tile_stager(BC, D, ROWS, acc, False, D, chunk)
-    stage_v, store_v, V_REGS, V_PARTS = tile_stager(BC, DV, ROWS, acc, False, DV, chunk)
+    _, _, stage_k, K_REGS, _ = tile_stager(BC, D, ROWS, acc, False, D, chunk)
+    _, _, stage_v, V_REGS, _ = tile_stager(BC, DV, ROWS, acc, False, DV, chunk)
     STAGE_REGS = max(K_REGS, V_REGS)
     Q_REGS = 1 if QS else D
     VW = 16 // element_size(acc)  # elements per 16-byte load; D and DV are multiples of 16
@@ -87,12 +87,8 @@ def make_kernel(D, DV, BC, ROWS, QS, acc):
         block_keys = u(key_end(min(Nq, block_first + uROWS) - u(1), Nk, causal, causal_offset))
         for j0 in range(zero, block_keys, uBC):
             cuda.syncthreads()  # the previous tile is no longer read
-            for part in range(u(K_PARTS)):
-                stage_k(kbh, j0, Nk, d, regs, tid, part)
-                store_k(smem, zero, regs, tid, part)
-            for part in range(u(V_PARTS)):
-                stage_v(vbh, j0, Nk, cols, regs, tid, part)
-                store_v(smem, V_OFF, regs, tid, part)
+            stage_k(kbh, j0, Nk, d, regs, smem, zero, tid)
+            stage_v(vbh, j0, Nk, cols, regs, smem, V_OFF, tid)
             cuda.syncthreads()
             keys = min(uBC, row_keys - j0) if row_keys > j0 else zero
             for j in range(keys):  # K and V rows: 16-byte loads, broadcast to every thread
