@@ -1,7 +1,7 @@
 """One-shot GPU check of the tensor-core kernel (numflash.cuda.mma): run from the repo root as
 
     python3 bench/mma_probe.py            # everything (< 3 minutes on an H100)
-    python3 bench/mma_probe.py units s    # only some sections: units, s, cases, bf16, time, tf32
+    python3 bench/mma_probe.py units s    # only some sections: units, s, cases, bf16, time, tf32, f64
 
 Sections, each case isolated (an exception prints a compact traceback and the run goes on):
   units  every inline-PTX intrinsic of numflash/cuda/ptx.py alone against numpy
@@ -13,6 +13,9 @@ Sections, each case isolated (an exception prints a compact traceback and the ru
   tf32   precision="tf32" (float32 on m16n8k8 tf32 mma): cvt.rna.tf32 and mma_tf32 alone, the
          kernel against the float64 reference (rel err < 5e-3, lse within 1e-2), and a timing
          line vs the exact fp32 cuda.block at B=4 H=16 N=4096 d=64
+  f64    float64 on float64 tensor cores: both mma_f64 forms alone, the kernel against the
+         reference (the tests' accuracy rule), tile variants timed vs CuPy naive float64 and
+         cuda.block at B=4 H=16 N=4096 d=64/128
 """
 import dataclasses
 import math
@@ -73,12 +76,12 @@ class CompiledOnly(Exception):
     pass
 
 
-def launch_(kern, grid, block, *args):
-    """kern[grid, block](*args), or (MMA_PROBE_COMPILE_ONLY=1, no GPU) compile it for sm_80."""
+def launch_(kern, grid, block, *args, cc=(8, 0)):
+    """kern[grid, block](*args), or (MMA_PROBE_COMPILE_ONLY=1, no GPU) compile it for cc."""
     if COMPILE_ONLY:
         from numba import typeof
         from numflash.cuda import launch
-        ptx = launch.compile_ptx(kern.py_func, [typeof(a) for a in args], (8, 0))
+        ptx = launch.compile_ptx(kern.py_func, [typeof(a) for a in args], cc)
         raise CompiledOnly(f"compiled only ({len(ptx)} chars of PTX)")
     kern[grid, block](*args)
 
@@ -601,29 +604,7 @@ def tf32():
         Bm = rng.standard_normal((8, 8)).astype(np.float32)
         C = rng.standard_normal((16, 8)).astype(np.float32)
         Ab, Bb = tf32_bits_np(A), tf32_bits_np(Bm)
-        af, bf = np.zeros((32, 4), np.uint32), np.zeros((32, 2), np.uint32)
-        cf = np.zeros((32, 4), np.float32)
-        for lane in range(32):
-            g, t = lane >> 2, lane & 3
-            af[lane] = [Ab[g, t], Ab[g + 8, t], Ab[g, t + 4], Ab[g + 8, t + 4]]
-            bf[lane] = [Bb[t, g], Bb[t + 4, g]]
-            cf[lane] = [C[g, 2 * t], C[g, 2 * t + 1], C[g + 8, 2 * t], C[g + 8, 2 * t + 1]]
-
-        @cuda.jit
-        def kern(a, b, c, out):
-            t = cuda.threadIdx.x
-            r = ptx.mma_tf32(a[t, 0], a[t, 1], a[t, 2], a[t, 3], b[t, 0], b[t, 1],
-                             c[t, 0], c[t, 1], c[t, 2], c[t, 3])
-            out[t, 0] = r[0]
-            out[t, 1] = r[1]
-            out[t, 2] = r[2]
-            out[t, 3] = r[3]
-        out = np.zeros((32, 4), np.float32)
-        launch_(kern, 1, 32, af, bf, cf, out)
-        D = np.zeros((16, 8))
-        for lane in range(32):
-            g, t = lane >> 2, lane & 3
-            D[g, 2 * t], D[g, 2 * t + 1], D[g + 8, 2 * t], D[g + 8, 2 * t + 1] = out[lane]
+        D = run_mma_16x8x8(ptx.mma_tf32, Ab, Bb, C)
         ref = Ab.view(np.float32).astype(np.float64) @ Bb.view(np.float32).astype(np.float64) + C
         err = float(np.abs(D - ref).max())
         return err < 1e-4, f"max abs err {err:.2e} (vs tf32-rounded operands)"
@@ -694,10 +675,159 @@ def tf32():
     case("tf32 timing vs cuda.block fp32", timing_line)
 
 
+def run_mma_16x8x8(intrinsic, A, Bm, C, cc=(8, 0)):
+    """D = A @ Bm + C through a 16x8x8 mma intrinsic (mma_tf32 / mma_f64_*), fragments laid out
+    as the PTX ISA says (lane 4g + t: a = A[g|g+8, t|t+4], b = B[t|t+4, g], c = C[g|g+8, 2t|2t+1])."""
+    from numba import cuda
+    af, bf = np.zeros((32, 4), A.dtype), np.zeros((32, 2), Bm.dtype)
+    cf = np.zeros((32, 4), C.dtype)
+    for lane in range(32):
+        g, t = lane >> 2, lane & 3
+        af[lane] = [A[g, t], A[g + 8, t], A[g, t + 4], A[g + 8, t + 4]]
+        bf[lane] = [Bm[t, g], Bm[t + 4, g]]
+        cf[lane] = [C[g, 2 * t], C[g, 2 * t + 1], C[g + 8, 2 * t], C[g + 8, 2 * t + 1]]
+
+    @cuda.jit
+    def kern(a, b, c, out):
+        t = cuda.threadIdx.x
+        r = intrinsic(a[t, 0], a[t, 1], a[t, 2], a[t, 3], b[t, 0], b[t, 1],
+                      c[t, 0], c[t, 1], c[t, 2], c[t, 3])
+        out[t, 0] = r[0]
+        out[t, 1] = r[1]
+        out[t, 2] = r[2]
+        out[t, 3] = r[3]
+    out = np.zeros((32, 4), C.dtype)
+    launch_(kern, 1, 32, af, bf, cf, out, cc=cc)
+    D = np.zeros((16, 8))
+    for lane in range(32):
+        g, t = lane >> 2, lane & 3
+        D[g, 2 * t], D[g, 2 * t + 1], D[g + 8, 2 * t], D[g + 8, 2 * t + 1] = out[lane]
+    return D
+
+
+def gpu_ms(fn, reps=10, warmup=2):
+    """Median milliseconds of fn() by CUDA events, after warm-up."""
+    import cupy as cp
+    for _ in range(warmup):
+        fn()
+    cp.cuda.runtime.deviceSynchronize()
+    ts = []
+    for _ in range(reps):
+        a, b = cp.cuda.Event(), cp.cuda.Event()
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        ts.append(cp.cuda.get_elapsed_time(a, b))
+    return float(np.median(ts))
+
+
+def f64_cfgs(D, cc=(9, 0)):
+    """The float64 tile variants the f64 section times (the first is the default for contiguous
+    inputs, the second the scalar-staging default for strided ones)."""
+    from numflash.cuda import mma
+    nw, bc, holdq = mma._tile(D, D, "f64")
+    base = {"D": D, "DV": D, "NW": nw, "BC": bc, "HOLDQ": holdq, "DT": "f64", "VEC": 1,
+            "MMA": "m16n8k8" if cc >= (9, 0) else "m8n8k4"}
+    out = [base, dict(base, VEC=0)]
+    if base["MMA"] == "m16n8k8":
+        out.append(dict(base, MMA="m8n8k4"))
+    for nw_, bc_, hq_ in ((4, 32, 1), (8, 32, 1), (4, 64, 0), (8, 64, 0), (4, 16, 0),
+                          (4, 32, 0), (8, 16, 0), (8, 32, 0)):
+        if (D <= 64) == bool(hq_ or bc_ == 64) and (nw_, bc_, hq_) != (nw, bc, holdq):
+            out.append(dict(base, NW=nw_, BC=bc_, HOLDQ=hq_))
+    return out
+
+
+def f64():
+    """float64 on float64 tensor cores: both mma_f64 forms alone (exact to rounding), the kernel
+    through the public API against the float64 reference with the test suite's accuracy rule,
+    and tile variants timed against CuPy naive float64 (plain and in-place softmax) and
+    cuda.block at B=4 H=16 N=4096, d=64/128, causal or not."""
+    from numflash.cuda import ptx
+    rng = np.random.default_rng(11)
+
+    def mma_check(intrinsic, cc):
+        A, Bm, C = (rng.standard_normal(s) for s in ((16, 8), (8, 8), (16, 8)))
+        D = run_mma_16x8x8(intrinsic, A, Bm, C, cc=cc)
+        err = float(np.abs(D - (A @ Bm + C)).max())
+        return err < 1e-13, f"max abs err {err:.1e}"
+
+    case("ptx.mma_f64_m16n8k8 (sm_90 native)", lambda: mma_check(ptx.mma_f64_m16n8k8, (9, 0)))
+    case("ptx.mma_f64_m8n8k4x4 (4x m8n8k4)", lambda: mma_check(ptx.mma_f64_m8n8k4x4, (8, 0)))
+    if COMPILE_ONLY:
+        return
+    import cupy as cp
+    import numflash
+    from numflash.bench import naive_attention, plain_naive_attention, causal_hidden
+    from numflash.testing import check
+    from numflash.cuda import mma
+
+    def one(B, H, Nq, Nk, d, dv, causal, layout="bhsd"):
+        shapes = ((B, H, Nq, d), (B, H, Nk, d), (B, H, Nk, dv))
+        if layout == "bshd":
+            shapes = tuple((s[0], s[2], s[1], s[3]) for s in shapes)
+        q, k, v = (cp.asarray(rng.standard_normal(s)) for s in shapes)
+        plan = numflash.explain(q, k, v, causal=causal, layout=layout)
+        if plan.kernel != "cuda.mma" or plan.config.get("DT") != "f64":
+            return False, f"plan is not cuda.mma f64: {plan}"
+        out, lse = numflash.attention(q, k, v, causal=causal, layout=layout, return_lse=True)
+        rep = check(out, q, k, v, lse=lse, causal=causal, layout=layout)
+        return rep.ok and out.dtype == cp.float64, str(rep)
+
+    for args in [(1, 1, 1, 1, 64, 64, False), (2, 3, 128, 128, 64, 64, False),
+                 (2, 3, 300, 777, 64, 64, True), (1, 2, 777, 300, 128, 128, "bottom_right"),
+                 (2, 2, 1025, 1025, 128, 128, False), (2, 3, 200, 333, 59, 111, True),
+                 (1, 2, 97, 1025, 1, 8, False), (1, 2, 4096, 4096, 64, 64, True)]:
+        case("f64 B{} H{} Nq{} Nk{} d{} dv{} causal={}".format(*args), lambda a=args: one(*a))
+    case("f64 bshd B2 N300 H3 d64 causal", lambda: one(2, 3, 300, 300, 64, 64, True, "bshd"))
+
+    def timing(d):
+        from numflash.inputs import normalize
+        from numflash import plan as plan_mod
+        B, H, N = 4, 16, 4096
+        q, k, v = (cp.asarray(rng.standard_normal((B, H, N, d))) for _ in range(3))
+        lines = []
+        for causal in (False, True):
+            flops = 4 * B * H * N * N * d / (2 if causal else 1)
+            hidden = causal_hidden(cp, N, N) if causal else None
+            scale = 1 / math.sqrt(d)
+            t = {"naive-plain": gpu_ms(lambda: plain_naive_attention(cp, q, k, v, scale, hidden),
+                                       reps=5),
+                 "naive": gpu_ms(lambda: naive_attention(cp, q, k, v, scale, hidden), reps=5),
+                 "block": gpu_ms(lambda: numflash.attention(q, k, v, causal=causal,
+                                                            algorithm="block"), reps=5)}
+            p = normalize(q, k, v, causal=causal)
+            dev = plan_mod._cuda_device(p)
+            for cfg in f64_cfgs(d, dev.cc):
+                if mma.smem_bytes(cfg) > dev.smem_per_block_optin:
+                    continue
+                name = "mma " + " ".join(f"{k}={cfg[k]}" for k in ("NW", "BC", "HOLDQ", "VEC",
+                                                                     "MMA"))
+                t[name] = gpu_ms(lambda c=cfg: mma.run(p, c, dev), reps=5)
+            out = numflash.attention(q, k, v, causal=causal)
+            rep = check(out, q, k, v, causal=causal, rows=np.arange(0, N, 61))
+            best = min((v_, k_) for k_, v_ in t.items() if k_.startswith("mma"))
+            lines.append(f"TIME f64 B{B} H{H} N{N} d{d} causal={causal} (auto out ok={rep.ok}): "
+                         + "; ".join(f"{k_} {v_:.2f} ms ({flops / v_ / 1e9:.1f})"
+                                     for k_, v_ in t.items())
+                         + f" | best {best[1]}: {t['naive-plain'] / best[0]:.2f}x plain naive, "
+                         f"{t['naive'] / best[0]:.2f}x naive, {t['block'] / best[0]:.2f}x block")
+            if not rep.ok:
+                return False, str(rep)
+        for line in lines:
+            print(line, flush=True)
+        return True, "see TIME lines"
+
+    for d in (64, 128):
+        case(f"f64 timing d{d}", lambda d=d: timing(d))
+
+
 def _build_one(cfg, cc):
     from numba import types
     from numflash.cuda import launch, mma
-    A = types.Array(types.float32 if cfg.get("DT") == "tf32" else types.uint16, 4, "A")
+    elem = {"tf32": types.float32, "f64": types.float64}.get(cfg.get("DT"), types.uint16)
+    A = types.Array(elem, 4, "A")
     argtypes = (A, A, A, A, types.Array(types.float32, 3, "A"), types.Array(types.float32, 4, "A"),
                 types.float64, types.float64, types.int64, types.int64)
     t = time.time()
@@ -712,12 +842,19 @@ def prewarm(cc, sections=None):
     import multiprocessing as mp
     from numflash.cuda import mma
     cfgs = []
-    tf32_dims = [(32, 96), (64, 128)] + [(D, D) for D in (32, 64, 96, 128)]
-    for D, DV in tf32_dims:
-        nw, bc, holdq = mma._tile(D, DV, "tf32")
-        cfgs.append({"D": D, "DV": DV, "NW": nw, "BC": bc, "HOLDQ": holdq, "DT": "tf32",
-                     "VEC": 0})
-    if sections is None or not set(sections) <= {"tf32", "units"}:  # else only tf32 variants
+    if sections is None or "tf32" in sections:
+        for D, DV in [(32, 96), (64, 128)] + [(D, D) for D in (32, 64, 96, 128)]:
+            nw, bc, holdq = mma._tile(D, DV, "tf32")
+            cfgs.append({"D": D, "DV": DV, "NW": nw, "BC": bc, "HOLDQ": holdq, "DT": "tf32",
+                         "VEC": 0})
+    if sections is None or "f64" in sections:
+        cfgs += f64_cfgs(64, cc) + f64_cfgs(128, cc)
+        for D, DV in ((32, 32), (64, 128)):  # the odd head dims of the f64 cases
+            nw, bc, holdq = mma._tile(D, DV, "f64")
+            cfgs += [{"D": D, "DV": DV, "NW": nw, "BC": bc, "HOLDQ": holdq, "DT": "f64",
+                      "VEC": vec, "MMA": "m16n8k8" if cc >= (9, 0) else "m8n8k4"}
+                     for vec in (0, 1)]
+    if sections is None or not set(sections) <= {"tf32", "units", "f64"}:
         cfgs += _f16_prewarm_cfgs()
     t = time.time()
     with cf.ProcessPoolExecutor(max_workers=min(len(cfgs), os.cpu_count() or 4),
@@ -750,7 +887,7 @@ def _f16_prewarm_cfgs():
 
 
 SECTIONS = {"units": units, "s": s_stage, "cases": cases, "bf16": bf16, "time": timing,
-            "tf32": tf32}
+            "tf32": tf32, "f64": f64}
 
 
 def main(argv):

@@ -74,7 +74,7 @@ def test_tf32_source_and_shared_memory():
     from numflash.cuda import mma
     for D in (32, 64, 96, 128):
         cfg = _cfg(D)
-        src = mma.kernel_source_tf32(D, D, cfg["NW"], cfg["BC"], cfg["HOLDQ"])
+        src = mma.kernel_source_word(D, D, cfg["NW"], cfg["BC"], cfg["HOLDQ"], "tf32")
         compile(src, "<tf32>", "exec")
         assert "mma_tf32(" in src and "to_tf32(" in src and "local.array" not in src
         assert mma.smem_bytes(cfg) <= 160 * 1024
@@ -220,17 +220,17 @@ def test_gpu_tf32_refuses_large_head_dims(rng):
                                   (1, 1, 33, 90, 32, 96, "bottom_right")],
                          ids=["d64", "d32-dv96-bottom_right"])
 def test_tf32_source_emulated_on_cpu(rng, case):
-    """The generated tf32 kernel source, run by a CPU emulator of the warp (tests/tf32_emu.py):
+    """The generated tf32 kernel source, run by a CPU emulator of the warp (tests/mma_emu.py):
     checks the fragment bookkeeping (S layout, the permuted-k P V, masking, softmax, epilogue)
     without a GPU. The inline-PTX intrinsics themselves are checked on the GPU only."""
     sys.path.insert(0, str(ROOT / "tests"))
-    from tf32_emu import run_tf32
+    from mma_emu import run_word_kernel
     from numflash.inputs import parse_causal
     from numflash.reference import naive
     B, H, Nq, Nk, d, dv, causal = case
     q, k, v = _f32(rng, (B, H, Nq, d)), _f32(rng, (B, H, Nk, d)), _f32(rng, (B, H, Nk, dv))
     is_causal, off = parse_causal(causal, Nq, Nk)
-    out, lse = run_tf32(q, k, v, is_causal, off)
+    out, lse = run_word_kernel(q, k, v, "tf32", is_causal, off)
     ref, ref_lse = naive(q, k, v, scale=1 / np.sqrt(d), causal=is_causal, causal_offset=off)
     assert np.isfinite(out).all()
     rel = np.linalg.norm(out - ref) / np.linalg.norm(ref)

@@ -1,5 +1,6 @@
-"""FlashAttention-2 forward on tensor cores (float16 / bfloat16, compute capability >= 8.0;
-float32 with precision="tf32" on m16n8k8 tf32 mma: see ``kernel_source_tf32``).
+"""FlashAttention-2 forward on tensor cores, compute capability >= 8.0: float16 / bfloat16 on
+m16n8k16; float64 on float64 tensor cores (exact IEEE products) and float32 with precision="tf32",
+both on a 16x8x8 mma: see ``kernel_source_word``.
 
 A block of NW warps owns BR = 16 NW query rows; each warp owns 16 of them. K and V tiles of BC keys
 are staged in shared memory; per tile each warp computes its 16 x BC block of S = Q K^T with
@@ -80,6 +81,52 @@ def U(n):
     """A uint64 constant in generated source (int literals are int64 in numba, and uint64 mixed
     with int64 becomes float64)."""
     return f"U({int(n)})"
+
+
+def _emit_cp_async_rows(s, src, rows, row, first, limit, width, dim, off, W, chunk, per_word,
+                        NT):
+    """Emit the 16-byte cp.async copy of rows x width elements of ``src`` (a 2-D global view)
+    into shared rows of W words at word offset ``off``: ``chunk`` elements per 16 bytes,
+    ``per_word`` elements per shared word. Rows at or past ``limit`` and columns at or past
+    ``dim`` are zero-filled (cp.async's src-size 0), so padding needs no second pass."""
+    col = "c" if per_word == 1 else f"c // {U(per_word)}"
+    s(f"for idx in range(tid, {U(rows * width // chunk)}, {U(NT)}):")
+    with s.block():
+        s(f"r = idx // {U(width // chunk)}",
+          f"c = (idx % {U(width // chunk)}) * {U(chunk)}",
+          f"{row} = {first} + r",
+          f"n = {U(16)} if {row} < {limit} and c < {dim} else {U(0)}",
+          f"src = global_addr2({src}, {row} if {row} < {limit} else {U(0)}, "
+          f"c if c < {dim} else {U(0)})",
+          f"cp_async_16(shared_addr(smem, {U(off)} + r * {U(W)} + {col}), src, n)")
+
+
+def _emit_double_buffered_loop(s, stage_kv, BC, kv_words):
+    """Emit the head of the K/V tile loop with cp.async double buffering: tile 0 is put in flight
+    before the loop; each iteration starts tile it+1 in the other buffer, then waits for tile it.
+    The body that follows reads the tile at word offset ``buf``."""
+    s("if ntiles > 0:")
+    with s.block():
+        stage_kv(U(0), 0)
+    s("for it in range(ntiles):")
+    with s.block():
+        s(f"j0 = it * {BC}")
+        s(f"buf = U(it % 2) * {U(kv_words)}")
+        s("cuda.syncthreads()  # everyone is done reading the buffer refilled next")
+        s("if it + 1 < ntiles:")
+        with s.block():
+            # generated twice: the buffer offset must be a compile-time constant
+            s("if it % 2 == 0:")
+            with s.block():
+                stage_kv(f"U(j0 + {BC})", 1)
+            s("else:")
+            with s.block():
+                stage_kv(f"U(j0 + {BC})", 0)
+            s("cp_async_wait_1()")
+        s("else:")
+        with s.block():
+            s("cp_async_wait_0()")
+        s("cuda.syncthreads()")
 
 
 def _emit_mask_and_softmax(s, NN, NVN, BC, DBG):
@@ -171,14 +218,7 @@ def kernel_source(D, DV, NW, BC, HOLDQ, DT, VEC, DBG=0):
 
         # ---- stage Q
         if VEC:
-            s(f"for idx in range(tid, {U(BR * D // 8)}, {U(NT)}):")
-            with s.block():
-                s(f"r = idx // {U(D // 8)}",
-                  f"c = (idx % {U(D // 8)}) * {U(8)}",
-                  "row = i0 + r",
-                  f"n = {U(16)} if row < Nq_u and c < d_u else {U(0)}",
-                  f"src = global_addr2(qh, row if row < Nq_u else {U(0)}, c if c < d_u else {U(0)})",
-                  f"cp_async_16(shared_addr(smem, {U(Q_OFF)} + r * {U(QW)} + c // {U(2)}), src, n)")
+            _emit_cp_async_rows(s, "qh", BR, "row", "i0", "Nq_u", D, "d_u", Q_OFF, QW, 8, 2, NT)
             s("cp_async_commit()")
         else:
             s(f"for idx in range(tid, {U(BR * D // 2)}, {U(NT)}):")
@@ -247,24 +287,9 @@ def kernel_source(D, DV, NW, BC, HOLDQ, DT, VEC, DBG=0):
             base = KV_OFF + buf * kv_words
             k_off, v_off = base, base + BC * KW
             if VEC:
-                s(f"for idx in range(tid, {U(BC * D // 8)}, {U(NT)}):")
-                with s.block():
-                    s(f"r = idx // {U(D // 8)}",
-                      f"c = (idx % {U(D // 8)}) * {U(8)}",
-                      f"j = {j0u} + r",
-                      f"n = {U(16)} if j < Nk_u and c < d_u else {U(0)}",
-                      f"src = global_addr2(kh, j if j < Nk_u else {U(0)}, c if c < d_u else {U(0)})",
-                      f"cp_async_16(shared_addr(smem, {U(k_off)} + r * {U(KW)} + c // {U(2)}), "
-                      "src, n)")
-                s(f"for idx in range(tid, {U(BC * DV // 8)}, {U(NT)}):")
-                with s.block():
-                    s(f"r = idx // {U(DV // 8)}",
-                      f"c = (idx % {U(DV // 8)}) * {U(8)}",
-                      f"j = {j0u} + r",
-                      f"n = {U(16)} if j < Nk_u and c < dv_u else {U(0)}",
-                      f"src = global_addr2(vh, j if j < Nk_u else {U(0)}, c if c < dv_u else {U(0)})",
-                      f"cp_async_16(shared_addr(smem, {U(v_off)} + r * {U(VW)} + c // {U(2)}), "
-                      "src, n)")
+                _emit_cp_async_rows(s, "kh", BC, "j", j0u, "Nk_u", D, "d_u", k_off, KW, 8, 2, NT)
+                _emit_cp_async_rows(s, "vh", BC, "j", j0u, "Nk_u", DV, "dv_u", v_off, VW, 8, 2,
+                                    NT)
                 s("cp_async_commit()")
             else:
                 s(f"for idx in range(tid, {U(BC * D // 2)}, {U(NT)}):")
@@ -300,33 +325,15 @@ def kernel_source(D, DV, NW, BC, HOLDQ, DT, VEC, DBG=0):
 
         s(f"ntiles = (block_keys + {BC - 1}) // {BC}")
         if VEC:
-            # prologue: tile 0 in flight
-            s("if ntiles > 0:")
-            with s.block():
-                stage_kv(U(0), 0)
-        s("for it in range(ntiles):")
-        with s.block():
-            s(f"j0 = it * {BC}")
+            _emit_double_buffered_loop(s, stage_kv, BC, kv_words)
+        else:
+            s("for it in range(ntiles):")
+        with s.block():  # the loop body (after the double-buffering head when VEC)
             if VEC:
-                s(f"buf = U(it % 2) * {U(kv_words)}")
-                s("cuda.syncthreads()  # everyone is done reading the buffer refilled next")
-                s("if it + 1 < ntiles:")
-                with s.block():
-                    # generated twice: the buffer offset must be a compile-time constant
-                    s("if it % 2 == 0:")
-                    with s.block():
-                        stage_kv(f"U(j0 + {BC})", 1)
-                    s("else:")
-                    with s.block():
-                        stage_kv(f"U(j0 + {BC})", 0)
-                    s("cp_async_wait_1()")
-                s("else:")
-                with s.block():
-                    s("cp_async_wait_0()")
-                s("cuda.syncthreads()")
                 k_off, v_off = KV_OFF, KV_OFF + BC * KW
                 kb = "buf + "
             else:
+                s(f"j0 = it * {BC}")
                 s("cuda.syncthreads()  # the previous tile is no longer read")
                 k_off, v_off = stage_kv("U(j0)", 0)
                 s("cuda.syncthreads()")
@@ -416,36 +423,88 @@ def kernel_source(D, DV, NW, BC, HOLDQ, DT, VEC, DBG=0):
     return s.text()
 
 
-# ------------------------------------------------------------------------------ tf32 (float32 in)
+# ------------------------------------------------------------------------ tf32 and float64
 
-def kernel_source_tf32(D, DV, NW, BC, HOLDQ, DBG=0):
-    """Source of the float32-in / float32-out kernel on tf32 tensor cores (precision="tf32").
+#: How the one-element-per-word kernels differ: the shared-memory word type, how an input element
+#: becomes a word (and the zero word), how a probability becomes an A operand, the V row pad
+#: (in words; both make the P V B-fragment loads conflict-free), and the mma.
+WORD_KINDS = {
+    "tf32": {"word": "uint32", "load": "U(to_tf32({}))", "zero": "U(0)", "store": "uint32(word)",
+             "p": "to_tf32({})", "v_pad": 4, "float": "float32", "mma": "mma_tf32"},
+    "f64": {"word": "float64", "load": "{}", "zero": "ZERO", "store": "word",
+            "p": "{}", "v_pad": 2, "float": "float64", "mma": "mma_f64"},
+}
+
+
+def word_pads(DT):
+    """(Q/K pad, V pad) in words per shared row for a one-element-per-word kernel."""
+    return 4, WORD_KINDS[DT]["v_pad"]
+
+
+def kernel_source_word(D, DV, NW, BC, HOLDQ, DT, DBG=0, VEC=0):
+    """Source of the kernels that keep one element per shared-memory word: float32 inputs on tf32
+    tensor cores (DT="tf32", precision="tf32") and float64 on float64 tensor cores (DT="f64").
 
     Same structure as the 16-bit kernel (one warp per 16 query rows, S and O in registers, online
-    softmax on the fragments) with ``mma.sync.m16n8k8.f32.tf32.tf32.f32``. Q/K/V are staged with
-    scalar float32 loads and rounded to tf32 once (``cvt.rna.tf32.f32``) as they are stored in
-    shared memory, one value per 32-bit word: Q [BR][D + 4], K [BC][D + 4], V [BC][DV + 4]
-    (row-major; the pads make every fragment load bank-conflict free).
+    softmax on the fragments) with a 16x8x8 mma: ``mma.sync.m16n8k8.f32.tf32.tf32.f32``, or for
+    float64 ``mma.sync.m16n8k8.f64`` (sm_90) / four ``m8n8k4.f64`` (sm_80) with the same fragment
+    layout (ptx.mma_f64_*). Q/K/V are staged with scalar loads (tf32: rounded once by
+    ``cvt.rna.tf32.f32`` on the way into shared memory), one value per 32- or 64-bit word:
+    Q [BR][D + 4], K [BC][D + 4], V [BC][DV + pad] (row-major; the pads make every fragment load
+    bank-conflict free: for 64-bit words a half-warp's g = 0..3, t = 0..3 must hit 16 distinct
+    word slots mod 16, which D + 4 gives for Q/K rows g and DV + 2 for V rows 2t).
 
     P goes back into P V without data movement: the contraction index of an m16n8k8 may be
     permuted as long as A's columns and B's rows are permuted alike. The S accumulator of key
     tile n gives thread (g, t) keys 2t, 2t+1 of rows g, g+8; the A fragment wants k = t, t+4.
     Mapping k = t -> key 2t and k = t + 4 -> key 2t+1 makes the A fragment (s0, s2, s1, s3)
     and the B fragment (V[2t, g], V[2t+1, g]).
+
+    VEC=1 (float64 only: tf32 rounds on the way in) copies rows with 16-byte cp.async and double-
+    buffers K/V like the 16-bit kernel; it needs what ``vector_ok`` checks.
     """
     assert D % 8 == 0 and DV % 8 == 0 and BC % 8 == 0
+    assert not (VEC and DT == "tf32"), "tf32 operands are rounded as they are staged (VEC=0)"
+    kind = WORD_KINDS[DT]
+    flt, mma, pconv = kind["float"], kind["mma"], kind["p"]
     BR, NT = 16 * NW, 32 * NW
-    QW, KW, VW = D + 4, D + 4, DV + 4
+    qk_pad, v_pad = word_pads(DT)
+    QW, KW, VW = D + qk_pad, D + qk_pad, DV + v_pad
     Q_OFF = 0
     KV_OFF = 0 if HOLDQ else BR * QW
     NKK, NN, NVN, NPK = D // 8, BC // 8, DV // 8, BC // 8
-    k_off, v_off = KV_OFF, KV_OFF + BC * KW
+    kv_words = BC * KW + BC * VW
+    chunk = 16 // (8 if DT == "f64" else 4)    # elements per 16-byte cp.async
+
+    def stage_kv(j0u, buf):
+        """Emit the copy of K/V tile rows j0u.. into buffer buf; returns the word offsets."""
+        k_off = KV_OFF + buf * kv_words
+        v_off = k_off + BC * KW
+        if VEC:
+            _emit_cp_async_rows(s, "kh", BC, "j", j0u, "Nk_u", D, "d_u", k_off, KW, chunk, 1, NT)
+            _emit_cp_async_rows(s, "vh", BC, "j", j0u, "Nk_u", DV, "dv_u", v_off, VW, chunk, 1,
+                                NT)
+            s("cp_async_commit()")
+            return k_off, v_off
+        for name, off, W, width, dim in (("kh", k_off, KW, D, "d_u"),
+                                         ("vh", v_off, VW, DV, "dv_u")):
+            s(f"for idx in range(tid, {U(BC * width)}, {U(NT)}):")
+            with s.block():
+                s(f"r = idx // {U(width)}",
+                  f"c = idx % {U(width)}",
+                  f"j = {j0u} + r",
+                  f"word = {kind['zero']}",
+                  f"if j < Nk_u and c < {dim}:")
+                with s.block():
+                    s("word = " + kind["load"].format(f"{name}[j, c]"))
+                s(f"smem[{U(off)} + r * {U(W)} + c] = {kind['store']}")
+        return k_off, v_off
 
     s = _Src()
     s("def mma_attention(q, k, v, out, lse, dbg, scale_log2_in, scale_in, causal, "
       "causal_offset):")
     with s.block():
-        s("scale_log2 = float32(scale_log2_in)", "scale = float32(scale_in)",
+        s(f"scale_log2 = {flt}(scale_log2_in)", f"scale = {flt}(scale_in)",
           "H = q.shape[1]", "Nq = q.shape[2]", "Hkv = k.shape[1]", "Nk = k.shape[2]",
           "Nq_u = U(Nq)", "Nk_u = U(Nk)",
           "d_u = U(q.shape[3])", "dv_u = U(v.shape[3])",
@@ -461,19 +520,24 @@ def kernel_source_tf32(D, DV, NW, BC, HOLDQ, DBG=0):
           "hk = kv_head(h, U(H), U(Hkv))",
           f"i0 = qb * {U(BR)}",
           "qh = q[b, h]", "kh = k[b, hk]", "vh = v[b, hk]", "oh = out[b, h]",
-          "smem = cuda.shared.array(0, uint32)")
+          f"smem = cuda.shared.array(0, {kind['word']})")
 
-        # ---- stage Q (tf32 bits)
-        s(f"for idx in range(tid, {U(BR * D)}, {U(NT)}):")
-        with s.block():
-            s(f"r = idx // {U(D)}",
-              f"c = idx % {U(D)}",
-              "row = i0 + r",
-              f"word = {U(0)}",
-              "if row < Nq_u and c < d_u:")
+        # ---- stage Q (one element per word)
+        if VEC:
+            _emit_cp_async_rows(s, "qh", BR, "row", "i0", "Nq_u", D, "d_u", Q_OFF, QW, chunk, 1,
+                                NT)
+            s("cp_async_commit()")
+        else:
+            s(f"for idx in range(tid, {U(BR * D)}, {U(NT)}):")
             with s.block():
-                s("word = U(to_tf32(qh[row, c]))")
-            s(f"smem[{U(Q_OFF)} + r * {U(QW)} + c] = uint32(word)")
+                s(f"r = idx // {U(D)}",
+                  f"c = idx % {U(D)}",
+                  "row = i0 + r",
+                  f"word = {kind['zero']}",
+                  "if row < Nq_u and c < d_u:")
+                with s.block():
+                    s("word = " + kind["load"].format("qh[row, c]"))
+                s(f"smem[{U(Q_OFF)} + r * {U(QW)} + c] = {kind['store']}")
 
         s("i0s = I(i0)",
           "w_first = i0s + I(warp) * 16",
@@ -494,6 +558,8 @@ def kernel_source_tf32(D, DV, NW, BC, HOLDQ, DBG=0):
             for nm, off in zip(names, offs):
                 s(f"{nm} = smem[qbase + {U(off)}]")
 
+        if VEC:
+            s("cp_async_wait_0()")
         s("cuda.syncthreads()")
         if HOLDQ:
             for kk in range(NKK):
@@ -505,29 +571,25 @@ def kernel_source_tf32(D, DV, NW, BC, HOLDQ, DBG=0):
         s("m0 = NEG_INF", "m1 = NEG_INF", "l0 = ZERO", "l1 = ZERO")
 
         s(f"ntiles = (block_keys + {BC - 1}) // {BC}")
-        s("for it in range(ntiles):")
-        with s.block():
-            s(f"j0 = it * {BC}", "j0u = U(j0)")
-            s("cuda.syncthreads()  # the previous tile is no longer read")
-            for name, off, W, width, dim in (("kh", k_off, KW, D, "d_u"),
-                                             ("vh", v_off, VW, DV, "dv_u")):
-                s(f"for idx in range(tid, {U(BC * width)}, {U(NT)}):")
-                with s.block():
-                    s(f"r = idx // {U(width)}",
-                      f"c = idx % {U(width)}",
-                      "j = j0u + r",
-                      f"word = {U(0)}",
-                      f"if j < Nk_u and c < {dim}:")
-                    with s.block():
-                        s(f"word = U(to_tf32({name}[j, c]))")
-                    s(f"smem[{U(off)} + r * {U(W)} + c] = uint32(word)")
-            s("cuda.syncthreads()")
+        if VEC:
+            _emit_double_buffered_loop(s, stage_kv, BC, kv_words)
+        else:
+            s("for it in range(ntiles):")
+        with s.block():  # the loop body (after the double-buffering head when VEC)
+            if VEC:
+                k_off, v_off, kb = KV_OFF, KV_OFF + BC * KW, "buf + "
+            else:
+                s(f"j0 = it * {BC}", "j0u = U(j0)")
+                s("cuda.syncthreads()  # the previous tile is no longer read")
+                k_off, v_off = stage_kv("j0u", 0)
+                s("cuda.syncthreads()")
+                kb = ""
             s("if j0 < warp_keys:")
             with s.block():
                 # ---- S = Q K^T: B fragment b0 = K[n8 + g, 8kk + t], b1 at column + 4
                 for n in range(NN):
                     s(", ".join(f"s_{n}_{r}" for r in range(4)) + " = ZERO, ZERO, ZERO, ZERO")
-                s(f"kbase = {U(k_off)} + g * {U(KW)} + t")
+                s(f"kbase = {kb}{U(k_off)} + g * {U(KW)} + t")
                 for kk in range(NKK):
                     if HOLDQ:
                         qa = [f"qf_{kk}_{r}" for r in range(4)]
@@ -538,24 +600,24 @@ def kernel_source_tf32(D, DV, NW, BC, HOLDQ, DBG=0):
                         s(f"kb0 = smem[kbase + {U(n * 8 * KW + kk * 8)}]",
                           f"kb1 = smem[kbase + {U(n * 8 * KW + kk * 8 + 4)}]")
                         acc = ", ".join(f"s_{n}_{r}" for r in range(4))
-                        s(f"{acc} = mma_tf32({', '.join(qa)}, kb0, kb1, {acc})")
+                        s(f"{acc} = {mma}({', '.join(qa)}, kb0, kb1, {acc})")
 
                 _emit_mask_and_softmax(s, NN, NVN, BC, DBG)
 
                 # ---- O += P V with the permuted contraction index (see docstring):
                 # A = (P[g, 2t], P[g+8, 2t], P[g, 2t+1], P[g+8, 2t+1]) of key tile kk,
                 # B = (V[8kk + 2t, n8 + g], V[8kk + 2t + 1, n8 + g])
-                s(f"vbase = {U(v_off)} + t * {U(2 * VW)} + g")
+                s(f"vbase = {kb}{U(v_off)} + t * {U(2 * VW)} + g")
                 for kk in range(NPK):
-                    s(f"pa0 = to_tf32(s_{kk}_0)", f"pa1 = to_tf32(s_{kk}_2)",
-                      f"pa2 = to_tf32(s_{kk}_1)", f"pa3 = to_tf32(s_{kk}_3)")
+                    s(f"pa0 = {pconv.format(f's_{kk}_0')}", f"pa1 = {pconv.format(f's_{kk}_2')}",
+                      f"pa2 = {pconv.format(f's_{kk}_1')}", f"pa3 = {pconv.format(f's_{kk}_3')}")
                     for n in range(NVN):
                         s(f"vb0 = smem[vbase + {U(kk * 8 * VW + n * 8)}]",
                           f"vb1 = smem[vbase + {U(kk * 8 * VW + VW + n * 8)}]")
                         acc = ", ".join(f"o_{n}_{r}" for r in range(4))
-                        s(f"{acc} = mma_tf32(pa0, pa1, pa2, pa3, vb0, vb1, {acc})")
+                        s(f"{acc} = {mma}(pa0, pa1, pa2, pa3, vb0, vb1, {acc})")
 
-        # ---- epilogue: row sums over the quad, normalize, write O (float32) and lse
+        # ---- epilogue: row sums over the quad, normalize, write O and lse
         for half, row in ((0, "r0"), (1, "r1")):
             s(f"l{half} += cuda.shfl_xor_sync(FULL, l{half}, 1)",
               f"l{half} += cuda.shfl_xor_sync(FULL, l{half}, 2)",
@@ -582,9 +644,12 @@ def kernel_source_tf32(D, DV, NW, BC, HOLDQ, DBG=0):
 def smem_bytes(cfg):
     D, DV, NW, BC, HOLDQ, VEC = (cfg[x] for x in ("D", "DV", "NW", "BC", "HOLDQ", "VEC"))
     BR = 16 * NW
-    if cfg.get("DT") == "tf32":  # one float32 (tf32) value per word, no double buffering
-        q_words, kv_words = BR * (D + 4), BC * (D + 4) + BC * (DV + 4)
-        return 4 * (max(q_words, kv_words) if HOLDQ else q_words + kv_words)
+    if cfg.get("DT") in WORD_KINDS:  # one value per 4- or 8-byte word
+        qk_pad, v_pad = word_pads(cfg["DT"])
+        q_words, kv_words = BR * (D + qk_pad), BC * (D + qk_pad) + BC * (DV + v_pad)
+        kv_words *= 2 if VEC else 1
+        word_bytes = 8 if cfg["DT"] == "f64" else 4
+        return word_bytes * (max(q_words, kv_words) if HOLDQ else q_words + kv_words)
     q_words = BR * (D // 2 + 4)
     v_words = BC * (DV // 2 + 4) if VEC else DV * (BC // 2 + 4)
     kv_words = (BC * (D // 2 + 4) + v_words) * (2 if VEC else 1)
@@ -594,28 +659,33 @@ def smem_bytes(cfg):
 _counter = [0]
 
 
-def make_kernel(D, DV, NW, BC, HOLDQ, DT, VEC, DBG=0):
-    """The kernel function for one compile-time config (numba compiles it; see launch.py)."""
-    from numba import cuda, float32, int64, uint16, uint32, uint64
+def make_kernel(D, DV, NW, BC, HOLDQ, DT, VEC, DBG=0, MMA=None):
+    """The kernel function for one compile-time config (numba compiles it; see launch.py).
+    MMA (float64 only): "m16n8k8" (sm_90) or "m8n8k4" (sm_80), the instruction behind mma_f64."""
+    from numba import cuda, float32, float64, int64, uint16, uint32, uint64
     from . import ptx
 
-    if DT == "tf32":
-        assert not VEC, "the tf32 kernel stages with scalar loads (VEC=0)"
-        src = kernel_source_tf32(D, DV, NW, BC, HOLDQ, DBG)
+    if DT in WORD_KINDS:
+        assert (MMA is not None) == (DT == "f64"), "MMA names the float64 instruction only"
+        src = kernel_source_word(D, DV, NW, BC, HOLDQ, DT, DBG, VEC)
     else:
         src = kernel_source(D, DV, NW, BC, HOLDQ, DT, VEC, DBG)
     _counter[0] += 1
     filename = f"<numflash.cuda.mma D{D} DV{DV} NW{NW} BC{BC} HOLDQ{HOLDQ} {DT} VEC{VEC} " \
-               f"DBG{DBG} #{_counter[0]}>"
+               f"DBG{DBG} MMA{MMA} #{_counter[0]}>"
     linecache.cache[filename] = (len(src), None, src.splitlines(True), filename)
+    real = np.float64 if DT == "f64" else np.float32
     ns = {
         "cuda": cuda, "math": math, "U": uint64, "I": int64, "uint32": uint32, "uint16": uint16,
-        "float32": float32,
-        "ZERO": np.float32(0), "ONE": np.float32(1), "NEG_INF": np.float32(-np.inf),
+        "float32": float32, "float64": float64,
+        "ZERO": real(0), "ONE": real(1), "NEG_INF": real(-np.inf),
         "FULL": 0xFFFFFFFF, "key_end": key_end, "kv_head": kv_head,
         "mma_f16": ptx.mma_f16, "mma_bf16": ptx.mma_bf16, "mma_tf32": ptx.mma_tf32,
         "to_tf32": ptx.to_tf32,
-        "pack_f16x2": ptx.pack_f16x2, "pack_bf16x2": ptx.pack_bf16x2, "ex2": ptx.ex2,
+        "mma_f64": ptx.mma_f64_m16n8k8 if MMA == "m16n8k8" else ptx.mma_f64_m8n8k4x4,
+        "pack_f16x2": ptx.pack_f16x2, "pack_bf16x2": ptx.pack_bf16x2,
+        # float64 needs the exact exp2 (libdevice), not ex2.approx.f32
+        "ex2": math.exp2 if DT == "f64" else ptx.ex2,
         "ldmatrix_x4": ptx.ldmatrix_x4, "ldmatrix_x4_trans": ptx.ldmatrix_x4_trans,
         "shared_addr": ptx.shared_addr, "global_addr2": ptx.global_addr2,
         "cp_async_16": ptx.cp_async_16, "cp_async_commit": ptx.cp_async_commit,
@@ -640,11 +710,26 @@ kv_head.__doc__ = """The K/V head serving query head h (GQA: H / Hkv query heads
 
 # ------------------------------------------------------------------------------ plan interface
 
-def _tile(D, DV, DT=None):
+#: float64 tiles (NW, BC, HOLDQ) by largest head dim, fastest first, from the f64 section of
+#: bench/mma_probe.py on an H200 (B4 H16 N4096: d=64 9.8 / 10.5 / 12.0 ms, d=128 18.3 / 29.2 ms;
+#: bench/NOTES.md). A float64 fragment takes two registers per value, so ~250 registers a thread
+#: allow one 8-warp block per SM: 8 warps share each staged K/V tile.
+F64_TILES = {64: ((8, 64, 0), (8, 32, 1), (4, 32, 1)), 128: ((8, 16, 0), (4, 16, 0))}
+
+
+def _tile(D, DV, DT=None, smem_limit=None, VEC=0):
     """(NW, BC, HOLDQ) for padded head dims, chosen for registers: O (DV/2 floats), S (BC/2) and,
-    when HOLDQ, Q (D/4 words; tf32: D/2) per thread."""
+    when HOLDQ, Q (D/4 words; tf32: D/2) per thread. float64 takes the first of F64_TILES whose
+    shared memory fits smem_limit (sm_80 allows 163 KB a block, sm_86/89 99 KB)."""
     if DT == "tf32":
         return (4, 64, 1) if max(D, DV) <= 64 else (4, 64, 0)
+    if DT == "f64":
+        tiles = F64_TILES[64 if max(D, DV) <= 64 else 128]
+        for NW, BC, HOLDQ in tiles:
+            cfg = {"D": D, "DV": DV, "NW": NW, "BC": BC, "HOLDQ": HOLDQ, "DT": DT, "VEC": VEC}
+            if smem_limit is None or smem_bytes(cfg) <= smem_limit:
+                return NW, BC, HOLDQ
+        return tiles[-1]  # config() refuses it, naming the shared memory it needs
     if max(D, DV) <= 128:
         return 4, 64, 1
     return 4, 32, 0
@@ -657,8 +742,8 @@ def vector_ok(problem):
         item = a.itemsize
         if a.strides[-1] != item and a.shape[-1] > 1:
             return f"{name}'s last axis is strided"
-        if a.shape[-1] % 8:
-            return f"{name}'s head dim {a.shape[-1]} is not a multiple of 8"
+        if a.shape[-1] % (16 // item):  # a 16-byte chunk never straddles the row's end
+            return f"{name}'s head dim {a.shape[-1]} is not a multiple of {16 // item}"
         if a.data.ptr % 16:
             return f"{name} is not 16-byte aligned"
         for n, st in zip(a.shape[:-1], a.strides[:-1]):
@@ -670,20 +755,25 @@ def vector_ok(problem):
 #: tf32 (float32 inputs, precision="tf32") takes head dims up to this (d=256 would keep 128 O
 #: accumulators per thread and spill).
 TF32_MAX_HEAD_DIM = 128
+#: float64 takes head dims up to these, by mma form: its fragments take two registers per value,
+#: so d=256 would keep 256 registers of O per thread; on sm_80 (four m8n8k4 per product) ptxas
+#: spills already at dv=128.
+F64_MAX_HEAD_DIM = {"m16n8k8": 128, "m8n8k4": 64}
 
 
 def config(problem, device):
     dt = problem.dtype.name
     tf32 = dt == "float32" and getattr(problem, "precision", "auto") == "tf32"
-    if dt not in ("float16", "bfloat16") and not tf32:
+    if dt not in ("float16", "bfloat16", "float64") and not tf32:
         if dt == "float32":
             raise Unsupported(TF32_REASON)
-        raise Unsupported(f"{NAME} takes float16 and bfloat16 (tensor cores), or float32 with "
-                          f"precision='tf32'; not {dt}")
+        raise Unsupported(f"{NAME} takes float16, bfloat16 and float64 (tensor cores), or float32 "
+                          f"with precision='tf32'; not {dt}")
     if device.simulator:
         raise Unsupported(f"{NAME} uses inline PTX, which numba's CUDA simulator cannot run")
     if device.cc is not None and device.cc < (8, 0):
-        raise Unsupported(f"{NAME} needs compute capability >= 8.0 (mma.sync bf16, cp.async)")
+        raise Unsupported(f"{NAME} needs compute capability >= 8.0 (mma.sync bf16 / f64, "
+                          "cp.async)")
     B, H, Nq, Nk, d, dv = problem.shape
     if problem.k.shape[1] == 0 or H % problem.k.shape[1]:
         raise Unsupported(f"{NAME}: {H} query heads do not divide into {problem.k.shape[1]} "
@@ -695,11 +785,22 @@ def config(problem, device):
                               f"{TF32_MAX_HEAD_DIM}; got d={d}, dv={dv} (use the exact fp32 "
                               "kernel: precision='auto')")
         DT, VEC = "tf32", 0
+    elif dt == "float64":
+        form = "m16n8k8" if device.cc >= (9, 0) else "m8n8k4"
+        limit = F64_MAX_HEAD_DIM[form]
+        if max(D, DV) > limit:
+            raise Unsupported(f"{NAME} takes float64 head dims up to {limit} on compute capability "
+                              f"{device.cc[0]}.{device.cc[1]} (mma {form}); got d={d}, dv={dv} "
+                              "(cuda.block takes float64 at any head dim)")
+        DT = "f64"
+        VEC = 1 if (problem.on_device and vector_ok(problem) is None) else 0
     else:
         DT = "bf16" if dt == "bfloat16" else "f16"
         VEC = 1 if (problem.on_device and vector_ok(problem) is None) else 0
-    NW, BC, HOLDQ = _tile(D, DV, DT)
+    NW, BC, HOLDQ = _tile(D, DV, DT, device.smem_per_block_optin, VEC)
     cfg = {"D": D, "DV": DV, "NW": NW, "BC": BC, "HOLDQ": HOLDQ, "DT": DT, "VEC": VEC}
+    if DT == "f64":
+        cfg["MMA"] = form
     need = smem_bytes(cfg)
     if need > device.smem_per_block_optin:
         raise Unsupported(f"{NAME}: needs {need} bytes of shared memory for d={d}, dv={dv}, more "
@@ -732,7 +833,8 @@ def run(problem, cfg, device, debug=None):
         debug = _dummy[key]
     BR = 16 * cfg["NW"]
     grid = (-(-Nq // BR), B * H)
-    bits = (lambda a: a) if cfg["DT"] == "tf32" else _as_bits  # tf32 reads float32 as is
+    # tf32 and float64 read their inputs as they are; 16-bit kernels take the bits
+    bits = (lambda a: a) if cfg["DT"] in WORD_KINDS else _as_bits
     kernel(grid, (32 * cfg["NW"],), smem_bytes(cfg),
            (bits(p.q), bits(p.k), bits(p.v), bits(p.out), lse, debug,
             float(p.scale * math.log2(math.e)), float(p.scale), int(p.causal),

@@ -94,6 +94,62 @@ mma_bf16 = _make_mma("bf16")
 mma_tf32 = _make_mma("tf32", "m16n8k8")
 
 
+# ---------------------------------------------------------------------------- mma.sync float64
+
+_F64 = ir.DoubleType()
+
+
+def _f64(context, builder, val, ty):
+    return context.cast(builder, val, ty, types.float64)
+
+
+def _make_mma_f64(native):
+    """D = A @ B + C for a 16x8x8 float64 product with the fragment layout of mma_tf32 (a0..a3,
+    b0, b1, c0..c3 each one float64). sm_90 has it as one instruction (m16n8k8 .f64, PTX 7.8);
+    sm_80 issues four m8n8k4: rows g (a0, a2) and g+8 (a1, a3) against k-halves t (b0) and t+4
+    (b1), since an m8n8k4 fragment is a = A[g, t], b = B[t, g], c = C[g, 2t:2t+2]."""
+    if native:
+        text = ("mma.sync.aligned.m16n8k8.row.col.f64.f64.f64.f64 "
+                "{$0,$1,$2,$3}, {$4,$5,$6,$7}, {$8,$9}, {$10,$11,$12,$13};")
+    else:
+        text = ("mma.sync.aligned.m8n8k4.row.col.f64.f64.f64.f64 "
+                "{$0,$1}, {$2}, {$3}, {$4,$5};")
+
+    def mma(typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+        sig = types.UniTuple(types.float64, 4)(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3)
+
+        def codegen(context, builder, signature, args):
+            a0, a1, a2, a3, b0, b1, c0, c1, c2, c3 = (
+                _f64(context, builder, v, t) for v, t in zip(args, signature.args))
+            if native:
+                fnty = ir.FunctionType(ir.LiteralStructType([_F64] * 4), [_F64] * 10)
+                asm = ir.InlineAsm(fnty, text, "=d,=d,=d,=d,d,d,d,d,d,d,d,d,d,d",
+                                   side_effect=False)
+                res = builder.call(asm, [a0, a1, a2, a3, b0, b1, c0, c1, c2, c3])
+                return _tuple(context, builder, signature.return_type, res, 4)
+            fnty = ir.FunctionType(ir.LiteralStructType([_F64] * 2), [_F64] * 4)
+            asm = ir.InlineAsm(fnty, text, "=d,=d,d,d,d,d", side_effect=False)
+
+            def step(a, b, x, y):
+                r = builder.call(asm, [a, b, x, y])
+                return builder.extract_value(r, 0), builder.extract_value(r, 1)
+            # rows g and g+8 are independent chains: interleave them
+            c0, c1 = step(a0, b0, c0, c1)
+            c2, c3 = step(a1, b0, c2, c3)
+            c0, c1 = step(a2, b1, c0, c1)
+            c2, c3 = step(a3, b1, c2, c3)
+            return context.make_tuple(builder, signature.return_type, [c0, c1, c2, c3])
+        return sig, codegen
+    mma.__name__ = "mma_f64_m16n8k8" if native else "mma_f64_m8n8k4x4"
+    return intrinsic(mma)
+
+
+#: float64 16x8x8 product on sm_90+ (one mma.sync.m16n8k8.f64).
+mma_f64_m16n8k8 = _make_mma_f64(native=True)
+#: The same product on sm_80+ as four mma.sync.m8n8k4.f64.
+mma_f64_m8n8k4x4 = _make_mma_f64(native=False)
+
+
 # ---------------------------------------------------------------------------- conversions
 
 def _make_pack(kind):

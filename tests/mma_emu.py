@@ -1,6 +1,7 @@
-"""Emulates the generated tf32 kernel source on the CPU (no GPU): one Python thread per
-CUDA thread; the warp-collective m16n8k8 tf32 mma and shfl go through per-warp barriers with the
-PTX ISA fragment layouts, syncthreads through a block barrier, cvt.rna.tf32 bit-exactly."""
+"""Emulates the generated tf32 and float64 kernel source on the CPU (no GPU): one Python thread
+per CUDA thread; the warp-collective 16x8x8 mma (tf32 or float64, one fragment layout) and shfl go
+through per-warp barriers with the PTX ISA fragment layouts, syncthreads through a block barrier,
+cvt.rna.tf32 bit-exactly."""
 import math
 import threading
 
@@ -23,8 +24,8 @@ class _Dim:
 
 
 class Emu:
-    def __init__(self, NT, grid, smem_bytes):
-        self.NT, self.grid, self.smem_bytes = NT, grid, smem_bytes
+    def __init__(self, NT, grid, smem_bytes, word=np.uint32):
+        self.NT, self.grid, self.smem_bytes, self.word = NT, grid, smem_bytes, word
         self.tls = threading.local()
 
     # ---- the fake cuda module
@@ -66,25 +67,49 @@ class Emu:
         got = self._exchange(value)
         return got[(self.tls.tid % 32) ^ lane_mask]
 
-    def mma_tf32(self, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+    def _mma_16x8x8(self, operand, real, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
         got = self._exchange((a0, a1, a2, a3, b0, b1))
         A = np.zeros((16, 8)); Bm = np.zeros((8, 8))
         for lane, (x0, x1, x2, x3, y0, y1) in enumerate(got):
             g, t = lane // 4, lane % 4
-            A[g, t], A[g + 8, t], A[g, t + 4], A[g + 8, t + 4] = map(_f, (x0, x1, x2, x3))
-            Bm[t, g], Bm[t + 4, g] = _f(y0), _f(y1)
+            A[g, t], A[g + 8, t], A[g, t + 4], A[g + 8, t + 4] = map(operand, (x0, x1, x2, x3))
+            Bm[t, g], Bm[t + 4, g] = operand(y0), operand(y1)
         lane = self.tls.tid % 32
         g, t = lane // 4, lane % 4
         D = A @ Bm
-        return (np.float32(c0 + D[g, 2 * t]), np.float32(c1 + D[g, 2 * t + 1]),
-                np.float32(c2 + D[g + 8, 2 * t]), np.float32(c3 + D[g + 8, 2 * t + 1]))
+        return (real(c0 + D[g, 2 * t]), real(c1 + D[g, 2 * t + 1]),
+                real(c2 + D[g + 8, 2 * t]), real(c3 + D[g + 8, 2 * t + 1]))
+
+    def mma_tf32(self, *args):
+        return self._mma_16x8x8(_f, np.float32, *args)
+
+    def mma_f64(self, *args):
+        return self._mma_16x8x8(float, np.float64, *args)
+
+    # cp.async as an immediate copy: addresses are (array, row, column) and smem indices
+    @staticmethod
+    def shared_addr(smem, i):
+        return int(i)
+
+    @staticmethod
+    def global_addr2(a, i, j):
+        return a, int(i), int(j)
+
+    def cp_async_16(self, dst, src, nbytes):
+        a, i, j = src
+        n = 16 // self.smem.itemsize
+        got = int(nbytes) // a.itemsize
+        self.smem[dst:dst + n] = 0
+        self.smem[dst:dst + got] = a[i, j:j + got]
 
     def run(self, fn, args):
         gx, gy = self.grid
         self.grid_dim = _Dim(gx)
         for by in range(gy):
             for bx in range(gx):
-                self.smem = np.full(self.smem_bytes // 4, 0xDEADBEEF, np.uint32)
+                fill = np.nan if self.word is np.float64 else 0xDEADBEEF
+                self.smem = np.full(self.smem_bytes // np.dtype(self.word).itemsize, fill,
+                                    self.word)
                 self.bar = threading.Barrier(self.NT)
                 nw = self.NT // 32
                 self.wbar = [threading.Barrier(32) for _ in range(nw)]
@@ -111,25 +136,33 @@ class Emu:
                     raise RuntimeError(errs[0])
 
 
-def run_tf32(q, k, v, causal=False, causal_offset=0, scale=None):
+def run_word_kernel(q, k, v, DT, causal=False, causal_offset=0, scale=None, VEC=0):
+    """Run mma.kernel_source_word(..., DT, VEC) for DT "tf32" (float32 q, k, v) or "f64"
+    (float64); VEC=1 runs the cp.async / double-buffered staging (copies done at once)."""
     from numflash.cuda import mma
     from numflash.cuda.common import key_end
     B, H, Nq, d = q.shape
     Nk, dv = k.shape[2], v.shape[3]
     D, DV = mma.head_dim_pad(d), mma.head_dim_pad(dv)
-    NW, BC, HOLDQ = mma._tile(D, DV, "tf32")
-    cfg = {"D": D, "DV": DV, "NW": NW, "BC": BC, "HOLDQ": HOLDQ, "DT": "tf32", "VEC": 0}
-    src = mma.kernel_source_tf32(D, DV, NW, BC, HOLDQ)
-    emu = Emu(32 * NW, (-(-Nq // (16 * NW)), B * H), mma.smem_bytes(cfg))
+    NW, BC, HOLDQ = mma._tile(D, DV, DT)
+    cfg = {"D": D, "DV": DV, "NW": NW, "BC": BC, "HOLDQ": HOLDQ, "DT": DT, "VEC": VEC}
+    src = mma.kernel_source_word(D, DV, NW, BC, HOLDQ, DT, VEC=VEC)
+    f64 = DT == "f64"
+    real = np.float64 if f64 else np.float32
+    emu = Emu(32 * NW, (-(-Nq // (16 * NW)), B * H), mma.smem_bytes(cfg),
+              np.float64 if f64 else np.uint32)
     ns = {"cuda": emu, "math": math, "U": np.uint64, "I": np.int64, "uint32": np.uint32,
-          "float32": np.float32, "ZERO": np.float32(0), "ONE": np.float32(1),
-          "NEG_INF": np.float32(-np.inf), "FULL": 0xFFFFFFFF,
+          "float32": np.float32, "float64": np.float64,
+          "ZERO": real(0), "ONE": real(1), "NEG_INF": real(-np.inf), "FULL": 0xFFFFFFFF,
           "key_end": getattr(key_end, "py_func", key_end),
           "kv_head": lambda h, H, Hkv: h // (H // Hkv),
-          "mma_tf32": emu.mma_tf32, "to_tf32": tf32_bits,
-          "ex2": lambda x: np.float32(np.exp2(np.float32(x)))}
-    exec(compile(src, "<tf32 emu>", "exec"), ns)
-    out = np.full((B, H, Nq, dv), np.nan, np.float32)
+          "mma_tf32": emu.mma_tf32, "mma_f64": emu.mma_f64, "to_tf32": tf32_bits,
+          "shared_addr": emu.shared_addr, "global_addr2": emu.global_addr2,
+          "cp_async_16": emu.cp_async_16, "cp_async_commit": lambda: None,
+          "cp_async_wait_0": lambda: None, "cp_async_wait_1": lambda: None,
+          "ex2": np.exp2 if f64 else (lambda x: np.float32(np.exp2(np.float32(x))))}
+    exec(compile(src, f"<{DT} emu>", "exec"), ns)
+    out = np.full((B, H, Nq, dv), np.nan, real)
     lse = np.full((B, H, Nq), np.nan, np.float32)
     scale = 1 / math.sqrt(d) if scale is None else scale
     with np.errstate(all="ignore"):
