@@ -823,99 +823,10 @@ def f64():
         case(f"f64 timing d{d}", lambda d=d: timing(d))
 
 
-def x3_cfgs(D):
-    """3xTF32 tile variants (float32 in shared memory, split into tf32 pairs at each read)."""
-    base = {"D": D, "DV": D, "NW": 4, "BC": 64, "HOLDQ": int(D <= 64), "DT": "tf32x3", "VEC": 1}
-    out = [base, dict(base, NW=8), dict(base, BC=32), dict(base, NW=8, BC=32)]
-    if D <= 64:
-        out += [dict(base, HOLDQ=0), dict(base, NW=8, HOLDQ=0)]
-    return out
-
-
-def x3():
-    """float32 as 3xTF32 (each product A_l B_h + A_h B_l + A_h B_h on tf32 tensor cores): the
-    kernel variants against the float64 reference with the exact kernels' accuracy rule, timed
-    against cuda.block, CuPy naive (plain) and torch SDPA mem-efficient at B=4 H=16 N=4096."""
-    if COMPILE_ONLY:
-        return
-    import cupy as cp
-    import numflash
-    from numflash.bench import plain_naive_attention
-    from numflash.cuda import mma
-    from numflash.testing import check
-    rng = np.random.default_rng(12)
-    try:
-        import torch
-        import torch.nn.functional as F
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-    except Exception:  # noqa: BLE001
-        torch = None
-
-    def accuracy(B, H, Nq, Nk, d, causal):
-        q, k, v = (cp.asarray(rng.standard_normal(s).astype(np.float32))
-                   for s in ((B, H, Nq, d), (B, H, Nk, d), (B, H, Nk, d)))
-        p, dev = problem_for(q, k, v, causal=causal)
-        reps = []
-        for cfg in x3_cfgs(mma.head_dim_pad(d))[:2] + [dict(x3_cfgs(mma.head_dim_pad(d))[0],
-                                                              VEC=0)]:
-            if cfg["VEC"] and mma.vector_ok(p):
-                continue
-            p.out[...] = cp.nan
-            mma.run(p, cfg, dev)
-            rows = None if Nq <= 1025 else np.arange(0, Nq, 37)
-            rep = check(p.out, q, k, v, causal=causal, rows=rows)
-            if not rep.ok:
-                return False, f"{cfg}: {rep}"
-            reps.append(f"max {rep.max_err:.1e} (bound {rep.bound:.1e})")
-        return True, "; ".join(reps)
-
-    for args in [(1, 1, 1, 1, 64, False), (2, 3, 300, 777, 64, True), (1, 2, 777, 300, 128, True),
-                 (2, 2, 1025, 1025, 128, False), (2, 3, 200, 333, 59, True),
-                 (1, 2, 4096, 4096, 64, False), (1, 2, 4096, 4096, 128, True)]:
-        case("3xtf32 B{} H{} Nq{} Nk{} d{} causal={}".format(*args),
-             lambda a=args: accuracy(*a))
-
-    def timing(d):
-        B, H, N = 4, 16, 4096
-        q, k, v = (cp.asarray(rng.standard_normal((B, H, N, d)).astype(np.float32))
-                   for _ in range(3))
-        lines = []
-        for causal in (False, True):
-            flops = 4 * B * H * N * N * d / (2 if causal else 1)
-            t = {"block": gpu_ms(lambda: numflash.attention(q, k, v, causal=causal), reps=5)}
-            if not causal:
-                t["naive-plain"] = gpu_ms(lambda: plain_naive_attention(
-                    cp, q, k, v, 1 / math.sqrt(d)), reps=5)
-            if torch is not None:
-                tq, tk, tv = (torch.as_tensor(x, device="cuda") for x in (q, k, v))
-                with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):
-                    t["sdpa-eff"] = gpu_ms(lambda: F.scaled_dot_product_attention(
-                        tq, tk, tv, is_causal=causal), reps=5)
-            p, dev = problem_for(q, k, v, causal=causal)
-            for cfg in x3_cfgs(d):
-                if mma.smem_bytes(cfg) > dev.smem_per_block_optin:
-                    continue
-                name = "x3 " + " ".join(f"{k_}={cfg[k_]}" for k_ in ("NW", "BC", "HOLDQ"))
-                t[name] = gpu_ms(lambda c=cfg: mma.run(p, c, dev), reps=5)
-                rep = check(p.out, q, k, v, causal=causal, rows=np.arange(0, N, 97))
-                if not rep.ok:
-                    return False, f"{name} causal={causal}: {rep}"
-            lines.append(f"TIME 3xtf32 B{B} H{H} N{N} d{d} causal={causal}: "
-                         + "; ".join(f"{k_} {v_:.2f} ms ({flops / v_ / 1e9:.1f})"
-                                     for k_, v_ in t.items()))
-        for line in lines:
-            print(line, flush=True)
-        return True, "see TIME lines"
-
-    for d in (64, 128):
-        case(f"3xtf32 timing d{d}", lambda d=d: timing(d))
-
-
 def _build_one(cfg, cc):
     from numba import types
     from numflash.cuda import launch, mma
-    elem = {"tf32": types.float32, "tf32x3": types.float32,
-            "f64": types.float64}.get(cfg.get("DT"), types.uint16)
+    elem = {"tf32": types.float32, "f64": types.float64}.get(cfg.get("DT"), types.uint16)
     A = types.Array(elem, 4, "A")
     argtypes = (A, A, A, A, types.Array(types.float32, 3, "A"), types.Array(types.float32, 4, "A"),
                 types.float64, types.float64, types.int64, types.int64)
@@ -943,10 +854,7 @@ def prewarm(cc, sections=None):
             cfgs += [{"D": D, "DV": DV, "NW": nw, "BC": bc, "HOLDQ": holdq, "DT": "f64",
                       "VEC": vec, "MMA": "m16n8k8" if cc >= (9, 0) else "m8n8k4"}
                      for vec in (0, 1)]
-    if sections is None or "x3" in sections:
-        cfgs += x3_cfgs(64) + x3_cfgs(128)
-        cfgs += [dict(x3_cfgs(D)[0], VEC=0) for D in (64, 128)]
-    if sections is None or not set(sections) <= {"tf32", "units", "f64", "x3"}:
+    if sections is None or not set(sections) <= {"tf32", "units", "f64"}:
         cfgs += _f16_prewarm_cfgs()
     t = time.time()
     with cf.ProcessPoolExecutor(max_workers=min(len(cfgs), os.cpu_count() or 4),
@@ -979,7 +887,7 @@ def _f16_prewarm_cfgs():
 
 
 SECTIONS = {"units": units, "s": s_stage, "cases": cases, "bf16": bf16, "time": timing,
-            "tf32": tf32, "f64": f64, "x3": x3}
+            "tf32": tf32, "f64": f64}
 
 
 def main(argv):

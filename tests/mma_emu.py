@@ -14,18 +14,6 @@ def tf32_bits(x):
     return np.uint32(b)
 
 
-def split_tf32_bits(x):
-    hi = tf32_bits(x)
-    return hi, tf32_bits(np.float32(x) - _f(hi))
-
-
-def _f32_toward_zero(x):
-    r = np.float32(x)
-    if abs(float(r)) > abs(float(x)):
-        r = np.nextafter(r, np.float32(0))
-    return r
-
-
 def _f(bits):
     return float(np.asarray(np.uint32(bits)).view(np.float32))
 
@@ -93,9 +81,7 @@ class Emu:
                 real(c2 + D[g + 8, 2 * t]), real(c3 + D[g + 8, 2 * t + 1]))
 
     def mma_tf32(self, *args):
-        # tensor cores do not round their float32 accumulation to nearest: model it as rounding
-        # toward zero, so biased accumulation errors show up here as they do on the GPU
-        return self._mma_16x8x8(_f, _f32_toward_zero, *args)
+        return self._mma_16x8x8(_f, np.float32, *args)
 
     def mma_f64(self, *args):
         return self._mma_16x8x8(float, np.float64, *args)
@@ -121,7 +107,7 @@ class Emu:
         self.grid_dim = _Dim(gx)
         for by in range(gy):
             for bx in range(gx):
-                fill = 0xDEADBEEF if self.word is np.uint32 else np.nan
+                fill = np.nan if self.word is np.float64 else 0xDEADBEEF
                 self.smem = np.full(self.smem_bytes // np.dtype(self.word).itemsize, fill,
                                     self.word)
                 self.bar = threading.Barrier(self.NT)
@@ -164,14 +150,13 @@ def run_word_kernel(q, k, v, DT, causal=False, causal_offset=0, scale=None, VEC=
     f64 = DT == "f64"
     real = np.float64 if f64 else np.float32
     emu = Emu(32 * NW, (-(-Nq // (16 * NW)), B * H), mma.smem_bytes(cfg),
-              {"f64": np.float64, "tf32x3": np.float32}.get(DT, np.uint32))
+              np.float64 if f64 else np.uint32)
     ns = {"cuda": emu, "math": math, "U": np.uint64, "I": np.int64, "uint32": np.uint32,
           "float32": np.float32, "float64": np.float64,
           "ZERO": real(0), "ONE": real(1), "NEG_INF": real(-np.inf), "FULL": 0xFFFFFFFF,
           "key_end": getattr(key_end, "py_func", key_end),
           "kv_head": lambda h, H, Hkv: h // (H // Hkv),
           "mma_tf32": emu.mma_tf32, "mma_f64": emu.mma_f64, "to_tf32": tf32_bits,
-          "split_tf32": split_tf32_bits,
           "shared_addr": emu.shared_addr, "global_addr2": emu.global_addr2,
           "cp_async_16": emu.cp_async_16, "cp_async_commit": lambda: None,
           "cp_async_wait_0": lambda: None, "cp_async_wait_1": lambda: None,

@@ -433,10 +433,6 @@ WORD_KINDS = {
              "p": "to_tf32({})", "v_pad": 4, "float": "float32", "mma": "mma_tf32"},
     "f64": {"word": "float64", "load": "{}", "zero": "ZERO", "store": "word",
             "p": "{}", "v_pad": 2, "float": "float64", "mma": "mma_f64"},
-    # float32 kept whole in shared memory; each operand is split into two tf32 values as it is
-    # read (ptx.split_tf32) and each product is three tf32 mma (3xTF32, near-float32 accuracy)
-    "tf32x3": {"word": "float32", "load": "{}", "zero": "ZERO", "store": "word",
-               "p": None, "v_pad": 4, "float": "float32", "mma": "mma_tf32"},
 }
 
 
@@ -470,7 +466,6 @@ def kernel_source_word(D, DV, NW, BC, HOLDQ, DT, DBG=0, VEC=0):
     assert D % 8 == 0 and DV % 8 == 0 and BC % 8 == 0
     assert not (VEC and DT == "tf32"), "tf32 operands are rounded as they are staged (VEC=0)"
     kind = WORD_KINDS[DT]
-    split = DT == "tf32x3"
     flt, mma, pconv = kind["float"], kind["mma"], kind["p"]
     BR, NT = 16 * NW, 32 * NW
     qk_pad, v_pad = word_pads(DT)
@@ -506,30 +501,6 @@ def kernel_source_word(D, DV, NW, BC, HOLDQ, DT, DBG=0, VEC=0):
         return k_off, v_off
 
     s = _Src()
-
-    def operand(name, expr, conv="{}"):
-        """One A/B operand register; 3xTF32 splits it into name_h + name_l (tf32 each)."""
-        if split:
-            s(f"{name}_h, {name}_l = split_tf32({expr})")
-        else:
-            s(f"{name} = {conv.format(expr)}")
-
-    def product(acc, a, b):
-        """acc += A B. 3xTF32: A_l B_h + A_h B_l + A_h B_h (small terms first) into a fresh
-        accumulator, then added to acc with float32 adds: tensor cores do not round their float32
-        accumulation to nearest, and chaining acc through every mma of a row (3 per 8 keys, all N
-        keys for O) let that bias grow with N (measured 2.9e-5 relative error at N=4096)."""
-        if not split:
-            s(f"{', '.join(acc)} = {mma}({', '.join(a + b)}, {', '.join(acc)})")
-            return
-        tmp = ", ".join(f"t{r}" for r in range(len(acc)))
-        s(f"{tmp} = ZERO, ZERO, ZERO, ZERO")
-        for sa, sb in (("_l", "_h"), ("_h", "_l"), ("_h", "_h")):
-            ops = ", ".join([x + sa for x in a] + [x + sb for x in b])
-            s(f"{tmp} = {mma}({ops}, {tmp})")
-        for r, name in enumerate(acc):
-            s(f"{name} += t{r}")
-
     s("def mma_attention(q, k, v, out, lse, dbg, scale_log2_in, scale_in, causal, "
       "causal_offset):")
     with s.block():
@@ -585,7 +556,7 @@ def kernel_source_word(D, DV, NW, BC, HOLDQ, DT, DBG=0, VEC=0):
         def load_q(kk, names):
             offs = (kk * 8, 8 * QW + kk * 8, kk * 8 + 4, 8 * QW + kk * 8 + 4)
             for nm, off in zip(names, offs):
-                operand(nm, f"smem[qbase + {U(off)}]")
+                s(f"{nm} = smem[qbase + {U(off)}]")
 
         if VEC:
             s("cp_async_wait_0()")
@@ -626,9 +597,10 @@ def kernel_source_word(D, DV, NW, BC, HOLDQ, DT, DBG=0, VEC=0):
                         qa = [f"qa{r}" for r in range(4)]
                         load_q(kk, qa)
                     for n in range(NN):
-                        operand("kb0", f"smem[kbase + {U(n * 8 * KW + kk * 8)}]")
-                        operand("kb1", f"smem[kbase + {U(n * 8 * KW + kk * 8 + 4)}]")
-                        product([f"s_{n}_{r}" for r in range(4)], qa, ["kb0", "kb1"])
+                        s(f"kb0 = smem[kbase + {U(n * 8 * KW + kk * 8)}]",
+                          f"kb1 = smem[kbase + {U(n * 8 * KW + kk * 8 + 4)}]")
+                        acc = ", ".join(f"s_{n}_{r}" for r in range(4))
+                        s(f"{acc} = {mma}({', '.join(qa)}, kb0, kb1, {acc})")
 
                 _emit_mask_and_softmax(s, NN, NVN, BC, DBG)
 
@@ -636,14 +608,14 @@ def kernel_source_word(D, DV, NW, BC, HOLDQ, DT, DBG=0, VEC=0):
                 # A = (P[g, 2t], P[g+8, 2t], P[g, 2t+1], P[g+8, 2t+1]) of key tile kk,
                 # B = (V[8kk + 2t, n8 + g], V[8kk + 2t + 1, n8 + g])
                 s(f"vbase = {kb}{U(v_off)} + t * {U(2 * VW)} + g")
-                pa = ["pa0", "pa1", "pa2", "pa3"]
                 for kk in range(NPK):
-                    for name, r in zip(pa, (0, 2, 1, 3)):
-                        operand(name, f"s_{kk}_{r}", pconv)
+                    s(f"pa0 = {pconv.format(f's_{kk}_0')}", f"pa1 = {pconv.format(f's_{kk}_2')}",
+                      f"pa2 = {pconv.format(f's_{kk}_1')}", f"pa3 = {pconv.format(f's_{kk}_3')}")
                     for n in range(NVN):
-                        operand("vb0", f"smem[vbase + {U(kk * 8 * VW + n * 8)}]")
-                        operand("vb1", f"smem[vbase + {U(kk * 8 * VW + VW + n * 8)}]")
-                        product([f"o_{n}_{r}" for r in range(4)], pa, ["vb0", "vb1"])
+                        s(f"vb0 = smem[vbase + {U(kk * 8 * VW + n * 8)}]",
+                          f"vb1 = smem[vbase + {U(kk * 8 * VW + VW + n * 8)}]")
+                        acc = ", ".join(f"o_{n}_{r}" for r in range(4))
+                        s(f"{acc} = {mma}(pa0, pa1, pa2, pa3, vb0, vb1, {acc})")
 
         # ---- epilogue: row sums over the quad, normalize, write O and lse
         for half, row in ((0, "r0"), (1, "r1")):
@@ -709,7 +681,7 @@ def make_kernel(D, DV, NW, BC, HOLDQ, DT, VEC, DBG=0, MMA=None):
         "ZERO": real(0), "ONE": real(1), "NEG_INF": real(-np.inf),
         "FULL": 0xFFFFFFFF, "key_end": key_end, "kv_head": kv_head,
         "mma_f16": ptx.mma_f16, "mma_bf16": ptx.mma_bf16, "mma_tf32": ptx.mma_tf32,
-        "to_tf32": ptx.to_tf32, "split_tf32": ptx.split_tf32,
+        "to_tf32": ptx.to_tf32,
         "mma_f64": ptx.mma_f64_m16n8k8 if MMA == "m16n8k8" else ptx.mma_f64_m8n8k4x4,
         "pack_f16x2": ptx.pack_f16x2, "pack_bf16x2": ptx.pack_bf16x2,
         # float64 needs the exact exp2 (libdevice), not ex2.approx.f32
@@ -749,7 +721,7 @@ def _tile(D, DV, DT=None, smem_limit=None, VEC=0):
     """(NW, BC, HOLDQ) for padded head dims, chosen for registers: O (DV/2 floats), S (BC/2) and,
     when HOLDQ, Q (D/4 words; tf32: D/2) per thread. float64 takes the first of F64_TILES whose
     shared memory fits smem_limit (sm_80 allows 163 KB a block, sm_86/89 99 KB)."""
-    if DT in ("tf32", "tf32x3"):
+    if DT == "tf32":
         return (4, 64, 1) if max(D, DV) <= 64 else (4, 64, 0)
     if DT == "f64":
         tiles = F64_TILES[64 if max(D, DV) <= 64 else 128]

@@ -189,22 +189,6 @@ def to_tf32(typingctx, x):
 
 
 @intrinsic
-def split_tf32(typingctx, x):
-    """float32 x -> (hi, lo) tf32 bits with x ~ hi + lo: hi = cvt.rna.tf32(x), lo = cvt.rna.tf32(x -
-    hi) (x - hi is exact in float32), the operand pair of a 3xTF32 product (sm_80+)."""
-    sig = types.UniTuple(types.uint32, 2)(x)
-
-    def codegen(context, builder, signature, args):
-        v = _f32(context, builder, args[0], signature.args[0])
-        fnty = ir.FunctionType(ir.LiteralStructType([_I32, _I32]), [_F32])
-        asm = ir.InlineAsm(fnty, "{ .reg .b32 h; .reg .f32 r; cvt.rna.tf32.f32 h, $2; "
-                                 "sub.f32 r, $2, h; cvt.rna.tf32.f32 $1, r; mov.b32 $0, h; }",
-                           "=r,=r,f")
-        return _tuple(context, builder, signature.return_type, builder.call(asm, [v]), 2)
-    return sig, codegen
-
-
-@intrinsic
 def ex2(typingctx, x):
     """2**x by ex2.approx.ftz.f32 (2 ulp; ex2(-inf) = +0)."""
     sig = types.float32(x)
