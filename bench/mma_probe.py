@@ -1,7 +1,7 @@
 """One-shot GPU check of the tensor-core kernel (numflash.cuda.mma): run from the repo root as
 
     python3 bench/mma_probe.py            # everything (< 3 minutes on an H100)
-    python3 bench/mma_probe.py units s    # only some sections: units, s, cases, bf16, time, tf32, f64
+    python3 bench/mma_probe.py units s    # only some sections (names below)
 
 Sections, each case isolated (an exception prints a compact traceback and the run goes on):
   units  every inline-PTX intrinsic of numflash/cuda/ptx.py alone against numpy
@@ -112,30 +112,13 @@ def units():
             fn = ptx.mma_bf16
         af = np.zeros((32, 4), np.uint32)
         bf = np.zeros((32, 2), np.uint32)
-        cf = np.zeros((32, 4), np.float32)
         for lane in range(32):
             g, t = lane >> 2, lane & 3
             af[lane] = pack_rows(Ab, frag_a(Ab, lane), Ab)
             BT = Bb.T  # B[k, n] -> BT[n, k]: b0 = B[2t:2t+2, g]
             bf[lane] = [int(BT[g, 2 * t]) | (int(BT[g, 2 * t + 1]) << 16),
                         int(BT[g, 2 * t + 8]) | (int(BT[g, 2 * t + 9]) << 16)]
-            cf[lane] = [C[g, 2 * t], C[g, 2 * t + 1], C[g + 8, 2 * t], C[g + 8, 2 * t + 1]]
-
-        @cuda.jit
-        def kern(a, b, c, out):
-            t = cuda.threadIdx.x
-            r = fn(a[t, 0], a[t, 1], a[t, 2], a[t, 3], b[t, 0], b[t, 1],
-                   c[t, 0], c[t, 1], c[t, 2], c[t, 3])
-            out[t, 0] = r[0]
-            out[t, 1] = r[1]
-            out[t, 2] = r[2]
-            out[t, 3] = r[3]
-        out = np.zeros((32, 4), np.float32)
-        launch_(kern, 1, 32, af, bf, cf, out)
-        D = np.zeros((16, 8))
-        for lane in range(32):
-            g, t = lane >> 2, lane & 3
-            D[g, 2 * t], D[g, 2 * t + 1], D[g + 8, 2 * t], D[g + 8, 2 * t + 1] = out[lane]
+        D = run_mma_fragments(fn, af, bf, c_fragments(C))
         ref = Av @ Bv + C
         err = float(np.abs(D - ref).max())
         return err < 1e-3, f"max abs err {err:.2e}"
@@ -675,17 +658,11 @@ def tf32():
     case("tf32 timing vs cuda.block fp32", timing_line)
 
 
-def run_mma_16x8x8(intrinsic, A, Bm, C, cc=(8, 0)):
-    """D = A @ Bm + C through a 16x8x8 mma intrinsic (mma_tf32 / mma_f64_*), fragments laid out
-    as the PTX ISA says (lane 4g + t: a = A[g|g+8, t|t+4], b = B[t|t+4, g], c = C[g|g+8, 2t|2t+1])."""
+def run_mma_fragments(intrinsic, af, bf, cf, cc=(8, 0)):
+    """Run one warp-wide mma intrinsic on per-lane fragments (af: 32 x 4 A registers, bf: 32 x 2
+    B registers, cf: 32 x 4 C values) and return D as the 16 x 8 matrix of the C/D layout
+    (lane 4g + t holds D[g, 2t], D[g, 2t+1], D[g+8, 2t], D[g+8, 2t+1])."""
     from numba import cuda
-    af, bf = np.zeros((32, 4), A.dtype), np.zeros((32, 2), Bm.dtype)
-    cf = np.zeros((32, 4), C.dtype)
-    for lane in range(32):
-        g, t = lane >> 2, lane & 3
-        af[lane] = [A[g, t], A[g + 8, t], A[g, t + 4], A[g + 8, t + 4]]
-        bf[lane] = [Bm[t, g], Bm[t + 4, g]]
-        cf[lane] = [C[g, 2 * t], C[g, 2 * t + 1], C[g + 8, 2 * t], C[g + 8, 2 * t + 1]]
 
     @cuda.jit
     def kern(a, b, c, out):
@@ -696,13 +673,33 @@ def run_mma_16x8x8(intrinsic, A, Bm, C, cc=(8, 0)):
         out[t, 1] = r[1]
         out[t, 2] = r[2]
         out[t, 3] = r[3]
-    out = np.zeros((32, 4), C.dtype)
+    out = np.zeros((32, 4), cf.dtype)
     launch_(kern, 1, 32, af, bf, cf, out, cc=cc)
     D = np.zeros((16, 8))
     for lane in range(32):
         g, t = lane >> 2, lane & 3
         D[g, 2 * t], D[g, 2 * t + 1], D[g + 8, 2 * t], D[g + 8, 2 * t + 1] = out[lane]
     return D
+
+
+def c_fragments(C):
+    """The 32 x 4 per-lane C registers of a 16 x 8 matrix (see run_mma_fragments)."""
+    cf = np.zeros((32, 4), C.dtype)
+    for lane in range(32):
+        g, t = lane >> 2, lane & 3
+        cf[lane] = [C[g, 2 * t], C[g, 2 * t + 1], C[g + 8, 2 * t], C[g + 8, 2 * t + 1]]
+    return cf
+
+
+def run_mma_16x8x8(intrinsic, A, Bm, C, cc=(8, 0)):
+    """D = A @ Bm + C through a 16x8x8 mma intrinsic (mma_tf32 / mma_f64_*), fragments laid out
+    as the PTX ISA says (lane 4g + t: a = A[g|g+8, t|t+4], b = B[t|t+4, g])."""
+    af, bf = np.zeros((32, 4), A.dtype), np.zeros((32, 2), Bm.dtype)
+    for lane in range(32):
+        g, t = lane >> 2, lane & 3
+        af[lane] = [A[g, t], A[g + 8, t], A[g, t + 4], A[g + 8, t + 4]]
+        bf[lane] = [Bm[t, g], Bm[t + 4, g]]
+    return run_mma_fragments(intrinsic, af, bf, c_fragments(C), cc)
 
 
 def gpu_ms(fn, reps=10, warmup=2):

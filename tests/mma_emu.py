@@ -142,7 +142,7 @@ def run_word_kernel(q, k, v, DT, causal=False, causal_offset=0, scale=None, VEC=
     from numflash.cuda import mma
     from numflash.cuda.common import key_end
     B, H, Nq, d = q.shape
-    Nk, dv = k.shape[2], v.shape[3]
+    dv = v.shape[3]
     D, DV = mma.head_dim_pad(d), mma.head_dim_pad(dv)
     NW, BC, HOLDQ = mma._tile(D, DV, DT)
     cfg = {"D": D, "DV": DV, "NW": NW, "BC": BC, "HOLDQ": HOLDQ, "DT": DT, "VEC": VEC}

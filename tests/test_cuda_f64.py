@@ -8,46 +8,16 @@ generated source runs under a CPU emulator of the warp (tests/mma_emu.py) agains
 the planner's choices and refusals are checked. On a GPU (``-m gpu``): both mma forms alone, and
 the kernel through the public API at real sizes. bench/mma_probe.py's ``f64`` section adds timings.
 """
-import json
-import os
 import pathlib
-import subprocess
 import sys
-import textwrap
 
 import numpy as np
 import pytest
 
 import numflash
+from mma_compile import assert_register_resident, compile_variant
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-
-_COMPILE = textwrap.dedent("""
-    import json, sys
-    from numba import types
-    from numflash.cuda import launch, mma
-    cfg, cc = json.loads(sys.argv[1]), tuple(json.loads(sys.argv[2]))
-    F4 = types.Array(types.float64, 4, "A")
-    args = (F4, F4, F4, F4, types.Array(types.float32, 3, "A"), types.Array(types.float32, 4, "A"),
-            types.float64, types.float64, types.int64, types.int64)
-    cubin, entry, ptx, res = launch.compile_to_cubin(mma.make_kernel(**cfg), args, cc)
-    ops = {op: ptx.count(op) for op in ("mma.sync.aligned.m16n8k8.row.col.f64.f64.f64.f64",
-                                         "mma.sync.aligned.m8n8k4.row.col.f64.f64.f64.f64",
-                                         "ex2.approx", "cp.async.cg.shared.global",
-                                         "ld.local", "st.local")}
-    print(json.dumps({"resources": res, "ops": ops, "cubin_bytes": len(cubin)}))
-""")
-
-
-def _compile(cfg, cc):
-    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0")
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    run = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps(cfg), json.dumps(cc)],
-                         env=env, capture_output=True, text=True, timeout=900)
-    assert run.returncode == 0, run.stderr[-3000:]
-    return json.loads(run.stdout.strip().splitlines()[-1])
-
-
 SMEM_LIMIT = {(9, 0): 227 * 1024, (8, 0): 163 * 1024}
 
 
@@ -66,8 +36,10 @@ def _cfg(D, DV=None, cc=(9, 0), VEC=1):
                               "d32-dv128-sm90-scalar", "d32-dv64-sm80-scalar"])
 def test_f64_variant_compiles_clean(D, DV, cc, VEC):
     cfg = _cfg(D, DV, cc, VEC)
-    got = _compile(cfg, cc)
-    ops, res = got["ops"], got["resources"]
+    got = compile_variant(cfg, cc, ("mma.sync.aligned.m16n8k8.row.col.f64.f64.f64.f64",
+                                    "mma.sync.aligned.m8n8k4.row.col.f64.f64.f64.f64",
+                                    "ex2.approx", "cp.async.cg.shared.global"))
+    ops = got["ops"]
     # one 16x8x8 product per (k-step, key tile) of S and per (key k-step, column tile) of P V
     products = (D // 8) * (cfg["BC"] // 8) + (cfg["BC"] // 8) * (DV // 8)
     if cc >= (9, 0):
@@ -78,9 +50,7 @@ def test_f64_variant_compiles_clean(D, DV, cc, VEC):
         assert ops["mma.sync.aligned.m16n8k8.row.col.f64.f64.f64.f64"] == 0
     assert ops["ex2.approx"] == 0, "float64 must not go through the float32 ex2.approx"
     assert (ops["cp.async.cg.shared.global"] > 0) == bool(VEC)
-    assert ops["ld.local"] == 0 and ops["st.local"] == 0, "fragments fell into local memory"
-    assert res.get("spill_store_bytes", 0) == 0 and res.get("spill_load_bytes", 0) == 0, res
-    assert res.get("stack_bytes", 0) == 0, res
+    assert_register_resident(got)
 
 
 def test_f64_source_and_shared_memory():
@@ -151,7 +121,8 @@ class _Arr:
 
     def __init__(self, shape, dtype="float64"):
         a = np.empty(shape, dtype)
-        self.shape, self.dtype, self.strides, self.itemsize = a.shape, a.dtype, a.strides, a.itemsize
+        self.shape, self.dtype, self.strides = a.shape, a.dtype, a.strides
+        self.itemsize = a.itemsize
         self.data = type("P", (), {"ptr": 0})()
 
 

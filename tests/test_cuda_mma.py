@@ -6,46 +6,22 @@ under the simulator the kernel must be refused with a reason. On a GPU (``-m gpu
 intrinsic alone against numpy, and the kernel against the float64 reference for every option.
 bench/mma_probe.py runs the same GPU checks as one script with timings.
 """
-import json
-import os
 import pathlib
-import subprocess
 import sys
-import textwrap
 
 import numpy as np
 import pytest
 
 import numflash
+from mma_compile import assert_register_resident, compile_variant
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
-_COMPILE = textwrap.dedent("""
-    import json, sys
-    from numba import types
-    from numflash.cuda import launch, mma
-    cfg, cc = json.loads(sys.argv[1]), tuple(json.loads(sys.argv[2]))
-    A = types.Array(types.uint16, 4, "A")
-    args = (A, A, A, A, types.Array(types.float32, 3, "A"), types.Array(types.float32, 4, "A"),
-            types.float64, types.float64, types.int64, types.int64)
-    cubin, entry, ptx, res = launch.compile_to_cubin(mma.make_kernel(**cfg), args, cc)
-    ops = {op: ptx.count(op) for op in ("mma.sync.aligned.m16n8k16.row.col.f32.bf16",
-                                         "mma.sync.aligned.m16n8k16.row.col.f32.f16",
-                                         "ldmatrix.sync.aligned.m8n8.x4.shared.b16",
-                                         "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16",
-                                         "cp.async.cg.shared.global", "cp.async.wait_group",
-                                         "ld.local", "st.local", ".f64")}
-    print(json.dumps({"resources": res, "ops": ops, "cubin_bytes": len(cubin)}))
-""")
-
-
-def compile_variant(cfg, cc):
-    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0")
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    run = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps(cfg), json.dumps(cc)],
-                         env=env, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    return json.loads(run.stdout.strip().splitlines()[-1])
+MMA_OPS = ("mma.sync.aligned.m16n8k16.row.col.f32.bf16",
+           "mma.sync.aligned.m16n8k16.row.col.f32.f16",
+           "ldmatrix.sync.aligned.m8n8.x4.shared.b16",
+           "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16",
+           "cp.async.cg.shared.global", "cp.async.wait_group")
 
 
 def _cfg(D, DT, VEC, NW=4, BC=None, HOLDQ=None, DBG=0):
@@ -77,8 +53,8 @@ VARIANTS = [  # (config, cc)
                          if isinstance(x, dict) else f"sm{x[0]}{x[1]}")
 def test_kernel_variant_compiles_clean(cfg, cc):
     """PTX has the tensor-core and async-copy instructions; ptxas: no spills, no local memory."""
-    got = compile_variant(cfg, cc)
-    ops, res = got["ops"], got["resources"]
+    got = compile_variant(cfg, cc, MMA_OPS)
+    ops = got["ops"]
     kind = "bf16" if cfg["DT"] == "bf16" else "f16"
     n_mma = ops[f"mma.sync.aligned.m16n8k16.row.col.f32.{kind}"]
     # S: D/16 k-steps x BC/8 key tiles; P V: BC/16 k-steps x DV/8 column tiles
@@ -89,10 +65,7 @@ def test_kernel_variant_compiles_clean(cfg, cc):
         assert ops["cp.async.cg.shared.global"] > 0 and ops["cp.async.wait_group"] > 0
     else:
         assert ops["cp.async.cg.shared.global"] == 0
-    assert ops["ld.local"] == 0 and ops["st.local"] == 0, "fragments fell into local memory"
-    assert res.get("spill_store_bytes", 0) == 0 and res.get("spill_load_bytes", 0) == 0, res
-    assert res.get("stack_bytes", 0) == 0, res
-    assert got["cubin_bytes"] > 0
+    assert_register_resident(got)
 
 
 def test_kernel_source_is_readable_python():

@@ -6,44 +6,16 @@ spills; the public API validates ``precision`` and explains every refusal. On a 
 accuracy against the float64 reference with a tf32 bound (10-bit mantissa products: relative
 error ~1e-3). bench/mma_probe.py's ``tf32`` section runs the same checks with a timing.
 """
-import json
-import os
 import pathlib
-import subprocess
 import sys
-import textwrap
 
 import numpy as np
 import pytest
 
 import numflash
+from mma_compile import assert_register_resident, compile_variant
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-
-_COMPILE = textwrap.dedent("""
-    import json, sys
-    from numba import types
-    from numflash.cuda import launch, mma
-    cfg, cc = json.loads(sys.argv[1]), tuple(json.loads(sys.argv[2]))
-    F4 = types.Array(types.float32, 4, "A")
-    args = (F4, F4, F4, F4, types.Array(types.float32, 3, "A"), F4,
-            types.float64, types.float64, types.int64, types.int64)
-    cubin, entry, ptx, res = launch.compile_to_cubin(mma.make_kernel(**cfg), args, cc)
-    ops = {op: ptx.count(op) for op in ("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32",
-                                         "mma.sync.aligned.m16n8k16", "cvt.rna.tf32.f32",
-                                         "ld.local", "st.local")}
-    print(json.dumps({"resources": res, "ops": ops, "ptx_has": {
-        s: s in ptx for s in ("mma.sync.aligned.m16n8k8", "tf32")}, "cubin_bytes": len(cubin)}))
-""")
-
-
-def _compile(cfg, cc):
-    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0")
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    run = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps(cfg), json.dumps(cc)],
-                         env=env, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    return json.loads(run.stdout.strip().splitlines()[-1])
 
 
 def _cfg(D, DV=None, DBG=0):
@@ -58,16 +30,14 @@ def _cfg(D, DV=None, DBG=0):
                                      (_cfg(32), (9, 0)), (_cfg(96), (8, 0))],
                          ids=["d64-sm80", "d128-sm90", "d32-sm90", "d96-sm80"])
 def test_tf32_variant_compiles_clean(cfg, cc):
-    got = _compile(cfg, cc)
-    ops, res = got["ops"], got["resources"]
-    assert got["ptx_has"] == {"mma.sync.aligned.m16n8k8": True, "tf32": True}
+    got = compile_variant(cfg, cc, ("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32",
+                                    "mma.sync.aligned.m16n8k16", "cvt.rna.tf32.f32"))
+    ops = got["ops"]
     # S: D/8 k-steps x BC/8 key tiles; P V: BC/8 k-steps x DV/8 column tiles
     assert ops["mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32"] == \
         (cfg["D"] // 8) * (cfg["BC"] // 8) + (cfg["BC"] // 8) * (cfg["DV"] // 8)
     assert ops["mma.sync.aligned.m16n8k16"] == 0 and ops["cvt.rna.tf32.f32"] > 0
-    assert ops["ld.local"] == 0 and ops["st.local"] == 0, "fragments fell into local memory"
-    assert res.get("spill_store_bytes", 0) == 0 and res.get("spill_load_bytes", 0) == 0, res
-    assert res.get("stack_bytes", 0) == 0, res
+    assert_register_resident(got)
 
 
 def test_tf32_source_and_shared_memory():

@@ -129,6 +129,83 @@ def _emit_double_buffered_loop(s, stage_kv, BC, kv_words):
         s("cuda.syncthreads()")
 
 
+def _emit_prologue(s, BR, flt, word):
+    """Emit the thread / block indices, the per-head views and the shared array (``word``
+    elements); the two scales arrive as float64 (launch.py's ABI) and become ``flt``."""
+    s(f"scale_log2 = {flt}(scale_log2_in)", f"scale = {flt}(scale_in)",
+      "H = q.shape[1]", "Nq = q.shape[2]", "Hkv = k.shape[1]", "Nk = k.shape[2]",
+      "Nq_u = U(Nq)", "Nk_u = U(Nk)",
+      "d_u = U(q.shape[3])", "dv_u = U(v.shape[3])",
+      "tid = U(cuda.threadIdx.x)",
+      f"warp = tid // {U(32)}",
+      f"lane = tid % {U(32)}",
+      f"g = lane // {U(4)}",
+      f"t = lane % {U(4)}",
+      # last Q block first: under causal masking it is the longest, so the tail is short
+      f"qb = U(cuda.gridDim.x) - {U(1)} - U(cuda.blockIdx.x)",
+      "bh = U(cuda.blockIdx.y)",
+      "b = bh // U(H)",
+      "h = bh % U(H)",
+      "hk = kv_head(h, U(H), U(Hkv))",
+      f"i0 = qb * {U(BR)}",
+      "qh = q[b, h]", "kh = k[b, hk]", "vh = v[b, hk]", "oh = out[b, h]",
+      f"smem = cuda.shared.array(0, {word})")
+
+
+def _emit_row_bounds(s, BR):
+    """Emit the thread's two rows (r0 = g, r1 = g + 8 of its warp's 16), their key ends e0 / e1,
+    and the key counts the warp and the block must visit (signed: causal offsets can be
+    negative)."""
+    s("i0s = I(i0)",
+      "w_first = i0s + I(warp) * 16",
+      "r0 = w_first + I(g)",
+      "r1 = r0 + 8",
+      "e0 = key_end(r0, Nk, causal, causal_offset)",
+      "e1 = key_end(r1, Nk, causal, causal_offset)",
+      "warp_min_end = key_end(w_first, Nk, causal, causal_offset)",
+      "warp_keys = key_end(min(Nq - 1, w_first + 15), Nk, causal, causal_offset) "
+      "if w_first < Nq else 0",
+      "block_keys = key_end(min(Nq, i0s + %d) - 1, Nk, causal, causal_offset)" % BR)
+
+
+def _emit_q_ready(s, VEC, HOLDQ, NKK, load_q):
+    """Emit the wait for the staged Q tile and, when HOLDQ, its load into registers qf_{kk}_{r}
+    (after which K/V may overwrite Q's shared memory)."""
+    if VEC:
+        s("cp_async_wait_0()")
+    s("cuda.syncthreads()")
+    if HOLDQ:
+        for kk in range(NKK):
+            load_q(kk, [f"qf_{kk}_{r}" for r in range(4)])
+        s("cuda.syncthreads()  # K/V tiles reuse Q's shared memory")
+
+
+def _emit_accumulators(s, NVN):
+    """Emit the zeroed O fragments (NVN n8 tiles) and the running max / sum of both rows."""
+    for n in range(NVN):
+        s(", ".join(f"o_{n}_{r}" for r in range(4)) + " = ZERO, ZERO, ZERO, ZERO")
+    s("m0 = NEG_INF", "m1 = NEG_INF", "l0 = ZERO", "l1 = ZERO")
+
+
+def _emit_epilogue(s, NVN, store):
+    """Emit the quad sums of l, 1 / l, the O stores (``store(n, ra, rb, half)`` writes O tile n's
+    registers ra, rb of row half, in scope: ru, cbase, inv0 / inv1) and lse."""
+    for half, row in ((0, "r0"), (1, "r1")):
+        s(f"l{half} += cuda.shfl_xor_sync(FULL, l{half}, 1)",
+          f"l{half} += cuda.shfl_xor_sync(FULL, l{half}, 2)",
+          f"inv{half} = ONE / l{half} if l{half} > ZERO else ZERO")
+        s(f"if {row} < Nq:")
+        with s.block():
+            s(f"ru = U({row})", f"cbase = t * {U(2)}")
+            ra, rb = (0, 1) if half == 0 else (2, 3)
+            for n in range(NVN):
+                store(n, ra, rb, half)
+            s("if t == U(0):")
+            with s.block():
+                s(f"lse[b, h, ru] = m{half} * scale + math.log(l{half}) if l{half} > ZERO "
+                  "else NEG_INF")
+
+
 def _emit_mask_and_softmax(s, NN, NVN, BC, DBG):
     """Emit, for one warp's S fragments (NN n8 tiles, 4 registers each), the boundary / causal mask,
     the optional debug dump of tile 0, and the online-softmax update of m, l and the NVN O tiles.
@@ -193,28 +270,7 @@ def kernel_source(D, DV, NW, BC, HOLDQ, DT, VEC, DBG=0):
     s("def mma_attention(q, k, v, out, lse, dbg, scale_log2_in, scale_in, causal, "
       "causal_offset):")
     with s.block():
-        # scalars arrive as float64 (launch.py's ABI): the softmax runs in float32
-        s("scale_log2 = float32(scale_log2_in)", "scale = float32(scale_in)",
-          "H = q.shape[1]",
-          "Nq = q.shape[2]",
-          "Hkv = k.shape[1]",
-          "Nk = k.shape[2]",
-          "Nq_u = U(Nq)", "Nk_u = U(Nk)",
-          "d_u = U(q.shape[3])", "dv_u = U(v.shape[3])",
-          "tid = U(cuda.threadIdx.x)",
-          f"warp = tid // {U(32)}",
-          f"lane = tid % {U(32)}",
-          f"g = lane // {U(4)}",
-          f"t = lane % {U(4)}",
-          # last Q block first: under causal masking it is the longest, so the tail is short
-          f"qb = U(cuda.gridDim.x) - {U(1)} - U(cuda.blockIdx.x)",
-          "bh = U(cuda.blockIdx.y)",
-          "b = bh // U(H)",
-          "h = bh % U(H)",
-          "hk = kv_head(h, U(H), U(Hkv))",
-          f"i0 = qb * {U(BR)}",
-          "qh = q[b, h]", "kh = k[b, hk]", "vh = v[b, hk]", "oh = out[b, h]",
-          "smem = cuda.shared.array(0, uint32)")
+        _emit_prologue(s, BR, "float32", "uint32")
 
         # ---- stage Q
         if VEC:
@@ -237,16 +293,7 @@ def kernel_source(D, DV, NW, BC, HOLDQ, DT, VEC, DBG=0):
                 s(f"smem[{U(Q_OFF)} + r * {U(QW)} + w] = uint32(word)")
 
         # ---- per-warp / per-thread row bookkeeping (signed: causal offsets can be negative)
-        s("i0s = I(i0)",
-          "w_first = i0s + I(warp) * 16",
-          "r0 = w_first + I(g)",
-          "r1 = r0 + 8",
-          "e0 = key_end(r0, Nk, causal, causal_offset)",
-          "e1 = key_end(r1, Nk, causal, causal_offset)",
-          "warp_min_end = key_end(w_first, Nk, causal, causal_offset)",
-          "warp_keys = key_end(min(Nq - 1, w_first + 15), Nk, causal, causal_offset) "
-          "if w_first < Nq else 0",
-          "block_keys = key_end(min(Nq, i0s + %d) - 1, Nk, causal, causal_offset)" % BR)
+        _emit_row_bounds(s, BR)
 
         def q_frag(kk, r):
             if HOLDQ:
@@ -269,18 +316,10 @@ def kernel_source(D, DV, NW, BC, HOLDQ, DT, VEC, DBG=0):
                 for nm, off in zip(names, offs):
                     s(f"{nm} = smem[qbase + {U(off)}]")
 
-        if VEC:
-            s("cp_async_wait_0()")
-        s("cuda.syncthreads()")
-        if HOLDQ:
-            for kk in range(NKK):
-                load_q(kk, [f"qf_{kk}_{r}" for r in range(4)])
-            s("cuda.syncthreads()  # K/V tiles reuse Q's shared memory")
+        _emit_q_ready(s, VEC, HOLDQ, NKK, load_q)
 
         # ---- accumulators
-        for n in range(NVN):
-            s(", ".join(f"o_{n}_{r}" for r in range(4)) + " = ZERO, ZERO, ZERO, ZERO")
-        s("m0 = NEG_INF", "m1 = NEG_INF", "l0 = ZERO", "l1 = ZERO")
+        _emit_accumulators(s, NVN)
 
         # ---- K/V tile staging
         def stage_kv(j0u, buf):
@@ -399,27 +438,16 @@ def kernel_source(D, DV, NW, BC, HOLDQ, DT, VEC, DBG=0):
                         s(f"{acc} = {mma}(pa0, pa1, pa2, pa3, {b0}, {b1}, {acc})")
 
         # ---- epilogue: row sums over the quad, normalize, write O (16-bit bits) and lse
-        for half, row in ((0, "r0"), (1, "r1")):
-            s(f"l{half} += cuda.shfl_xor_sync(FULL, l{half}, 1)",
-              f"l{half} += cuda.shfl_xor_sync(FULL, l{half}, 2)",
-              f"inv{half} = ONE / l{half} if l{half} > ZERO else ZERO")
-            s(f"if {row} < Nq:")
+        def store(n, ra, rb, half):
+            s(f"word = U({pack}(o_{n}_{ra} * inv{half}, o_{n}_{rb} * inv{half}))",
+              f"col = cbase + {U(n * 8)}",
+              "if col < dv_u:")
             with s.block():
-                s(f"ru = U({row})", f"cbase = t * {U(2)}")
-                ra, rb = (0, 1) if half == 0 else (2, 3)
-                for n in range(NVN):
-                    s(f"word = U({pack}(o_{n}_{ra} * inv{half}, o_{n}_{rb} * inv{half}))",
-                      f"col = cbase + {U(n * 8)}",
-                      "if col < dv_u:")
-                    with s.block():
-                        s(f"oh[ru, col] = uint16(word & {U(0xFFFF)})")
-                    s(f"if col + {U(1)} < dv_u:")
-                    with s.block():
-                        s(f"oh[ru, col + {U(1)}] = uint16(word >> {U(16)})")
-                s("if t == U(0):")
-                with s.block():
-                    s(f"lse[b, h, ru] = m{half} * scale + math.log(l{half}) if l{half} > ZERO "
-                      "else NEG_INF")
+                s(f"oh[ru, col] = uint16(word & {U(0xFFFF)})")
+            s(f"if col + {U(1)} < dv_u:")
+            with s.block():
+                s(f"oh[ru, col + {U(1)}] = uint16(word >> {U(16)})")
+        _emit_epilogue(s, NVN, store)
     return s.text()
 
 
@@ -504,23 +532,7 @@ def kernel_source_word(D, DV, NW, BC, HOLDQ, DT, DBG=0, VEC=0):
     s("def mma_attention(q, k, v, out, lse, dbg, scale_log2_in, scale_in, causal, "
       "causal_offset):")
     with s.block():
-        s(f"scale_log2 = {flt}(scale_log2_in)", f"scale = {flt}(scale_in)",
-          "H = q.shape[1]", "Nq = q.shape[2]", "Hkv = k.shape[1]", "Nk = k.shape[2]",
-          "Nq_u = U(Nq)", "Nk_u = U(Nk)",
-          "d_u = U(q.shape[3])", "dv_u = U(v.shape[3])",
-          "tid = U(cuda.threadIdx.x)",
-          f"warp = tid // {U(32)}",
-          f"lane = tid % {U(32)}",
-          f"g = lane // {U(4)}",
-          f"t = lane % {U(4)}",
-          f"qb = U(cuda.gridDim.x) - {U(1)} - U(cuda.blockIdx.x)",
-          "bh = U(cuda.blockIdx.y)",
-          "b = bh // U(H)",
-          "h = bh % U(H)",
-          "hk = kv_head(h, U(H), U(Hkv))",
-          f"i0 = qb * {U(BR)}",
-          "qh = q[b, h]", "kh = k[b, hk]", "vh = v[b, hk]", "oh = out[b, h]",
-          f"smem = cuda.shared.array(0, {kind['word']})")
+        _emit_prologue(s, BR, flt, kind["word"])
 
         # ---- stage Q (one element per word)
         if VEC:
@@ -539,16 +551,7 @@ def kernel_source_word(D, DV, NW, BC, HOLDQ, DT, DBG=0, VEC=0):
                     s("word = " + kind["load"].format("qh[row, c]"))
                 s(f"smem[{U(Q_OFF)} + r * {U(QW)} + c] = {kind['store']}")
 
-        s("i0s = I(i0)",
-          "w_first = i0s + I(warp) * 16",
-          "r0 = w_first + I(g)",
-          "r1 = r0 + 8",
-          "e0 = key_end(r0, Nk, causal, causal_offset)",
-          "e1 = key_end(r1, Nk, causal, causal_offset)",
-          "warp_min_end = key_end(w_first, Nk, causal, causal_offset)",
-          "warp_keys = key_end(min(Nq - 1, w_first + 15), Nk, causal, causal_offset) "
-          "if w_first < Nq else 0",
-          "block_keys = key_end(min(Nq, i0s + %d) - 1, Nk, causal, causal_offset)" % BR)
+        _emit_row_bounds(s, BR)
 
         # A fragment of k-step kk: a0 = Q[g, 8kk+t], a1 = Q[g+8, 8kk+t], a2/a3 at column +4
         s(f"qbase = {U(Q_OFF)} + (warp * {U(16)} + g) * {U(QW)} + t")
@@ -558,17 +561,9 @@ def kernel_source_word(D, DV, NW, BC, HOLDQ, DT, DBG=0, VEC=0):
             for nm, off in zip(names, offs):
                 s(f"{nm} = smem[qbase + {U(off)}]")
 
-        if VEC:
-            s("cp_async_wait_0()")
-        s("cuda.syncthreads()")
-        if HOLDQ:
-            for kk in range(NKK):
-                load_q(kk, [f"qf_{kk}_{r}" for r in range(4)])
-            s("cuda.syncthreads()  # K/V tiles reuse Q's shared memory")
+        _emit_q_ready(s, VEC, HOLDQ, NKK, load_q)
 
-        for n in range(NVN):
-            s(", ".join(f"o_{n}_{r}" for r in range(4)) + " = ZERO, ZERO, ZERO, ZERO")
-        s("m0 = NEG_INF", "m1 = NEG_INF", "l0 = ZERO", "l1 = ZERO")
+        _emit_accumulators(s, NVN)
 
         s(f"ntiles = (block_keys + {BC - 1}) // {BC}")
         if VEC:
@@ -618,26 +613,15 @@ def kernel_source_word(D, DV, NW, BC, HOLDQ, DT, DBG=0, VEC=0):
                         s(f"{acc} = {mma}(pa0, pa1, pa2, pa3, vb0, vb1, {acc})")
 
         # ---- epilogue: row sums over the quad, normalize, write O and lse
-        for half, row in ((0, "r0"), (1, "r1")):
-            s(f"l{half} += cuda.shfl_xor_sync(FULL, l{half}, 1)",
-              f"l{half} += cuda.shfl_xor_sync(FULL, l{half}, 2)",
-              f"inv{half} = ONE / l{half} if l{half} > ZERO else ZERO")
-            s(f"if {row} < Nq:")
+        def store(n, ra, rb, half):
+            s(f"col = cbase + {U(n * 8)}",
+              "if col < dv_u:")
             with s.block():
-                s(f"ru = U({row})", f"cbase = t * {U(2)}")
-                ra, rb = (0, 1) if half == 0 else (2, 3)
-                for n in range(NVN):
-                    s(f"col = cbase + {U(n * 8)}",
-                      "if col < dv_u:")
-                    with s.block():
-                        s(f"oh[ru, col] = o_{n}_{ra} * inv{half}")
-                    s(f"if col + {U(1)} < dv_u:")
-                    with s.block():
-                        s(f"oh[ru, col + {U(1)}] = o_{n}_{rb} * inv{half}")
-                s("if t == U(0):")
-                with s.block():
-                    s(f"lse[b, h, ru] = m{half} * scale + math.log(l{half}) if l{half} > ZERO "
-                      "else NEG_INF")
+                s(f"oh[ru, col] = o_{n}_{ra} * inv{half}")
+            s(f"if col + {U(1)} < dv_u:")
+            with s.block():
+                s(f"oh[ru, col + {U(1)}] = o_{n}_{rb} * inv{half}")
+        _emit_epilogue(s, NVN, store)
     return s.text()
 
 
