@@ -767,7 +767,9 @@ def f64():
         q, k, v = (cp.asarray(rng.standard_normal(s)) for s in shapes)
         plan = numflash.explain(q, k, v, causal=causal, layout=layout)
         if plan.kernel != "cuda.mma" or plan.config.get("DT") != "f64":
-            return False, f"plan is not cuda.mma f64: {plan}"
+            why = plan.rejected.get("cuda.mma", "")  # d > 64 on sm_80-89, small shared memory
+            if "head dims up to" not in why and "shared memory" not in why:
+                return False, f"plan is not cuda.mma f64: {plan}"
         out, lse = numflash.attention(q, k, v, causal=causal, layout=layout, return_lse=True)
         rep = check(out, q, k, v, lse=lse, causal=causal, layout=layout)
         return rep.ok and out.dtype == cp.float64, str(rep)

@@ -77,8 +77,9 @@ KERNELS = (
                dtypes=("float16", "bfloat16", "float64"), max_head_dim=256, min_cc=(8, 0),
                runs_in_simulator=False, tf32=True,
                summary="FlashAttention-2 on tensor cores: mma.sync m16n8k16, register online "
-                       "softmax, cp.async double-buffered K/V, ldmatrix; float64 (d <= 128) on "
-                       "float64 mma.sync; float32 with precision='tf32' on m16n8k8 tf32"),
+                       "softmax, cp.async double-buffered K/V, ldmatrix; float64 (d <= 128, 64 on "
+                       "sm_8x) on float64 mma.sync; float32 with precision='tf32' on m16n8k8 "
+                       "tf32"),
     KernelSpec("cpu.tiled", "cpu", "block", "numflash.cpu.tiled",
                dtypes=("float16", "float32", "float64"),
                summary="numba.njit block-tiled online softmax, parallel over (batch, head, query block)"),

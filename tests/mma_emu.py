@@ -86,7 +86,9 @@ class Emu:
     def mma_f64(self, *args):
         return self._mma_16x8x8(float, np.float64, *args)
 
-    # cp.async as an immediate copy: addresses are (array, row, column) and smem indices
+    # cp.async: a copy reads its source when issued and lands in shared memory only when a
+    # cp_async_wait lets its commit group complete (per thread), as on the GPU; addresses are
+    # (array, row, column) and shared-array indices, both checked for 16-byte alignment
     @staticmethod
     def shared_addr(smem, i):
         return int(i)
@@ -98,9 +100,23 @@ class Emu:
     def cp_async_16(self, dst, src, nbytes):
         a, i, j = src
         n = 16 // self.smem.itemsize
+        assert dst % n == 0, f"cp.async destination word {dst} is not 16-byte aligned"
+        assert (i * a.strides[0] + j * a.strides[1]) % 16 == 0, "cp.async source misaligned"
+        data = np.zeros(n, self.smem.dtype)
         got = int(nbytes) // a.itemsize
-        self.smem[dst:dst + n] = 0
-        self.smem[dst:dst + got] = a[i, j:j + got]
+        data[:got] = a[i, j:j + got]
+        self.tls.pending.append((dst, data))
+
+    def cp_async_commit(self):
+        self.tls.groups.append(self.tls.pending)
+        self.tls.pending = []
+
+    def cp_async_wait(self, n):
+        groups = self.tls.groups
+        for group in groups[:len(groups) - n]:
+            for dst, data in group:
+                self.smem[dst:dst + data.size] = data
+        self.tls.groups = groups[len(groups) - n:]
 
     def run(self, fn, args):
         gx, gy = self.grid
@@ -119,6 +135,7 @@ class Emu:
 
                 def body(tid):
                     self.tls.tid, self.tls.block = tid, blk
+                    self.tls.pending, self.tls.groups = [], []
                     try:
                         fn(*args)
                     except Exception as e:  # noqa
@@ -136,15 +153,16 @@ class Emu:
                     raise RuntimeError(errs[0])
 
 
-def run_word_kernel(q, k, v, DT, causal=False, causal_offset=0, scale=None, VEC=0):
+def run_word_kernel(q, k, v, DT, causal=False, causal_offset=0, scale=None, VEC=0, tile=None):
     """Run mma.kernel_source_word(..., DT, VEC) for DT "tf32" (float32 q, k, v) or "f64"
-    (float64); VEC=1 runs the cp.async / double-buffered staging (copies done at once)."""
+    (float64); VEC=1 runs the cp.async / double-buffered staging; ``tile`` (NW, BC, HOLDQ)
+    overrides the default tile."""
     from numflash.cuda import mma
     from numflash.cuda.common import key_end
     B, H, Nq, d = q.shape
     dv = v.shape[3]
     D, DV = mma.head_dim_pad(d), mma.head_dim_pad(dv)
-    NW, BC, HOLDQ = mma._tile(D, DV, DT)
+    NW, BC, HOLDQ = tile or mma._tile(D, DV, DT)
     cfg = {"D": D, "DV": DV, "NW": NW, "BC": BC, "HOLDQ": HOLDQ, "DT": DT, "VEC": VEC}
     src = mma.kernel_source_word(D, DV, NW, BC, HOLDQ, DT, VEC=VEC)
     f64 = DT == "f64"
@@ -158,8 +176,9 @@ def run_word_kernel(q, k, v, DT, causal=False, causal_offset=0, scale=None, VEC=
           "kv_head": lambda h, H, Hkv: h // (H // Hkv),
           "mma_tf32": emu.mma_tf32, "mma_f64": emu.mma_f64, "to_tf32": tf32_bits,
           "shared_addr": emu.shared_addr, "global_addr2": emu.global_addr2,
-          "cp_async_16": emu.cp_async_16, "cp_async_commit": lambda: None,
-          "cp_async_wait_0": lambda: None, "cp_async_wait_1": lambda: None,
+          "cp_async_16": emu.cp_async_16, "cp_async_commit": emu.cp_async_commit,
+          "cp_async_wait_0": lambda: emu.cp_async_wait(0),
+          "cp_async_wait_1": lambda: emu.cp_async_wait(1),
           "ex2": np.exp2 if f64 else (lambda x: np.float32(np.exp2(np.float32(x))))}
     exec(compile(src, f"<{DT} emu>", "exec"), ns)
     out = np.full((B, H, Nq, dv), np.nan, real)

@@ -73,6 +73,10 @@ def test_f64_source_and_shared_memory():
     assert mma.smem_bytes(cfg) == 8 * (BR * 68 + 2 * kv)
     # a smaller shared memory takes a smaller tile, never a refusal of d=64
     assert mma._tile(64, 64, "f64", 99 * 1024, 1) == (8, 32, 1)
+    for D, tiles in mma.F64_TILES.items():  # each entry needs less than the one before it, so
+        sizes = [mma.smem_bytes({"D": D, "DV": D, "NW": nw, "BC": bc, "HOLDQ": hq, "DT": "f64",
+                                 "VEC": 1}) for nw, bc, hq in tiles]  # each can be chosen
+        assert all(a > b for a, b in zip(sizes, sizes[1:])), sizes
 
 
 def test_f64_fragment_loads_are_bank_conflict_free():
@@ -89,11 +93,12 @@ def test_f64_fragment_loads_are_bank_conflict_free():
             assert len(qk) == 16 and len(vv) == 16, (D, half, qk, vv)
 
 
-@pytest.mark.parametrize("case", [(1, 2, 40, 170, 64, 64, False, 1),
-                                  (1, 1, 33, 90, 32, 96, "bottom_right", 1),
-                                  (1, 1, 70, 50, 59, 40, True, 0)],
+@pytest.mark.parametrize("case", [(1, 2, 40, 170, 64, 64, False, 1, None),
+                                  (1, 1, 33, 90, 32, 96, "bottom_right", 1, None),
+                                  (1, 1, 70, 50, 59, 40, True, 0, None),
+                                  (1, 1, 150, 100, 64, 64, True, 1, (8, 32, 1))],
                          ids=["d64-cp.async", "d32-dv96-bottom_right-cp.async",
-                              "d59-dv40-causal-scalar"])
+                              "d59-dv40-causal-scalar", "d64-q-in-registers-cp.async"])
 def test_f64_source_emulated_on_cpu(rng, case):
     """The generated float64 kernel source, run by a CPU emulator of the warp: the fragment
     bookkeeping (S layout, the permuted-k P V, masking, softmax, epilogue) meets the accuracy rule
@@ -103,10 +108,10 @@ def test_f64_source_emulated_on_cpu(rng, case):
     from numflash.inputs import parse_causal
     from numflash.reference import naive
     from numflash.testing import check
-    B, H, Nq, Nk, d, dv, causal, vec = case
+    B, H, Nq, Nk, d, dv, causal, vec, tile = case
     q, k, v = (rng.standard_normal(s) for s in ((B, H, Nq, d), (B, H, Nk, d), (B, H, Nk, dv)))
     is_causal, off = parse_causal(causal, Nq, Nk)
-    out, lse = run_word_kernel(q, k, v, "f64", is_causal, off, VEC=vec)
+    out, lse = run_word_kernel(q, k, v, "f64", is_causal, off, VEC=vec, tile=tile)
     rep = check(out, q, k, v, causal=causal)
     assert rep.ok, str(rep)
     assert rep.max_err < 1e-12, str(rep)  # float64 all the way
@@ -153,9 +158,16 @@ def test_config_refuses_what_f64_cannot_run_and_says_why():
     with pytest.raises(Unsupported, match="float64 head dims up to 128"):
         mma.config(_Problem(64, 200), dev)
     ampere = Device("a100", cc=(8, 0), smem_per_block_optin=163 * 1024)
-    with pytest.raises(Unsupported, match="up to 64 on compute capability 8.0.*cuda.block"):
+    with pytest.raises(Unsupported, match=r"up to 64 on a100 \(mma m8n8k4\).*cuda.block"):
         mma.config(_Problem(59, 111), ampere)  # four m8n8k4 per product spill at dv=128
     assert mma.config(_Problem(59, 64), ampere)["D"] == 64
+    # 99 KB a block (sm_120): d=64 takes the smaller tile; d=96 with cp.async double buffering
+    # would not fit, so it stages with scalar loads rather than being refused
+    small = Device("sm120", cc=(12, 0), smem_per_block_optin=99 * 1024)
+    assert mma.config(_Problem(64), small)["NW"] == 8 and mma.config(_Problem(64), small)["VEC"]
+    cfg = mma.config(_Problem(96), small)
+    assert cfg["VEC"] == 0 and mma.smem_bytes(cfg) <= 99 * 1024
+    assert mma.config(_Problem(64), Device("sim-like", cc=None, smem_per_block_optin=227 * 1024))
     with pytest.raises(Unsupported, match="compute capability >= 8.0"):
         mma.config(_Problem(64), Device("turing", cc=(7, 5)))
     with pytest.raises(Unsupported, match="shared memory"):  # d=128 holds Q in shared memory
@@ -217,12 +229,48 @@ def test_gpu_f64_against_reference(rng, case, causal):
     q, k, v = (cupy.asarray(rng.standard_normal(s))
                for s in ((B, H, Nq, d), (B, H, Nk, d), (B, H, Nk, dv)))
     plan = numflash.explain(q, k, v, causal=causal)
-    assert plan.kernel == "cuda.mma" and plan.config["DT"] == "f64", str(plan)
+    from numflash.cuda.mma import head_dim_pad
+    dev = plan.device
+    # d <= 64 runs on cuda.mma on every cc >= 8.0; d <= 128 on sm_90-class parts (m16n8k8 .f64
+    # and ~227 KB of shared memory a block); elsewhere cuda.block, with mma's reason recorded
+    if max(head_dim_pad(d), head_dim_pad(dv)) <= 64 or (
+            dev.cc >= (9, 0) and dev.smem_per_block_optin >= 200 * 1024):
+        assert plan.kernel == "cuda.mma" and plan.config["DT"] == "f64", str(plan)
+    else:
+        assert plan.kernel == "cuda.block" and "cuda.mma" in plan.rejected, str(plan)
     out, lse = numflash.attention(q, k, v, causal=causal, return_lse=True)
     assert out.dtype == cupy.float64 and type(out) is type(q)
     rows = None if Nq <= 1025 else np.arange(0, Nq, 37)
     rep = check(out, q, k, v, lse=lse, causal=causal, rows=rows)
     assert rep.ok, str(rep)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("form", ["m8n8k4", "m16n8k8"])
+@pytest.mark.parametrize("tile", [t + (vec,) for t in ((8, 64, 0), (8, 32, 1), (4, 16, 0))
+                                  for vec in (1, 0)],
+                         ids=lambda t: "NW{}-BC{}-HOLDQ{}-VEC{}".format(*t))
+def test_gpu_f64_every_tile_and_mma_form(rng, form, tile):
+    """The configs other GPUs get (sm_80-89: four m8n8k4 per product, the smaller tiles), forced
+    here on whatever GPU runs the tests, through mma.run, against the reference."""
+    import cupy
+    from numflash import plan as planner
+    from numflash.cuda import mma
+    from numflash.inputs import normalize
+    from numflash.testing import check
+    nw, bc, holdq, vec = tile
+    q, k, v = (cupy.asarray(rng.standard_normal(s)) for s in ((2, 3, 300, 64), (2, 3, 777, 64),
+                                                             (2, 3, 777, 64)))
+    p = normalize(q, k, v, causal=True)
+    dev = planner._cuda_device(p)
+    if form == "m16n8k8" and dev.cc < (9, 0):
+        pytest.skip("m16n8k8 .f64 needs sm_90")
+    cfg = dict(mma.config(p, dev), NW=nw, BC=bc, HOLDQ=holdq, VEC=vec, MMA=form)
+    if mma.smem_bytes(cfg) > dev.smem_per_block_optin:
+        pytest.skip(f"{cfg} needs more shared memory than {dev.name} has")
+    lse = mma.run(p, cfg, dev)
+    rep = check(p.out, q, k, v, lse=lse, causal=True)
+    assert rep.ok, f"{cfg}: {rep}"
 
 
 @pytest.mark.gpu

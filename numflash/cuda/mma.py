@@ -469,6 +469,18 @@ def word_pads(DT):
     return 4, WORD_KINDS[DT]["v_pad"]
 
 
+def word_layout(D, DV, NW, BC, HOLDQ, DT, VEC):
+    """Shared-memory layout of a one-element-per-word kernel, in words: (QW, KW, VW) row pitches,
+    the Q tile's words, one K/V buffer's words, where K/V start, and the total words."""
+    qk_pad, v_pad = word_pads(DT)
+    QW, KW, VW = D + qk_pad, D + qk_pad, DV + v_pad
+    q_words, kv_words = 16 * NW * QW, BC * KW + BC * VW
+    kv_off = 0 if HOLDQ else q_words      # Q is dead once it sits in registers
+    kv_total = kv_words * (2 if VEC else 1)
+    total = max(q_words, kv_total) if HOLDQ else q_words + kv_total
+    return (QW, KW, VW), q_words, kv_words, kv_off, total
+
+
 def kernel_source_word(D, DV, NW, BC, HOLDQ, DT, DBG=0, VEC=0):
     """Source of the kernels that keep one element per shared-memory word: float32 inputs on tf32
     tensor cores (DT="tf32", precision="tf32") and float64 on float64 tensor cores (DT="f64").
@@ -496,13 +508,10 @@ def kernel_source_word(D, DV, NW, BC, HOLDQ, DT, DBG=0, VEC=0):
     kind = WORD_KINDS[DT]
     flt, mma, pconv = kind["float"], kind["mma"], kind["p"]
     BR, NT = 16 * NW, 32 * NW
-    qk_pad, v_pad = word_pads(DT)
-    QW, KW, VW = D + qk_pad, D + qk_pad, DV + v_pad
+    (QW, KW, VW), _, kv_words, KV_OFF, _ = word_layout(D, DV, NW, BC, HOLDQ, DT, VEC)
     Q_OFF = 0
-    KV_OFF = 0 if HOLDQ else BR * QW
     NKK, NN, NVN, NPK = D // 8, BC // 8, DV // 8, BC // 8
-    kv_words = BC * KW + BC * VW
-    chunk = 16 // (8 if DT == "f64" else 4)    # elements per 16-byte cp.async
+    chunk = 2    # float64 elements per 16-byte cp.async (only float64 takes VEC=1)
 
     def stage_kv(j0u, buf):
         """Emit the copy of K/V tile rows j0u.. into buffer buf; returns the word offsets."""
@@ -629,11 +638,8 @@ def smem_bytes(cfg):
     D, DV, NW, BC, HOLDQ, VEC = (cfg[x] for x in ("D", "DV", "NW", "BC", "HOLDQ", "VEC"))
     BR = 16 * NW
     if cfg.get("DT") in WORD_KINDS:  # one value per 4- or 8-byte word
-        qk_pad, v_pad = word_pads(cfg["DT"])
-        q_words, kv_words = BR * (D + qk_pad), BC * (D + qk_pad) + BC * (DV + v_pad)
-        kv_words *= 2 if VEC else 1
-        word_bytes = 8 if cfg["DT"] == "f64" else 4
-        return word_bytes * (max(q_words, kv_words) if HOLDQ else q_words + kv_words)
+        total = word_layout(D, DV, NW, BC, HOLDQ, cfg["DT"], VEC)[-1]
+        return (8 if cfg["DT"] == "f64" else 4) * total
     q_words = BR * (D // 2 + 4)
     v_words = BC * (DV // 2 + 4) if VEC else DV * (BC // 2 + 4)
     kv_words = (BC * (D // 2 + 4) + v_words) * (2 if VEC else 1)
@@ -695,10 +701,11 @@ kv_head.__doc__ = """The K/V head serving query head h (GQA: H / Hkv query heads
 # ------------------------------------------------------------------------------ plan interface
 
 #: float64 tiles (NW, BC, HOLDQ) by largest head dim, fastest first, from the f64 section of
-#: bench/mma_probe.py on an H200 (B4 H16 N4096: d=64 9.8 / 10.5 / 12.0 ms, d=128 18.3 / 29.2 ms;
-#: bench/NOTES.md). A float64 fragment takes two registers per value, so ~250 registers a thread
-#: allow one 8-warp block per SM: 8 warps share each staged K/V tile.
-F64_TILES = {64: ((8, 64, 0), (8, 32, 1), (4, 32, 1)), 128: ((8, 16, 0), (4, 16, 0))}
+#: bench/mma_probe.py on an H200 (B4 H16 N4096: d=64 9.8 / 10.5 ms, d=128 18.3 / 29.2 ms;
+#: bench/NOTES.md); the second is for less shared memory (d=64: the 99 KB a block gets on
+#: sm_86/89). A float64 fragment takes two registers per value, so ~250 registers a thread allow
+#: one 8-warp block per SM: 8 warps share each K/V tile.
+F64_TILES = {64: ((8, 64, 0), (8, 32, 1)), 128: ((8, 16, 0), (4, 16, 0))}
 
 
 def _tile(D, DV, DT=None, smem_limit=None, VEC=0):
@@ -770,14 +777,18 @@ def config(problem, device):
                               "kernel: precision='auto')")
         DT, VEC = "tf32", 0
     elif dt == "float64":
-        form = "m16n8k8" if device.cc >= (9, 0) else "m8n8k4"
+        form = "m16n8k8" if device.cc is not None and device.cc >= (9, 0) else "m8n8k4"
         limit = F64_MAX_HEAD_DIM[form]
         if max(D, DV) > limit:
-            raise Unsupported(f"{NAME} takes float64 head dims up to {limit} on compute capability "
-                              f"{device.cc[0]}.{device.cc[1]} (mma {form}); got d={d}, dv={dv} "
-                              "(cuda.block takes float64 at any head dim)")
+            raise Unsupported(f"{NAME} takes float64 head dims up to {limit} on {device.name} "
+                              f"(mma {form}); got d={d}, dv={dv} (cuda.block takes float64 up to "
+                              "d=256)")
         DT = "f64"
         VEC = 1 if (problem.on_device and vector_ok(problem) is None) else 0
+        tile = _tile(D, DV, DT, device.smem_per_block_optin, VEC)
+        if VEC and smem_bytes({"D": D, "DV": DV, "NW": tile[0], "BC": tile[1],
+                               "HOLDQ": tile[2], "DT": DT, "VEC": 1}) > device.smem_per_block_optin:
+            VEC = 0  # double-buffered cp.async does not fit: stage with scalar loads instead
     else:
         DT = "bf16" if dt == "bfloat16" else "f16"
         VEC = 1 if (problem.on_device and vector_ok(problem) is None) else 0
