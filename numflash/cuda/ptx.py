@@ -3,12 +3,13 @@
 numba-cuda has no tensor-core or async-copy API, so each instruction is emitted as LLVM inline
 assembly from a numba ``@intrinsic`` (see /work/shared/examples/mma_sync_inline_ptx.py). Integer
 operands are taken as any numba integer type and truncated/extended to the 32- or 64-bit register
-the instruction wants, floats are converted to f32, so callers need not fight numba's integer
-promotion rules. Packed 16-bit halves are carried as uint32 (low half = lower index).
+the instruction wants, floats are converted to f32 (f64 for the float64 mma), so callers need not
+fight numba's integer promotion rules. Packed 16-bit halves are carried as uint32 (low half = lower
+index).
 
 None of these run in numba's CUDA simulator (the kernel that uses them is declared
-``runs_in_simulator=False``). Each is unit-tested on the GPU by tests/test_cuda_mma.py and
-bench/mma_probe.py.
+``runs_in_simulator=False``). Each is unit-tested on the GPU by tests/test_cuda_mma.py,
+tests/test_cuda_f64.py and bench/mma_probe.py.
 
 Fragment layouts of ``mma.sync.aligned.m16n8k16.row.col`` (lane = 4 g + t, g in 0..7, t in 0..3;
 each register holds two consecutive halves, the lower column/row index in the low 16 bits):
