@@ -247,6 +247,15 @@ def problem_for(q, k, v, causal=False, layout="bhsd", out=None):
     return p, plan._cuda_device(p)
 
 
+def random_qkv(cp, rng, shape, layout, dtype):
+    """Standard-normal q, k, v on the GPU for shape (B, H, Nq, Nk, d, dv) in either layout."""
+    B, H, Nq, Nk, d, dv = shape
+    shapes = ((B, H, Nq, d), (B, H, Nk, d), (B, H, Nk, dv))
+    if layout == "bshd":
+        shapes = tuple((s[0], s[2], s[1], s[3]) for s in shapes)
+    return tuple(cp.asarray(rng.standard_normal(s).astype(dtype)) for s in shapes)
+
+
 def make(cp, rng, shape, dtype="float16"):
     return cp.asarray(rng.standard_normal(shape).astype(dtype))
 
@@ -599,10 +608,7 @@ def tf32():
     import cupy as cp
 
     def one(B, H, Nq, Nk, d, dv, causal, layout="bhsd"):
-        shapes = ((B, H, Nq, d), (B, H, Nk, d), (B, H, Nk, dv))
-        if layout == "bshd":
-            shapes = tuple((s[0], s[2], s[1], s[3]) for s in shapes)
-        q, k, v = (cp.asarray(rng.standard_normal(s).astype(np.float32)) for s in shapes)
+        q, k, v = random_qkv(cp, rng, (B, H, Nq, Nk, d, dv), layout, np.float32)
         plan = numflash.explain(q, k, v, causal=causal, layout=layout, precision="tf32")
         if plan.kernel != "cuda.mma" or plan.config.get("DT") != "tf32":
             return False, f"plan is not cuda.mma tf32: {plan}"
@@ -761,10 +767,7 @@ def f64():
     from numflash.cuda import mma
 
     def one(B, H, Nq, Nk, d, dv, causal, layout="bhsd"):
-        shapes = ((B, H, Nq, d), (B, H, Nk, d), (B, H, Nk, dv))
-        if layout == "bshd":
-            shapes = tuple((s[0], s[2], s[1], s[3]) for s in shapes)
-        q, k, v = (cp.asarray(rng.standard_normal(s)) for s in shapes)
+        q, k, v = random_qkv(cp, rng, (B, H, Nq, Nk, d, dv), layout, np.float64)
         plan = numflash.explain(q, k, v, causal=causal, layout=layout)
         if plan.kernel != "cuda.mma" or plan.config.get("DT") != "f64":
             why = plan.rejected.get("cuda.mma", "")  # d > 64 on sm_80-89, small shared memory

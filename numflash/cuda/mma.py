@@ -32,6 +32,7 @@ tiles no row of the block can see are never loaded, and warps skip tiles none of
 A row that sees no key gives zeros and lse = -inf. Head dims are padded (zero-filled) up to the
 next of 32, 64, 96, 128, 256.
 """
+import contextlib
 import linecache
 import math
 
@@ -99,6 +100,27 @@ def _emit_cp_async_rows(s, src, rows, row, first, limit, width, dim, off, W, chu
           f"src = global_addr2({src}, {row} if {row} < {limit} else {U(0)}, "
           f"c if c < {dim} else {U(0)})",
           f"cp_async_16(shared_addr(smem, {U(off)} + r * {U(W)} + {col}), src, n)")
+
+
+@contextlib.contextmanager
+def _tile_loop(s, stage_kv, BC, kv_words, VEC, KV_OFF, KW):
+    """Emit the K/V tile loop's head and enter its body, yielding the word offsets of the tile
+    being read (k_off, v_off) and the source prefix of its buffer (kb): VEC double-buffers with
+    cp.async; otherwise each tile is staged synchronously between two barriers."""
+    s(f"ntiles = (block_keys + {BC - 1}) // {BC}")
+    if VEC:
+        _emit_double_buffered_loop(s, stage_kv, BC, kv_words)
+    else:
+        s("for it in range(ntiles):")
+    with s.block():
+        if VEC:
+            yield KV_OFF, KV_OFF + BC * KW, "buf + "
+            return
+        s(f"j0 = it * {BC}", "j0u = U(j0)")
+        s("cuda.syncthreads()  # the previous tile is no longer read")
+        k_off, v_off = stage_kv("j0u", 0)
+        s("cuda.syncthreads()")
+        yield k_off, v_off, ""
 
 
 def _emit_double_buffered_loop(s, stage_kv, BC, kv_words):
@@ -362,21 +384,7 @@ def kernel_source(D, DV, NW, BC, HOLDQ, DT, VEC, DBG=0):
                     s(f"smem[{U(v_off)} + c * {U(VW)} + jp] = uint32(word)")
             return k_off, v_off
 
-        s(f"ntiles = (block_keys + {BC - 1}) // {BC}")
-        if VEC:
-            _emit_double_buffered_loop(s, stage_kv, BC, kv_words)
-        else:
-            s("for it in range(ntiles):")
-        with s.block():  # the loop body (after the double-buffering head when VEC)
-            if VEC:
-                k_off, v_off = KV_OFF, KV_OFF + BC * KW
-                kb = "buf + "
-            else:
-                s(f"j0 = it * {BC}")
-                s("cuda.syncthreads()  # the previous tile is no longer read")
-                k_off, v_off = stage_kv("U(j0)", 0)
-                s("cuda.syncthreads()")
-                kb = ""
+        with _tile_loop(s, stage_kv, BC, kv_words, VEC, KV_OFF, KW) as (k_off, v_off, kb):
             s("if j0 < warp_keys:")
             with s.block():
                 # ---- S = Q K^T
@@ -574,20 +582,7 @@ def kernel_source_word(D, DV, NW, BC, HOLDQ, DT, DBG=0, VEC=0):
 
         _emit_accumulators(s, NVN)
 
-        s(f"ntiles = (block_keys + {BC - 1}) // {BC}")
-        if VEC:
-            _emit_double_buffered_loop(s, stage_kv, BC, kv_words)
-        else:
-            s("for it in range(ntiles):")
-        with s.block():  # the loop body (after the double-buffering head when VEC)
-            if VEC:
-                k_off, v_off, kb = KV_OFF, KV_OFF + BC * KW, "buf + "
-            else:
-                s(f"j0 = it * {BC}", "j0u = U(j0)")
-                s("cuda.syncthreads()  # the previous tile is no longer read")
-                k_off, v_off = stage_kv("j0u", 0)
-                s("cuda.syncthreads()")
-                kb = ""
+        with _tile_loop(s, stage_kv, BC, kv_words, VEC, KV_OFF, KW) as (k_off, v_off, kb):
             s("if j0 < warp_keys:")
             with s.block():
                 # ---- S = Q K^T: B fragment b0 = K[n8 + g, 8kk + t], b1 at column + 4
