@@ -825,10 +825,158 @@ def f64():
         case(f"f64 timing d{d}", lambda d=d: timing(d))
 
 
+def x3_cfgs(D):
+    """3xTF32 tile variants (NW, BC, HOLDQ) the x3 section times; the first is the default."""
+    from numflash.cuda import mma
+    nw, bc, holdq = mma._tile(D, D, "3xtf32", 227 * 1024, 1, (9, 0))
+    base = {"D": D, "DV": D, "NW": nw, "BC": bc, "HOLDQ": holdq, "DT": "3xtf32", "VEC": 1}
+    tiles = ((8, 64, 1), (4, 64, 1), (8, 32, 1), (4, 32, 1)) if D <= 64 else \
+        ((8, 32, 0), (4, 32, 0), (8, 16, 0), (4, 64, 0))
+    return [base, dict(base, VEC=0)] + [dict(base, NW=a, BC=b, HOLDQ=c) for a, b, c in tiles]
+
+
+def x3_prewarm_cfgs():
+    """x3_cfgs and the defaults tests/test_cuda_3xtf32.py and test_cuda_gpu.py meet on the GPU."""
+    from numflash.cuda import mma
+    cfgs = x3_cfgs(64) + x3_cfgs(128)
+    for D, DV in ((32, 32), (32, 96), (96, 64), (64, 128)):
+        nw, bc, holdq = mma._tile(D, DV, "3xtf32", 227 * 1024, 1, (9, 0))
+        cfgs.append({"D": D, "DV": DV, "NW": nw, "BC": bc, "HOLDQ": holdq, "DT": "3xtf32",
+                     "VEC": 1})
+    return cfgs
+
+
+def mma_rates():
+    """Peak rates of mma.sync.m16n8k8 tf32 and m16n8k16 f16 (fp32 accumulators) on this GPU: per
+    warp 8 independent accumulator chains on distinct operand registers, 8 warps a block, 4
+    blocks per SM; TFLOP/s counted as 2*M*N*K per mma."""
+    import cupy as cp
+    from numba import cuda
+    from numflash.cuda import ptx
+    ITER = 2048
+    lines = []
+    to_bits = cuda.jit(device=True)(lambda x: x)
+    for name, mma, conv, k, a in (
+            ("tf32 m16n8k8", ptx.mma_tf32, ptx.to_tf32, 8, cp.full(64, 1e-3, np.float32)),
+            ("f16 m16n8k16", ptx.mma_f16, to_bits, 16, cp.full(64, 0x14001400, np.uint32))):
+        @cuda.jit
+        def kern(out, a_in):
+            t = cuda.threadIdx.x % 32
+            a0, a1, a2, a3 = conv(a_in[t]), conv(a_in[t + 1]), conv(a_in[t + 2]), \
+                conv(a_in[t + 3])
+            b0, b1 = conv(a_in[t + 4]), conv(a_in[t + 5])
+            z = np.float32(0)
+            x0 = (z, z, z, z)
+            x1 = x2 = x3 = x4 = x5 = x6 = x7 = x0
+            for _ in range(ITER):
+                x0 = mma(a0, a1, a2, a3, b0, b1, x0[0], x0[1], x0[2], x0[3])
+                x1 = mma(a1, a2, a3, a0, b0, b1, x1[0], x1[1], x1[2], x1[3])
+                x2 = mma(a2, a3, a0, a1, b0, b1, x2[0], x2[1], x2[2], x2[3])
+                x3 = mma(a3, a0, a1, a2, b0, b1, x3[0], x3[1], x3[2], x3[3])
+                x4 = mma(a0, a1, a2, a3, b1, b0, x4[0], x4[1], x4[2], x4[3])
+                x5 = mma(a1, a2, a3, a0, b1, b0, x5[0], x5[1], x5[2], x5[3])
+                x6 = mma(a2, a3, a0, a1, b1, b0, x6[0], x6[1], x6[2], x6[3])
+                x7 = mma(a3, a0, a1, a2, b1, b0, x7[0], x7[1], x7[2], x7[3])
+            acc = z
+            for x in (x0, x1, x2, x3, x4, x5, x6, x7):
+                acc += x[0] + x[1] + x[2] + x[3]
+            out[cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x] = acc
+        sms = cp.cuda.runtime.getDeviceProperties(0)["multiProcessorCount"]
+        blocks, threads = 4 * sms, 256
+        out = cp.zeros(blocks * threads, np.float32)
+        ms = gpu_ms(lambda: kern[blocks, threads](out, a), reps=5)
+        flops = 2 * 16 * 8 * k * 8 * ITER * blocks * threads // 32
+        lines.append(f"{name} {flops / ms / 1e9:.0f} TFLOP/s ({ms:.3f} ms)")
+    return True, "TIME mma.sync peaks: " + "; ".join(lines)
+
+
+def x3():
+    """float32 as 3xTF32 (cuda.mma DT="3xtf32"): the tf32 mma peak, accuracy of the variants
+    against the float64 reference with the exact kernels' rule (every case, both staging paths),
+    and the variants timed against cuda.block, CuPy naive (plain) and torch SDPA mem-efficient at
+    B=4 H=16 N=4096."""
+    if COMPILE_ONLY:
+        return
+    case("mma.sync rates", mma_rates)
+    import cupy as cp
+    import numflash
+    from numflash.bench import plain_naive_attention
+    from numflash.cuda import mma
+    from numflash.testing import check
+    rng = np.random.default_rng(12)
+    try:
+        import torch
+        import torch.nn.functional as F
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+    except Exception:  # noqa: BLE001
+        torch = None
+
+    def accuracy(B, H, Nq, Nk, d, causal):
+        q, k, v = random_qkv(cp, rng, (B, H, Nq, Nk, d, d), "bhsd", np.float32)
+        p, dev = problem_for(q, k, v, causal=causal)
+        reps = []
+        for cfg in x3_cfgs(mma.head_dim_pad(d))[:3]:
+            if cfg["VEC"] and mma.vector_ok(p):
+                continue
+            p.out[...] = cp.nan
+            mma.run(p, cfg, dev)
+            rows = None if Nq <= 1025 else np.arange(0, Nq, 37)
+            rep = check(p.out, q, k, v, causal=causal, rows=rows)
+            if not rep.ok:
+                return False, f"{cfg}: {rep}"
+            reps.append(f"max {rep.max_err:.1e} (bound {rep.bound:.1e})")
+        return True, "; ".join(reps)
+
+    for args in [(1, 1, 1, 1, 64, False), (2, 3, 300, 777, 64, True), (1, 2, 777, 300, 128, True),
+                 (2, 2, 1025, 1025, 128, False), (2, 3, 200, 333, 59, True),
+                 (1, 2, 4096, 4096, 64, False), (1, 2, 4096, 4096, 128, False),
+                 (1, 2, 16384, 16384, 128, False)]:
+        case("3xtf32 B{} H{} Nq{} Nk{} d{} causal={}".format(*args),
+             lambda a=args: accuracy(*a))
+
+    def timing(d):
+        B, H, N = 4, 16, 4096
+        q, k, v = (cp.asarray(rng.standard_normal((B, H, N, d)).astype(np.float32))
+                   for _ in range(3))
+        lines = []
+        for causal in (False, True):
+            flops = 4 * B * H * N * N * d / (2 if causal else 1)
+            t = {"block": gpu_ms(lambda: numflash.attention(q, k, v, causal=causal,
+                                                            algorithm="block"), reps=5)}
+            if not causal:
+                t["naive-plain"] = gpu_ms(lambda: plain_naive_attention(
+                    cp, q, k, v, 1 / math.sqrt(d)), reps=5)
+            if torch is not None:
+                tq, tk, tv = (torch.as_tensor(x, device="cuda") for x in (q, k, v))
+                with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):
+                    t["sdpa-eff"] = gpu_ms(lambda: F.scaled_dot_product_attention(
+                        tq, tk, tv, is_causal=causal), reps=5)
+            p, dev = problem_for(q, k, v, causal=causal)
+            for cfg in x3_cfgs(d):
+                if mma.smem_bytes(cfg) > dev.smem_per_block_optin:
+                    continue
+                name = "x3 " + " ".join(f"{k_}={cfg[k_]}" for k_ in ("NW", "BC", "HOLDQ", "VEC"))
+                p.out[...] = cp.nan
+                t[name] = gpu_ms(lambda c=cfg: mma.run(p, c, dev), reps=5)
+                rep = check(p.out, q, k, v, causal=causal, rows=np.arange(0, N, 97))
+                if not rep.ok:
+                    return False, f"{name} causal={causal}: {rep}"
+            lines.append(f"TIME 3xtf32 B{B} H{H} N{N} d{d} causal={causal}: "
+                         + "; ".join(f"{k_} {v_:.2f} ms ({flops / v_ / 1e9:.1f})"
+                                     for k_, v_ in t.items()))
+        for line in lines:
+            print(line, flush=True)
+        return True, "see TIME lines"
+
+    for d in (64, 128):
+        case(f"3xtf32 timing d{d}", lambda d=d: timing(d))
+
+
 def _build_one(cfg, cc):
     from numba import types
     from numflash.cuda import launch, mma
-    elem = {"tf32": types.float32, "f64": types.float64}.get(cfg.get("DT"), types.uint16)
+    elem = {"tf32": types.float32, "3xtf32": types.float32,
+            "f64": types.float64}.get(cfg.get("DT"), types.uint16)
     A = types.Array(elem, 4, "A")
     argtypes = (A, A, A, A, types.Array(types.float32, 3, "A"), types.Array(types.float32, 4, "A"),
                 types.float64, types.float64, types.int64, types.int64)
@@ -856,7 +1004,9 @@ def prewarm(cc, sections=None):
             cfgs += [{"D": D, "DV": DV, "NW": nw, "BC": bc, "HOLDQ": holdq, "DT": "f64",
                       "VEC": vec, "MMA": "m16n8k8" if cc >= (9, 0) else "m8n8k4"}
                      for vec in (0, 1)]
-    if sections is None or not set(sections) <= {"tf32", "units", "f64"}:
+    if sections is None or "x3" in sections:
+        cfgs += x3_prewarm_cfgs()
+    if sections is None or not set(sections) <= {"tf32", "units", "f64", "x3"}:
         cfgs += _f16_prewarm_cfgs()
     t = time.time()
     with cf.ProcessPoolExecutor(max_workers=min(len(cfgs), os.cpu_count() or 4),
@@ -889,7 +1039,7 @@ def _f16_prewarm_cfgs():
 
 
 SECTIONS = {"units": units, "s": s_stage, "cases": cases, "bf16": bf16, "time": timing,
-            "tf32": tf32, "f64": f64}
+            "tf32": tf32, "f64": f64, "x3": x3}
 
 
 def main(argv):

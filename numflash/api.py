@@ -19,10 +19,15 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, layout="bhsd", backe
     algorithm: "auto", "block" (block-tiled), "row" (FA1 per-row) or "mma" (tensor cores).
     return_lse: also return the float32 (B, H, Nq) natural log of each row's softmax denominator.
     out: write the result here (q's dtype and kind, shape of the result in ``layout``).
-    precision: "auto" (or "ieee"): exact arithmetic in the input dtype. "tf32": float32 inputs
-        opt in to the tensor-core kernel cuda.mma with tf32 operands (m16n8k8 tf32 mma: 10-bit
-        mantissa products, fp32 accumulation; relative error ~1e-3); needs CuPy arrays on a GPU
-        of compute capability >= 8.0. Any other dtype or backend with "tf32" raises ValueError.
+    precision: "auto": float32-level accuracy for float32 inputs. On GPUs whose tf32 tensor
+        cores outrun the FMA units more than 3x (compute capability 8.0 and 9.0), float32 runs on
+        cuda.mma as 3xTF32: each operand split into two tf32 values, each product three tf32
+        mma, held to the same accuracy rule as the FMA kernels (error within 2x that of naive
+        float32 attention). "ieee": float32 only on the FMA units (cuda.block, cuda.row, CPU).
+        "tf32": float32 on cuda.mma with one tf32 mma per product (10-bit mantissa products,
+        fp32 accumulation; relative error ~1e-3), needs CuPy arrays on a GPU of compute
+        capability >= 8.0; any other dtype or backend with "tf32" raises ValueError. Other
+        dtypes ignore "auto" / "ieee".
 
     Returns the output in q's dtype, array kind and layout; ``(out, lse)`` if ``return_lse``.
     A forced backend or algorithm that cannot run the inputs raises ValueError saying why;

@@ -19,9 +19,10 @@ def dtype_name(dt):
     return _NUMPY_FLOATS.get(dt) or np.dtype(dt).name
 LAYOUTS = ("bhsd", "bshd")
 CAUSAL_MODES = (False, True, "top_left", "bottom_right")
-#: "auto" / "ieee": exact arithmetic in the input dtype (fp32 products for float32 inputs);
-#: "tf32": float32 inputs may run on tensor cores with tf32 operands (10-bit mantissa products,
-#: fp32 accumulation), an explicit opt-in.
+#: "auto": float32-level accuracy in the input dtype (float32 may run on tensor cores as 3xTF32,
+#: held to the same accuracy rule as the FMA kernels); "ieee": float32 only on the FMA units
+#: (IEEE products and sums); "tf32": float32 inputs on tensor cores with one tf32 mma per product
+#: (10-bit mantissa products, fp32 accumulation), an explicit opt-in.
 PRECISIONS = ("auto", "ieee", "tf32")
 
 

@@ -11,15 +11,29 @@ import numpy as np
 
 DTYPES = ("float16", "float32", "float64")
 HEAD_DIMS = (1, 32, 59, 64, 111, 128, 256)
+KERNELS = ("block", "row", "mma")
+
+
+class _DeviceArray:
+    """Shape, dtype, strides and a 16-byte aligned address: what cuda.mma's config() reads."""
+
+    def __init__(self, shape, dtype):
+        a = np.empty((0,), dtype)
+        self.shape, self.dtype, self.itemsize = shape, a.dtype, a.itemsize
+        self.strides = tuple(int(np.prod(shape[i + 1:])) * a.itemsize for i in range(len(shape)))
+        self.data = type("Ptr", (), {"ptr": 0})()
 
 
 class _Shape:
-    """Just enough of a Problem for a kernel module's config()."""
+    """Just enough of a Problem for a kernel module's config(): contiguous (B, H, N, d) device
+    arrays, so cuda.mma takes its cp.async path where the head dim allows."""
 
     def __init__(self, d, dtype):
         self.shape = (1, 1, 128, 128, d, d)
         self.dtype = np.dtype(dtype)
         self.dtype_name = self.dtype.name
+        self.q = self.k = self.v = _DeviceArray((1, 1, 128, d), dtype)
+        self.on_device, self.precision = True, "auto"
 
 
 def argtypes(dtype, ndim_lse=3):
@@ -31,16 +45,28 @@ def argtypes(dtype, ndim_lse=3):
             types.int64, types.int64)
 
 
-def variants(archs, head_dims=HEAD_DIMS, dtypes=DTYPES):
+def mma_argtypes(dtype):
+    """cuda.mma's signature: 16-bit inputs as their bits, a debug array after lse."""
+    from numba import types
+    from numba.np import numpy_support
+    dt = np.dtype("uint16" if np.dtype(dtype).itemsize == 2 else dtype)
+    arr = types.Array(numpy_support.from_dtype(dt), 4, "A")
+    return (arr, arr, arr, arr, types.Array(types.float32, 3, "A"),
+            types.Array(types.float32, 4, "A"), types.float64, types.float64, types.int64,
+            types.int64)
+
+
+def variants(archs, head_dims=HEAD_DIMS, dtypes=DTYPES, kernels=KERNELS):
     """(kernel module, config, dtype, cc) for the default config of every kernel at each size."""
-    from .cuda import block, row
+    from .cuda import block, mma, row
     from .plan import Device
     for cc in archs:
         # Shared memory each architecture lets one block opt into (CUDA programming guide).
         optin = {(7, 5): 64 * 1024, (8, 0): 163 * 1024, (8, 6): 99 * 1024,
                  (8, 9): 99 * 1024, (9, 0): 227 * 1024}.get(cc, 99 * 1024)
         device = Device(name=f"sm_{cc[0]}{cc[1]}", cc=cc, smem_per_block_optin=optin)
-        for module in (block, row):
+        modules = {"block": block, "row": row, "mma": mma}
+        for module in (modules[k] for k in kernels):
             for d in head_dims:
                 for dt in dtypes:
                     try:
@@ -51,11 +77,12 @@ def variants(archs, head_dims=HEAD_DIMS, dtypes=DTYPES):
                     yield module, cfg, dt, cc, d, None
 
 
-def inspect(archs, head_dims=HEAD_DIMS, dtypes=DTYPES, out=sys.stdout):
-    """Compile each variant once; returns a list of result dicts."""
-    from .cuda import launch
+def inspect(archs, head_dims=HEAD_DIMS, dtypes=DTYPES, out=sys.stdout, kernels=("block", "row")):
+    """Compile each variant once; returns a list of result dicts. ``kernels`` may add "mma"
+    (each tensor-core variant takes ~0.5-2 minutes to compile)."""
+    from .cuda import launch, mma
     rows, seen = [], set()
-    for module, cfg, dt, cc, d, why in variants(archs, head_dims, dtypes):
+    for module, cfg, dt, cc, d, why in variants(archs, head_dims, dtypes, kernels):
         if cfg is None:
             rows.append({"kernel": module.NAME, "cc": cc, "d": d, "dtype": dt, "unsupported": why})
             continue
@@ -63,9 +90,13 @@ def inspect(archs, head_dims=HEAD_DIMS, dtypes=DTYPES, out=sys.stdout):
         if key in seen:
             continue
         seen.add(key)
-        _, _, ptx, res = launch.compile_to_cubin(module.make_kernel(**cfg), argtypes(dt), cc)
+        if module is mma:
+            args, shared = mma_argtypes(dt), mma.smem_bytes(cfg)
+        else:
+            args, shared = argtypes(dt), module.shared_bytes(cfg)
+        _, _, ptx, res = launch.compile_to_cubin(module.make_kernel(**cfg), args, cc)
         rows.append({"kernel": module.NAME, "cc": cc, "d": d, "dtype": dt, "config": cfg,
-                     "shared_bytes": module.shared_bytes(cfg), **res})
+                     "shared_bytes": shared, **res})
     print(f"{'kernel':11s} {'sm':>3s} {'dtype':8s} {'config':52s} {'regs':>4s} {'spill':>5s} "
           f"{'stack':>5s} {'smem':>7s}", file=out)
     for r in rows:
@@ -86,13 +117,15 @@ def main(argv=None):
     ap.add_argument("--arch", default="75,80,90", help="comma-separated compute capabilities")
     ap.add_argument("--d", default=None, help="comma-separated head dims")
     ap.add_argument("--dtype", default=None, help="comma-separated dtypes")
+    ap.add_argument("--kernels", default=",".join(KERNELS),
+                    help="comma-separated: block, row, mma (default all)")
     ap.add_argument("--check", action="store_true",
                     help="fail if any default config spills registers")
     args = ap.parse_args(argv)
     archs = [(int(a[0]), int(a[1:])) for a in args.arch.split(",")]
     dims = tuple(int(x) for x in args.d.split(",")) if args.d else HEAD_DIMS
     dtypes = tuple(args.dtype.split(",")) if args.dtype else DTYPES
-    rows = inspect(archs, dims, dtypes)
+    rows = inspect(archs, dims, dtypes, kernels=tuple(args.kernels.split(",")))
     if args.check:
         bad = [r for r in rows if "config" in r
                and r.get("spill_store_bytes", 0) + r.get("spill_load_bytes", 0) > 0]

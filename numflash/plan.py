@@ -29,8 +29,9 @@ class Device:
     simulator: bool = False
 
 
-TF32_REASON = ("float32 on tensor cores needs precision='tf32' (10-bit mantissa products); "
-               "the exact fp32 kernel is cuda.block")
+IEEE_REASON = ("precision='ieee' keeps float32 on the FMA units (IEEE float32 products and sums); "
+               "cuda.mma computes float32 on tensor cores (3xTF32); the IEEE float32 kernel is "
+               "cuda.block")
 
 
 @dataclass(frozen=True)
@@ -45,7 +46,8 @@ class KernelSpec:
     min_cc: tuple = None
     runs_in_simulator: bool = True
     summary: str = ""
-    tf32: bool = False               # also takes float32 with precision="tf32" (tensor cores)
+    tf32: bool = False               # float32 on tensor cores: 3xTF32, or one tf32 mma per
+    #                                  product with precision="tf32"; not precision="ieee"
 
     def why_not(self, problem, device):
         """None if this kernel can run the problem on the device, else the reason in words."""
@@ -54,9 +56,9 @@ class KernelSpec:
         if precision == "tf32" and not self.tf32:
             return (f"{self.name} computes in exact {dt}; precision='tf32' runs on cuda.mma only "
                     f"(CuPy float32 arrays, compute capability >= 8.0)")
-        if dt not in self.dtypes and not (self.tf32 and dt == "float32" and precision == "tf32"):
-            if self.tf32 and dt == "float32":
-                return TF32_REASON
+        if self.tf32 and dt == "float32" and precision == "ieee":
+            return IEEE_REASON
+        if dt not in self.dtypes:
             return f"{self.name} takes {', '.join(self.dtypes)}, not {dt}"
         B, H, Nq, Nk, d, dv = problem.shape
         if self.max_head_dim is not None and max(d, dv) > self.max_head_dim:
@@ -74,12 +76,12 @@ class KernelSpec:
 
 KERNELS = (
     KernelSpec("cuda.mma", "cuda", "mma", "numflash.cuda.mma",
-               dtypes=("float16", "bfloat16", "float64"), max_head_dim=256, min_cc=(8, 0),
-               runs_in_simulator=False, tf32=True,
+               dtypes=("float16", "bfloat16", "float32", "float64"), max_head_dim=256,
+               min_cc=(8, 0), runs_in_simulator=False, tf32=True,
                summary="FlashAttention-2 on tensor cores: mma.sync m16n8k16, register online "
                        "softmax, cp.async double-buffered K/V, ldmatrix; float64 (d <= 128, 64 on "
-                       "sm_8x) on float64 mma.sync; float32 with precision='tf32' on m16n8k8 "
-                       "tf32"),
+                       "sm_8x) on float64 mma.sync; float32 (d <= 128, cc 8.0 / 9.0) as 3xTF32 "
+                       "on m16n8k8 tf32, or one tf32 mma per product with precision='tf32'"),
     KernelSpec("cpu.tiled", "cpu", "block", "numflash.cpu.tiled",
                dtypes=("float16", "float32", "float64"),
                summary="numba.njit block-tiled online softmax, parallel over (batch, head, query block)"),

@@ -11,7 +11,8 @@ import textwrap
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 # the element type the kernel reads q, k, v, out as (16-bit kernels take the bits)
-ELEMENT = {"f16": "uint16", "bf16": "uint16", "tf32": "float32", "f64": "float64"}
+ELEMENT = {"f16": "uint16", "bf16": "uint16", "tf32": "float32", "3xtf32": "float32",
+           "f64": "float64"}
 
 _SCRIPT = textwrap.dedent("""
     import json, sys

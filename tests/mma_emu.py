@@ -14,6 +14,20 @@ def tf32_bits(x):
     return np.uint32(b)
 
 
+def split_tf32_bits(x):
+    """ptx.split_tf32: hi rounded half away from zero by integer add and mask, lo = x - hi with
+    0x1000 added (the mma drops its low 13 bits, see tf32_operand)."""
+    b = int(np.asarray(x, np.float32).reshape(()).view(np.uint32))
+    hi = np.uint32(((b + 0x1000) & 0xFFFFE000) & 0xFFFFFFFF)
+    lo = np.asarray(np.float32(x) - np.float32(_f(hi)), np.float32).reshape(()).view(np.uint32)
+    return hi, np.uint32((int(lo) + 0x1000) & 0xFFFFFFFF)
+
+
+def tf32_operand(bits):
+    """The value a tf32 mma reads from a 32-bit register: its low 13 bits are ignored."""
+    return _f(int(bits) & 0xFFFFE000)
+
+
 def _f(bits):
     return float(np.asarray(np.uint32(bits)).view(np.float32))
 
@@ -81,7 +95,7 @@ class Emu:
                 real(c2 + D[g + 8, 2 * t]), real(c3 + D[g + 8, 2 * t + 1]))
 
     def mma_tf32(self, *args):
-        return self._mma_16x8x8(_f, np.float32, *args)
+        return self._mma_16x8x8(tf32_operand, np.float32, *args)
 
     def mma_f64(self, *args):
         return self._mma_16x8x8(float, np.float64, *args)
@@ -123,7 +137,7 @@ class Emu:
         self.grid_dim = _Dim(gx)
         for by in range(gy):
             for bx in range(gx):
-                fill = np.nan if self.word is np.float64 else 0xDEADBEEF
+                fill = 0xDEADBEEF if self.word is np.uint32 else np.nan
                 self.smem = np.full(self.smem_bytes // np.dtype(self.word).itemsize, fill,
                                     self.word)
                 self.bar = threading.Barrier(self.NT)
@@ -167,14 +181,15 @@ def run_word_kernel(q, k, v, DT, causal=False, causal_offset=0, scale=None, VEC=
     src = mma.kernel_source_word(D, DV, NW, BC, HOLDQ, DT, VEC=VEC)
     f64 = DT == "f64"
     real = np.float64 if f64 else np.float32
-    emu = Emu(32 * NW, (-(-Nq // (16 * NW)), B * H), mma.smem_bytes(cfg),
-              np.float64 if f64 else np.uint32)
+    word = {"f64": np.float64, "3xtf32": np.float32}.get(DT, np.uint32)
+    emu = Emu(32 * NW, (-(-Nq // (16 * NW)), B * H), mma.smem_bytes(cfg), word)
     ns = {"cuda": emu, "math": math, "U": np.uint64, "I": np.int64, "uint32": np.uint32,
           "float32": np.float32, "float64": np.float64,
           "ZERO": real(0), "ONE": real(1), "NEG_INF": real(-np.inf), "FULL": 0xFFFFFFFF,
           "key_end": getattr(key_end, "py_func", key_end),
           "kv_head": lambda h, H, Hkv: h // (H // Hkv),
           "mma_tf32": emu.mma_tf32, "mma_f64": emu.mma_f64, "to_tf32": tf32_bits,
+          "split_tf32": split_tf32_bits,
           "shared_addr": emu.shared_addr, "global_addr2": emu.global_addr2,
           "cp_async_16": emu.cp_async_16, "cp_async_commit": emu.cp_async_commit,
           "cp_async_wait_0": lambda: emu.cp_async_wait(0),

@@ -88,6 +88,7 @@ def test_inspect_cli_check_passes():
         sys.exit(main(["--arch", "90", "--d", "64", "--dtype", "float32", "--check"]))
     """)
     assert "cuda.block" in out and "cuda.row" in out
+    assert "cuda.mma" in out and "DT=3xtf32" in out  # float32's tensor-core config, no spills
 
 
 def test_block_configs_for_unequal_head_dims_do_not_spill():

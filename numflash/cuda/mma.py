@@ -1,6 +1,7 @@
 """FlashAttention-2 forward on tensor cores, compute capability >= 8.0: float16 / bfloat16 on
-m16n8k16; float64 on float64 tensor cores (exact IEEE products) and float32 with precision="tf32",
-both on a 16x8x8 mma: see ``kernel_source_word``.
+m16n8k16; float64 on float64 tensor cores (exact IEEE products), and float32 on tf32 tensor cores
+as 3xTF32 (float32-level accuracy) or, with precision="tf32", one tf32 mma per product; those
+three on a 16x8x8 mma: see ``kernel_source_word``.
 
 A block of NW warps owns BR = 16 NW query rows; each warp owns 16 of them. K and V tiles of BC keys
 are staged in shared memory; per tile each warp computes its 16 x BC block of S = Q K^T with
@@ -38,7 +39,7 @@ import math
 
 import numpy as np
 
-from ..plan import TF32_REASON, Unsupported
+from ..plan import IEEE_REASON, Unsupported
 from .common import key_end
 
 NAME = "cuda.mma"
@@ -228,10 +229,11 @@ def _emit_epilogue(s, NVN, store):
                   "else NEG_INF")
 
 
-def _emit_mask_and_softmax(s, NN, NVN, BC, DBG):
+def _emit_mask_and_softmax(s, NN, NVN, BC, DBG, rescale_o=True):
     """Emit, for one warp's S fragments (NN n8 tiles, 4 registers each), the boundary / causal mask,
-    the optional debug dump of tile 0, and the online-softmax update of m, l and the NVN O tiles.
-    Shared by the f16/bf16 and tf32 generators: their C fragments have the same layout."""
+    the optional debug dump of tile 0, and the online-softmax update of m, l and (``rescale_o``)
+    the NVN O tiles; otherwise alpha0 / alpha1 are left for the caller to apply.
+    Shared by the f16/bf16 and one-value-per-word generators: their C fragments have one layout."""
     # ---- mask keys past Nk / above the causal diagonal (boundary tiles only)
     s(f"if j0 + {BC} > warp_min_end:")
     with s.block():
@@ -260,12 +262,15 @@ def _emit_mask_and_softmax(s, NN, NVN, BC, DBG):
           "mx = max(mx, cuda.shfl_xor_sync(FULL, mx, 2))",
           f"mn = max(m{half}, mx)",
           "mu = ZERO if mn == NEG_INF else mn * scale_log2",
-          f"alpha{half} = ex2(m{half} * scale_log2 - mu)",
+          # exactly 1 while the max stands: computed, m * scale_log2 - mu contracts to an fma
+          # whose result is mu's rounding error, and l and O were scaled by 2**(that) every
+          # tile -- lse drifted with the number of key tiles (1.2e-4 at N=131072)
+          f"alpha{half} = ONE if mn == m{half} else ex2(m{half} * scale_log2 - mu)",
           f"m{half} = mn")
         for term in terms:
             s(f"{term} = ex2({term} * scale_log2 - mu)")
         s(f"l{half} = l{half} * alpha{half} + (" + " + ".join(terms) + ")")
-        for n in range(NVN):
+        for n in range(NVN if rescale_o else 0):
             for r in (ra, rb):
                 s(f"o_{n}_{r} *= alpha{half}")
 
@@ -469,6 +474,10 @@ WORD_KINDS = {
              "p": "to_tf32({})", "v_pad": 4, "float": "float32", "mma": "mma_tf32"},
     "f64": {"word": "float64", "load": "{}", "zero": "ZERO", "store": "word",
             "p": "{}", "v_pad": 2, "float": "float64", "mma": "mma_f64"},
+    # float32 kept whole in shared memory; every operand is split into tf32 (hi, lo) as it is
+    # read (split_tf32) and each product is three tf32 mma: 3xTF32, float32-level accuracy
+    "3xtf32": {"word": "float32", "load": "{}", "zero": "ZERO", "store": "word",
+               "p": None, "v_pad": 4, "float": "float32", "mma": "mma_tf32"},
 }
 
 
@@ -491,7 +500,8 @@ def word_layout(D, DV, NW, BC, HOLDQ, DT, VEC):
 
 def kernel_source_word(D, DV, NW, BC, HOLDQ, DT, DBG=0, VEC=0):
     """Source of the kernels that keep one element per shared-memory word: float32 inputs on tf32
-    tensor cores (DT="tf32", precision="tf32") and float64 on float64 tensor cores (DT="f64").
+    tensor cores, as 3xTF32 (DT="3xtf32") or with one tf32 mma per product (DT="tf32",
+    precision="tf32"), and float64 on float64 tensor cores (DT="f64").
 
     Same structure as the 16-bit kernel (one warp per 16 query rows, S and O in registers, online
     softmax on the fragments) with a 16x8x8 mma: ``mma.sync.m16n8k8.f32.tf32.tf32.f32``, or for
@@ -508,18 +518,43 @@ def kernel_source_word(D, DV, NW, BC, HOLDQ, DT, DBG=0, VEC=0):
     Mapping k = t -> key 2t and k = t + 4 -> key 2t+1 makes the A fragment (s0, s2, s1, s3)
     and the B fragment (V[2t, g], V[2t+1, g]).
 
-    VEC=1 (float64 only: tf32 rounds on the way in) copies rows with 16-byte cp.async and double-
-    buffers K/V like the 16-bit kernel; it needs what ``vector_ok`` checks.
+    3xTF32 keeps float32 whole in shared memory and splits every operand as it is read into
+    registers (ptx.split_tf32: x = hi + lo, both tf32) and each product into three mma,
+    A_h B_h + A_h B_l + A_l B_h (A_l B_l is below float32 rounding). Tensor cores do not round
+    their float32 accumulation to nearest, so sums that grow over many mma drift (measured
+    2.9e-5 relative at N=4096 when O went through every mma of the row): the small terms get
+    their own accumulator, and each key tile's P V is accumulated from zero per n8 tile, then
+    added to the rescaled O in float32 (``o = o * alpha + (big + small)``); O never passes
+    through a tensor core.
+
+    VEC=1 (float64, 3xTF32; tf32 rounds on the way in) copies rows with 16-byte cp.async and
+    double-buffers K/V like the 16-bit kernel; it needs what ``vector_ok`` checks.
     """
     assert D % 8 == 0 and DV % 8 == 0 and BC % 8 == 0
     assert not (VEC and DT == "tf32"), "tf32 operands are rounded as they are staged (VEC=0)"
     kind = WORD_KINDS[DT]
     flt, mma, pconv = kind["float"], kind["mma"], kind["p"]
+    split = DT == "3xtf32"
     BR, NT = 16 * NW, 32 * NW
     (QW, KW, VW), _, kv_words, KV_OFF, _ = word_layout(D, DV, NW, BC, HOLDQ, DT, VEC)
     Q_OFF = 0
     NKK, NN, NVN, NPK = D // 8, BC // 8, DV // 8, BC // 8
-    chunk = 2    # float64 elements per 16-byte cp.async (only float64 takes VEC=1)
+    chunk = 2 if DT == "f64" else 4    # elements per 16-byte cp.async
+
+    def operand(name, expr):
+        """Read one A/B operand register; 3xTF32 splits it into name_h, name_l."""
+        s(f"{name}_h, {name}_l = split_tf32({expr})" if split else f"{name} = {expr}")
+
+    def product(acc, a, b, small=None):
+        """Emit acc += A B. 3xTF32: the two small terms A_l B_h + A_h B_l go to ``small`` (kept
+        apart from acc, so their 2**-11-sized sums are not truncated against acc's magnitude:
+        tensor cores do not round their float32 accumulation to nearest) and A_h B_h to acc."""
+        if not split:
+            s(f"{', '.join(acc)} = {mma}({', '.join(a + b)}, {', '.join(acc)})")
+            return
+        for sa, sb, into in (("_l", "_h", small), ("_h", "_l", small), ("_h", "_h", acc)):
+            ops = ", ".join([x + sa for x in a] + [x + sb for x in b])
+            s(f"{', '.join(into)} = {mma}({ops}, {', '.join(into)})")
 
     def stage_kv(j0u, buf):
         """Emit the copy of K/V tile rows j0u.. into buffer buf; returns the word offsets."""
@@ -576,7 +611,7 @@ def kernel_source_word(D, DV, NW, BC, HOLDQ, DT, DBG=0, VEC=0):
         def load_q(kk, names):
             offs = (kk * 8, 8 * QW + kk * 8, kk * 8 + 4, 8 * QW + kk * 8 + 4)
             for nm, off in zip(names, offs):
-                s(f"{nm} = smem[qbase + {U(off)}]")
+                operand(nm, f"smem[qbase + {U(off)}]")
 
         _emit_q_ready(s, VEC, HOLDQ, NKK, load_q)
 
@@ -587,7 +622,9 @@ def kernel_source_word(D, DV, NW, BC, HOLDQ, DT, DBG=0, VEC=0):
             with s.block():
                 # ---- S = Q K^T: B fragment b0 = K[n8 + g, 8kk + t], b1 at column + 4
                 for n in range(NN):
-                    s(", ".join(f"s_{n}_{r}" for r in range(4)) + " = ZERO, ZERO, ZERO, ZERO")
+                    for acc in ("s", "c") if split else ("s",):
+                        s(", ".join(f"{acc}_{n}_{r}" for r in range(4)) +
+                          " = ZERO, ZERO, ZERO, ZERO")
                 s(f"kbase = {kb}{U(k_off)} + g * {U(KW)} + t")
                 for kk in range(NKK):
                     if HOLDQ:
@@ -596,25 +633,50 @@ def kernel_source_word(D, DV, NW, BC, HOLDQ, DT, DBG=0, VEC=0):
                         qa = [f"qa{r}" for r in range(4)]
                         load_q(kk, qa)
                     for n in range(NN):
-                        s(f"kb0 = smem[kbase + {U(n * 8 * KW + kk * 8)}]",
-                          f"kb1 = smem[kbase + {U(n * 8 * KW + kk * 8 + 4)}]")
-                        acc = ", ".join(f"s_{n}_{r}" for r in range(4))
-                        s(f"{acc} = {mma}({', '.join(qa)}, kb0, kb1, {acc})")
+                        operand("kb0", f"smem[kbase + {U(n * 8 * KW + kk * 8)}]")
+                        operand("kb1", f"smem[kbase + {U(n * 8 * KW + kk * 8 + 4)}]")
+                        product([f"s_{n}_{r}" for r in range(4)], qa, ["kb0", "kb1"],
+                                [f"c_{n}_{r}" for r in range(4)])
+                for n in range(NN if split else 0):
+                    s(*(f"s_{n}_{r} += c_{n}_{r}" for r in range(4)))
 
-                _emit_mask_and_softmax(s, NN, NVN, BC, DBG)
+                # 3xTF32 rescales O where each tile's P V is added (below)
+                _emit_mask_and_softmax(s, NN, NVN, BC, DBG, rescale_o=not split)
 
                 # ---- O += P V with the permuted contraction index (see docstring):
                 # A = (P[g, 2t], P[g+8, 2t], P[g, 2t+1], P[g+8, 2t+1]) of key tile kk,
                 # B = (V[8kk + 2t, n8 + g], V[8kk + 2t + 1, n8 + g])
                 s(f"vbase = {kb}{U(v_off)} + t * {U(2 * VW)} + g")
-                for kk in range(NPK):
-                    s(f"pa0 = {pconv.format(f's_{kk}_0')}", f"pa1 = {pconv.format(f's_{kk}_2')}",
-                      f"pa2 = {pconv.format(f's_{kk}_1')}", f"pa3 = {pconv.format(f's_{kk}_3')}")
+
+                def load_v(kk, n):
+                    operand("vb0", f"smem[vbase + {U(kk * 8 * VW + n * 8)}]")
+                    operand("vb1", f"smem[vbase + {U(kk * 8 * VW + VW + n * 8)}]")
+
+                if not split:
+                    for kk in range(NPK):
+                        pa = [pconv.format(f"s_{kk}_{r}") for r in (0, 2, 1, 3)]
+                        s(*(f"pa{i} = {x}" for i, x in enumerate(pa)))
+                        for n in range(NVN):
+                            load_v(kk, n)
+                            product([f"o_{n}_{r}" for r in range(4)],
+                                    [f"pa{i}" for i in range(4)], ["vb0", "vb1"])
+                else:
+                    # each n8 tile of this key tile's P V into fresh accumulators, added to the
+                    # rescaled O in float32: O never goes through the tensor cores' truncating
+                    # accumulation, so its error does not grow with the number of keys
+                    for kk in range(NPK):
+                        for i, r in enumerate((0, 2, 1, 3)):
+                            operand(f"pa_{kk}_{i}", f"s_{kk}_{r}")
                     for n in range(NVN):
-                        s(f"vb0 = smem[vbase + {U(kk * 8 * VW + n * 8)}]",
-                          f"vb1 = smem[vbase + {U(kk * 8 * VW + VW + n * 8)}]")
-                        acc = ", ".join(f"o_{n}_{r}" for r in range(4))
-                        s(f"{acc} = {mma}(pa0, pa1, pa2, pa3, vb0, vb1, {acc})")
+                        s("pv0, pv1, pv2, pv3 = ZERO, ZERO, ZERO, ZERO",
+                          "pc0, pc1, pc2, pc3 = ZERO, ZERO, ZERO, ZERO")
+                        for kk in range(NPK):
+                            load_v(kk, n)
+                            product([f"pv{r}" for r in range(4)],
+                                    [f"pa_{kk}_{i}" for i in range(4)], ["vb0", "vb1"],
+                                    [f"pc{r}" for r in range(4)])
+                        for r in range(4):
+                            s(f"o_{n}_{r} = o_{n}_{r} * alpha{r // 2} + (pv{r} + pc{r})")
 
         # ---- epilogue: row sums over the quad, normalize, write O and lse
         def store(n, ra, rb, half):
@@ -666,7 +728,7 @@ def make_kernel(D, DV, NW, BC, HOLDQ, DT, VEC, DBG=0, MMA=None):
         "ZERO": real(0), "ONE": real(1), "NEG_INF": real(-np.inf),
         "FULL": 0xFFFFFFFF, "key_end": key_end, "kv_head": kv_head,
         "mma_f16": ptx.mma_f16, "mma_bf16": ptx.mma_bf16, "mma_tf32": ptx.mma_tf32,
-        "to_tf32": ptx.to_tf32,
+        "to_tf32": ptx.to_tf32, "split_tf32": ptx.split_tf32,
         "mma_f64": ptx.mma_f64_m16n8k8 if MMA == "m16n8k8" else ptx.mma_f64_m8n8k4x4,
         "pack_f16x2": ptx.pack_f16x2, "pack_bf16x2": ptx.pack_bf16x2,
         # float64 needs the exact exp2 (libdevice), not ex2.approx.f32
@@ -701,14 +763,40 @@ kv_head.__doc__ = """The K/V head serving query head h (GQA: H / Hkv query heads
 #: sm_86/89). A float64 fragment takes two registers per value, so ~250 registers a thread allow
 #: one 8-warp block per SM: 8 warps share each K/V tile.
 F64_TILES = {64: ((8, 64, 0), (8, 32, 1)), 128: ((8, 16, 0), (4, 16, 0))}
+#: Where 3xTF32 can beat the FMA units: tf32 mma.sync at >= 8x the fp32 FMA rate (A100, H100);
+#: on sm_86 / 89 / 12x tf32 tensor cores run at about the FMA rate, so three mma per product lose.
+X3_CCS = ((8, 0), (9, 0))
 
 
-def _tile(D, DV, DT=None, smem_limit=None, VEC=0):
+def _x3_tile(D, DV, smem_limit, cc):
+    """(NW, BC, HOLDQ) of a 3xTF32 kernel. Timed on the H100 (x3 section of bench/mma_probe.py,
+    B4 H16 N4096): d=64 (8, 64, 0) 6.05 ms, d=128 (8, 64, 0) 11.86 ms, (8, 32, 0) 13.42 ms. 8 warps
+    share each K/V tile; Q is re-read from shared memory (held, its hi / lo halves would take D/2
+    more registers). Each thread holds O (DV/2), S (2 x BC/2) and the split P (BC) in registers,
+    so the wide tile is kept to head dims where ptxas fits it in 255 with no spill (checked by
+    tests/test_cuda_3xtf32.py): BC=64 spills 12-24 bytes at d=96 or DV > D on sm_90, and on
+    sm_80 ptxas needs more registers than on sm_90 for the same source (BC=32 spills at
+    dv=128 there; BC=16 does not). d=128 (8, 64, 0) also needs the 202 KB of sm_90."""
+    tiles = []
+    if max(D, DV) <= 64 or D == DV == 128:
+        tiles.append((8, 64, 0))
+    tiles.append((8, 16, 0) if DV == 128 and cc is not None and cc < (9, 0) else (8, 32, 0))
+    for NW, BC, HOLDQ in tiles:
+        cfg = {"D": D, "DV": DV, "NW": NW, "BC": BC, "HOLDQ": HOLDQ, "DT": "3xtf32", "VEC": 1}
+        if smem_limit is None or smem_bytes(cfg) <= smem_limit:
+            return NW, BC, HOLDQ
+    return tiles[-1]  # config() refuses it, naming the shared memory it needs
+
+
+def _tile(D, DV, DT=None, smem_limit=None, VEC=0, cc=None):
     """(NW, BC, HOLDQ) for padded head dims, chosen for registers: O (DV/2 floats), S (BC/2) and,
     when HOLDQ, Q (D/4 words; tf32: D/2) per thread. float64 takes the first of F64_TILES whose
-    shared memory fits smem_limit (sm_80 allows 163 KB a block, sm_86/89 99 KB)."""
+    shared memory fits smem_limit (sm_80 allows 163 KB a block, sm_86/89 99 KB); 3xTF32 is
+    chosen by ``_x3_tile``, which also depends on the compute capability ``cc``."""
     if DT == "tf32":
         return (4, 64, 1) if max(D, DV) <= 64 else (4, 64, 0)
+    if DT == "3xtf32":
+        return _x3_tile(D, DV, smem_limit, cc)
     if DT == "f64":
         tiles = F64_TILES[64 if max(D, DV) <= 64 else 128]
         for NW, BC, HOLDQ in tiles:
@@ -738,8 +826,8 @@ def vector_ok(problem):
     return None
 
 
-#: tf32 (float32 inputs, precision="tf32") takes head dims up to this (d=256 would keep 128 O
-#: accumulators per thread and spill).
+#: float32 (3xTF32, or tf32 with precision="tf32") takes head dims up to this (d=256 would keep
+#: 128 O accumulators per thread and spill).
 TF32_MAX_HEAD_DIM = 128
 #: float64 takes head dims up to these, by mma form: its fragments take two registers per value,
 #: so d=256 would keep 256 registers of O per thread; on sm_80 (four m8n8k4 per product) ptxas
@@ -749,12 +837,11 @@ F64_MAX_HEAD_DIM = {"m16n8k8": 128, "m8n8k4": 64}
 
 def config(problem, device):
     dt = problem.dtype.name
-    tf32 = dt == "float32" and getattr(problem, "precision", "auto") == "tf32"
-    if dt not in ("float16", "bfloat16", "float64") and not tf32:
-        if dt == "float32":
-            raise Unsupported(TF32_REASON)
-        raise Unsupported(f"{NAME} takes float16, bfloat16 and float64 (tensor cores), or float32 "
-                          f"with precision='tf32'; not {dt}")
+    precision = getattr(problem, "precision", "auto")
+    if dt not in ("float16", "bfloat16", "float32", "float64"):
+        raise Unsupported(f"{NAME} takes float16, bfloat16, float32 and float64; not {dt}")
+    if dt == "float32" and precision == "ieee":
+        raise Unsupported(IEEE_REASON)
     if device.simulator:
         raise Unsupported(f"{NAME} uses inline PTX, which numba's CUDA simulator cannot run")
     if device.cc is not None and device.cc < (8, 0):
@@ -765,12 +852,26 @@ def config(problem, device):
         raise Unsupported(f"{NAME}: {H} query heads do not divide into {problem.k.shape[1]} "
                           "K/V heads")
     D, DV = head_dim_pad(d), head_dim_pad(dv)
-    if tf32:
+    vector = problem.on_device and vector_ok(problem) is None
+    form = None
+    if dt == "float32":
+        DT = "tf32" if precision == "tf32" else "3xtf32"
         if max(D, DV) > TF32_MAX_HEAD_DIM:
-            raise Unsupported(f"{NAME} with precision='tf32' takes head dims up to "
-                              f"{TF32_MAX_HEAD_DIM}; got d={d}, dv={dv} (use the exact fp32 "
-                              "kernel: precision='auto')")
-        DT, VEC = "tf32", 0
+            raise Unsupported(f"{NAME} takes float32 head dims up to {TF32_MAX_HEAD_DIM}; got "
+                              f"d={d}, dv={dv} (cuda.block takes float32 up to d=256)")
+        if DT == "3xtf32" and device.cc is not None and device.cc not in X3_CCS:
+            raise Unsupported(
+                f"{NAME} runs float32 as 3xTF32 (three tf32 mma per product) only on compute "
+                f"capability 8.0 / 9.0, where tf32 tensor cores outrun the FMA units ~8x; on "
+                f"{device.name} cuda.block is faster (precision='tf32' takes the tensor cores "
+                "with one tf32 mma per product)")
+        if DT == "3xtf32" and not vector:
+            raise Unsupported(
+                f"{NAME} runs float32 (3xTF32) only with 16-byte cp.async staging, and "
+                f"{vector_ok(problem) or 'these are not device arrays'}: staged with scalar "
+                "loads it is slower than cuda.block (a contiguous last axis, d and dv multiples "
+                "of 4 and 16-byte aligned rows take the tensor cores)")
+        VEC = int(DT == "3xtf32")  # tf32 rounds its operands on the way into shared memory
     elif dt == "float64":
         form = "m16n8k8" if device.cc is not None and device.cc >= (9, 0) else "m8n8k4"
         limit = F64_MAX_HEAD_DIM[form]
@@ -778,18 +879,17 @@ def config(problem, device):
             raise Unsupported(f"{NAME} takes float64 head dims up to {limit} on {device.name} "
                               f"(mma {form}); got d={d}, dv={dv} (cuda.block takes float64 up to "
                               "d=256)")
-        DT = "f64"
-        VEC = 1 if (problem.on_device and vector_ok(problem) is None) else 0
+        DT, VEC = "f64", int(vector)
         tile = _tile(D, DV, DT, device.smem_per_block_optin, VEC)
         if VEC and smem_bytes({"D": D, "DV": DV, "NW": tile[0], "BC": tile[1],
                                "HOLDQ": tile[2], "DT": DT, "VEC": 1}) > device.smem_per_block_optin:
             VEC = 0  # double-buffered cp.async does not fit: stage with scalar loads instead
     else:
         DT = "bf16" if dt == "bfloat16" else "f16"
-        VEC = 1 if (problem.on_device and vector_ok(problem) is None) else 0
-    NW, BC, HOLDQ = _tile(D, DV, DT, device.smem_per_block_optin, VEC)
+        VEC = int(vector)
+    NW, BC, HOLDQ = _tile(D, DV, DT, device.smem_per_block_optin, VEC, device.cc)
     cfg = {"D": D, "DV": DV, "NW": NW, "BC": BC, "HOLDQ": HOLDQ, "DT": DT, "VEC": VEC}
-    if DT == "f64":
+    if form is not None:
         cfg["MMA"] = form
     need = smem_bytes(cfg)
     if need > device.smem_per_block_optin:

@@ -190,6 +190,27 @@ def to_tf32(typingctx, x):
 
 
 @intrinsic
+def split_tf32(typingctx, x):
+    """float32 x -> (hi, lo) tf32 operands with x = hi + lo to about 2**-22 |x|, the operand pair
+    of a 3xTF32 product A B ~ A_h B_h + A_h B_l + A_l B_h (sm_80+). hi rounds x half away from
+    zero to 10 mantissa bits with integer adds (cvt.rna.tf32.f32 becomes ~4 instructions with
+    infinity / NaN checks on sm_90); lo = x - hi is exact, and only has 0x1000 added: a tf32 mma
+    ignores an operand's low 13 bits, so that rounds lo the same way. Inputs that are infinite or
+    NaN give a NaN or infinite lo, so they still reach the output."""
+    sig = types.UniTuple(types.uint32, 2)(x)
+
+    def codegen(context, builder, signature, args):
+        v = _f32(context, builder, args[0], signature.args[0])
+        fnty = ir.FunctionType(ir.LiteralStructType([_I32, _I32]), [_F32])
+        asm = ir.InlineAsm(fnty, "{ .reg .b32 x, h, l; mov.b32 x, $2; add.u32 h, x, 0x1000; "
+                                 "and.b32 $0, h, 0xFFFFE000; sub.f32 l, $2, $0; "
+                                 "add.u32 $1, l, 0x1000; }",
+                           "=r,=r,f")
+        return _tuple(context, builder, signature.return_type, builder.call(asm, [v]), 2)
+    return sig, codegen
+
+
+@intrinsic
 def ex2(typingctx, x):
     """2**x by ex2.approx.ftz.f32 (2 ulp; ex2(-inf) = +0)."""
     sig = types.float32(x)
