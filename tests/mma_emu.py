@@ -152,7 +152,7 @@ class Emu:
                     self.tls.pending, self.tls.groups = [], []
                     try:
                         fn(*args)
-                    except Exception as e:  # noqa
+                    except Exception:  # noqa: BLE001 - reported after the join
                         import traceback
                         errs.append(traceback.format_exc())
                         self.bar.abort()
