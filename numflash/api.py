@@ -19,11 +19,12 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, layout="bhsd", backe
     algorithm: "auto", "block" (block-tiled), "row" (FA1 per-row) or "mma" (tensor cores).
     return_lse: also return the float32 (B, H, Nq) natural log of each row's softmax denominator.
     out: write the result here (q's dtype and kind, shape of the result in ``layout``).
-    precision: "auto": float32-level accuracy for float32 inputs. On GPUs whose tf32 tensor
-        cores outrun the FMA units more than 3x (compute capability 8.0 and 9.0), float32 runs on
-        cuda.mma as 3xTF32: each operand split into two tf32 values, each product three tf32
-        mma, held to the same accuracy rule as the FMA kernels (error within 2x that of naive
-        float32 attention). "ieee": float32 only on the FMA units (cuda.block, cuda.row, CPU).
+    precision: "auto": float32-level accuracy for float32 inputs. On compute capability 8.0
+        and 9.0 (data-center parts whose tf32 tensor cores run ~8x the FMA rate; timed on the
+        H100, while on slow-tf32 parts such as the H20 "ieee" is likely faster), float32 with
+        head dims up to 128 and 16-byte rows runs on cuda.mma as 3xTF32: each operand split
+        into two tf32 values, each product three tf32 mma, held to the same accuracy rule as the
+        FMA kernels (error within 2x that of naive float32 attention). "ieee": float32 only on the FMA units (cuda.block, cuda.row, CPU).
         "tf32": float32 on cuda.mma with one tf32 mma per product (10-bit mantissa products,
         fp32 accumulation; relative error ~1e-3), needs CuPy arrays on a GPU of compute
         capability >= 8.0; any other dtype or backend with "tf32" raises ValueError. Other

@@ -15,12 +15,13 @@ def tf32_bits(x):
 
 
 def split_tf32_bits(x):
-    """ptx.split_tf32: hi rounded half away from zero by integer add and mask, lo = x - hi with
-    0x1000 added (the mma drops its low 13 bits, see tf32_operand)."""
+    """ptx.split_tf32: hi = x's bits + 0x1000 (wrapping), lo = x - (hi & ~0x1fff); the mma reads
+    both truncated (tf32_operand)."""
     b = int(np.asarray(x, np.float32).reshape(()).view(np.uint32))
-    hi = np.uint32(((b + 0x1000) & 0xFFFFE000) & 0xFFFFFFFF)
-    lo = np.asarray(np.float32(x) - np.float32(_f(hi)), np.float32).reshape(()).view(np.uint32)
-    return hi, np.uint32((int(lo) + 0x1000) & 0xFFFFFFFF)
+    hi = (b + 0x1000) & 0xFFFFFFFF
+    with np.errstate(invalid="ignore"):
+        lo = np.float32(x) - np.float32(_f(hi & 0xFFFFE000))
+    return np.uint32(hi), np.asarray(lo, np.float32).reshape(()).view(np.uint32)
 
 
 def tf32_operand(bits):

@@ -36,9 +36,10 @@ def _f32(rng, shape):
 
 
 @pytest.mark.parametrize("D, DV, cc", [(64, 64, (9, 0)), (128, 128, (9, 0)), (96, 96, (9, 0)),
-                                       (128, 128, (8, 0)), (64, 128, (8, 0)), (32, 96, (8, 0))],
-                         ids=["d64-sm90", "d128-sm90", "d96-sm90", "d128-sm80", "d64-dv128-sm80",
-                              "d32-dv96-sm80"])
+                                       (96, 128, (9, 0)), (128, 128, (8, 0)), (64, 128, (8, 0)),
+                                       (32, 96, (8, 0))],
+                         ids=["d64-sm90", "d128-sm90", "d96-sm90", "d96-dv128-sm90", "d128-sm80",
+                              "d64-dv128-sm80", "d32-dv96-sm80"])
 def test_3xtf32_variant_compiles_clean(D, DV, cc):
     cfg = _cfg(D, DV, cc)
     got = compile_variant(cfg, cc, (MMA_TF32, "cvt.rna.tf32.f32", "cp.async.cg.shared.global"))
@@ -65,32 +66,37 @@ def test_3xtf32_source_and_shared_memory():
             assert "o_0_0 = o_0_0 * alpha0 + (pv0 + pc0)" in src and "o_0_0 *= alpha0" not in src
             assert mma.smem_bytes(cfg) <= limit
     # the wide tile where it fits in registers and shared memory (d=128: 202 KB, sm_90 only);
-    # 32 keys elsewhere, 16 at dv=128 on sm_80 (ptxas spills 32 there)
+    # 32 keys elsewhere, 16 at dv=128 (ptxas spills 32 there on sm_80, and at d=96 on sm_90)
     tiles = {(D, DV, cc): _cfg(D, DV, cc)["BC"]
              for D, DV in ((64, 64), (128, 128), (96, 96), (64, 128), (32, 96)) for cc in SMEM_LIMIT}
     assert tiles == {(64, 64, (9, 0)): 64, (64, 64, (8, 0)): 64,
                      (128, 128, (9, 0)): 64, (128, 128, (8, 0)): 16,
                      (96, 96, (9, 0)): 32, (96, 96, (8, 0)): 32,
-                     (64, 128, (9, 0)): 32, (64, 128, (8, 0)): 16,
+                     (64, 128, (9, 0)): 16, (64, 128, (8, 0)): 16,
                      (32, 96, (9, 0)): 32, (32, 96, (8, 0)): 32}
     assert mma._tile(128, 128, "3xtf32", 100 * 1024, 1, (9, 0)) == (8, 32, 0)
 
 
 def test_split_tf32_emulation_is_a_tight_split(rng):
     """What the emulator (and the GPU test below, bit for bit) holds ptx.split_tf32 to: hi is x
-    rounded to 10 mantissa bits, hi + lo (as the mma reads lo: low 13 bits dropped) is x to
-    2**-21 relative, tighter than the 2**-11 of one tf32 value (down to where lo is subnormal:
-    tf32 subnormals are multiples of 2**-136)."""
+    rounded to 10 mantissa bits as the mma reads it, hi + lo (lo read the same way) is x to
+    2**-21 relative, far tighter than the 2**-11 of one tf32 value (down to where lo is
+    subnormal: tf32 subnormals are multiples of 2**-136); NaN and infinity survive the split."""
     sys.path.insert(0, str(ROOT / "tests"))
     from mma_emu import split_tf32_bits, tf32_bits, tf32_operand
     xs = np.concatenate([_f32(rng, 2000) * np.float32(10.0) ** rng.integers(-30, 30, 2000),
-                         np.float32([1.0, -1.0, 3.0e38, -1.5e-38, 1e-45])])
+                         np.float32([1.0, -1.0, 3.4e38, -1.5e-38, 1e-45])])
     for x in xs.astype(np.float32):
         hi, lo = split_tf32_bits(x)
-        assert int(hi) & 0x1FFF == 0 and hi == tf32_bits(x)
+        assert tf32_operand(hi) == tf32_operand(tf32_bits(x))  # cvt.rna.tf32's rounding
         got = tf32_operand(hi) + tf32_operand(lo)
         assert abs(got - float(x)) <= 2.0 ** -21 * abs(float(x)) + 2.0 ** -136, (x, got)
-    assert split_tf32_bits(np.float32(0.0))[0] == 0 and tf32_operand(split_tf32_bits(0.0)[1]) == 0
+    assert tf32_operand(split_tf32_bits(np.float32(0.0))[1]) == 0
+    for inf in (np.inf, -np.inf):
+        assert tf32_operand(split_tf32_bits(np.float32(inf))[0]) == inf
+    for nan_bits in (0x7FFFFFFF, 0xFFFFFFFF, 0x7FC00000, 0xFFC00000):  # GPU's, numpy's NaNs
+        hi, lo = split_tf32_bits(np.uint32(nan_bits).view(np.float32))
+        assert np.isnan(tf32_operand(hi)) or np.isnan(tf32_operand(lo)), hex(nan_bits)
 
 
 @pytest.mark.parametrize("case", [(1, 2, 40, 170, 64, 64, False, 1, None),
@@ -227,9 +233,32 @@ def test_gpu_split_tf32_matches_the_emulator_bit_for_bit(rng):
     from mma_emu import split_tf32_bits
     x = np.concatenate([_f32(rng, 4000) * np.float32(10.0) ** rng.integers(-30, 30, 4000),
                         np.float32([0.0, -0.0, 1.0, 3.0e38, -1.5e-38, 1e-45, 1.0000001])])
-    hi, lo = _gpu_split(x.astype(np.float32))
-    want = np.array([split_tf32_bits(e) for e in x.astype(np.float32)], np.uint32)
-    assert np.array_equal(hi, want[:, 0]) and np.array_equal(lo, want[:, 1])
+    special = np.array([0x7F800000, 0xFF800000, 0x7FFFFFFF, 0xFFFFFFFF, 0x7FC00000],
+                       np.uint32).view(np.float32)
+    x = np.concatenate([x.astype(np.float32), special])
+    hi, lo = _gpu_split(x)
+    want = np.array([split_tf32_bits(e) for e in x], np.uint32)
+    finite = np.isfinite(x)  # lo of inf / NaN is a NaN whose bits differ between GPU and numpy
+    assert np.array_equal(hi, want[:, 0]) and np.array_equal(lo[finite], want[finite, 1])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("where", ["q", "k", "v"])
+def test_gpu_nan_inputs_reach_the_output(rng, where):
+    """A NaN in q poisons its row, in k every row, in v its column, as in the reference: never
+    zeros (a NaN row sum once took the "row saw no key" path)."""
+    import cupy
+    from numflash.reference import naive
+    host = {n: _f32(rng, (1, 2, 200, 64)) for n in "qkv"}
+    host[where][0, 1, 17, 5] = np.nan
+    q, k, v = (cupy.asarray(host[n]) for n in "qkv")
+    _expect_3xtf32(numflash.explain(q, k, v), q, k, v)
+    out, lse = numflash.attention(q, k, v, return_lse=True)
+    with np.errstate(invalid="ignore"):
+        ref, ref_lse = naive(*(host[n].astype(np.float64) for n in "qkv"), scale=1 / 8.0)
+    assert np.isnan(ref).any()
+    assert np.array_equal(np.isnan(out.get()), np.isnan(ref))
+    assert np.array_equal(np.isnan(lse.get()), np.isnan(ref_lse))
 
 
 def _expect_3xtf32(plan, q, k, v):
@@ -318,6 +347,8 @@ def test_gpu_3xtf32_layouts_strides_and_out(rng):
         plan = numflash.explain(q, k, v, layout="bshd", causal=True)
         if q.strides[-1] != 4:
             assert plan.kernel == "cuda.block" and "strided" in plan.rejected["cuda.mma"]
+        else:
+            _expect_3xtf32(plan, q, k, v)
         out = cupy.full((B, N, H, d), np.nan, dtype=cupy.float32)
         res = numflash.attention(q, k, v, layout="bshd", causal=True, out=out)
         assert res is out

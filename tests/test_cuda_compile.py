@@ -85,7 +85,8 @@ def test_inspect_cli_check_passes():
     out = run_without_simulator("""
         import sys
         from numflash.inspect import main
-        sys.exit(main(["--arch", "90", "--d", "64", "--dtype", "float32", "--check"]))
+        sys.exit(main(["--arch", "90", "--d", "64", "--dtype", "float32", "--kernels",
+                       "block,row,mma", "--check"]))
     """)
     assert "cuda.block" in out and "cuda.row" in out
     assert "cuda.mma" in out and "DT=3xtf32" in out  # float32's tensor-core config, no spills

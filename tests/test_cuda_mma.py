@@ -243,6 +243,8 @@ def test_gpu_lse_does_not_drift_with_the_number_of_key_tiles(rng, dtype):
     host = [rng.standard_normal((1, 1, N, d)).astype(dtype) for _ in range(3)]
     q, k, v = (cp.asarray(h) for h in host)
     plan = numflash.explain(q, k, v)
+    if plan.kernel != "cuda.mma" and dtype == "float32":
+        pytest.skip(f"float32 runs on cuda.block on {plan.device.name}")
     assert plan.kernel == "cuda.mma", str(plan)
     out, lse = numflash.attention(q, k, v, return_lse=True)
     rows = np.r_[0:8, N - 8:N, rng.choice(N, 32, replace=False)]

@@ -216,7 +216,8 @@ def _emit_epilogue(s, NVN, store):
     for half, row in ((0, "r0"), (1, "r1")):
         s(f"l{half} += cuda.shfl_xor_sync(FULL, l{half}, 1)",
           f"l{half} += cuda.shfl_xor_sync(FULL, l{half}, 2)",
-          f"inv{half} = ONE / l{half} if l{half} > ZERO else ZERO")
+          # l is 0 for a row that saw no key, NaN if an input was: NaN must reach the output
+          f"inv{half} = ZERO if l{half} == ZERO else ONE / l{half}")
         s(f"if {row} < Nq:")
         with s.block():
             s(f"ru = U({row})", f"cbase = t * {U(2)}")
@@ -225,8 +226,8 @@ def _emit_epilogue(s, NVN, store):
                 store(n, ra, rb, half)
             s("if t == U(0):")
             with s.block():
-                s(f"lse[b, h, ru] = m{half} * scale + math.log(l{half}) if l{half} > ZERO "
-                  "else NEG_INF")
+                s(f"lse[b, h, ru] = NEG_INF if l{half} == ZERO else "
+                  f"m{half} * scale + math.log(l{half})")
 
 
 def _emit_mask_and_softmax(s, NN, NVN, BC, DBG, rescale_o=True):
@@ -520,7 +521,8 @@ def kernel_source_word(D, DV, NW, BC, HOLDQ, DT, DBG=0, VEC=0):
 
     3xTF32 keeps float32 whole in shared memory and splits every operand as it is read into
     registers (ptx.split_tf32: x = hi + lo, both tf32) and each product into three mma,
-    A_h B_h + A_h B_l + A_l B_h (A_l B_l is below float32 rounding). Tensor cores do not round
+    A_h B_h + A_h B_l + A_l B_h (the dropped A_l B_l is at most 2**-20 of A B, about 2**-22 on
+    average: a few float32 roundings). Tensor cores do not round
     their float32 accumulation to nearest, so sums that grow over many mma drift (measured
     2.9e-5 relative at N=4096 when O went through every mma of the row): the small terms get
     their own accumulator, and each key tile's P V is accumulated from zero per n8 tile, then
@@ -774,13 +776,15 @@ def _x3_tile(D, DV, smem_limit, cc):
     share each K/V tile; Q is re-read from shared memory (held, its hi / lo halves would take D/2
     more registers). Each thread holds O (DV/2), S (2 x BC/2) and the split P (BC) in registers,
     so the wide tile is kept to head dims where ptxas fits it in 255 with no spill (checked by
-    tests/test_cuda_3xtf32.py): BC=64 spills 12-24 bytes at d=96 or DV > D on sm_90, and on
-    sm_80 ptxas needs more registers than on sm_90 for the same source (BC=32 spills at
-    dv=128 there; BC=16 does not). d=128 (8, 64, 0) also needs the 202 KB of sm_90."""
+    tests/test_cuda_3xtf32.py): BC=64 spills 12-24 bytes at d=96 or DV > D on sm_90, BC=32 at
+    d=96 / dv=128 on sm_90, and on sm_80 ptxas needs more registers than on sm_90 for the same
+    source (BC=32 spills at dv=128 there; BC=16 does not). d=128 (8, 64, 0) also needs the
+    202 KB of sm_90."""
     tiles = []
     if max(D, DV) <= 64 or D == DV == 128:
         tiles.append((8, 64, 0))
-    tiles.append((8, 16, 0) if DV == 128 and cc is not None and cc < (9, 0) else (8, 32, 0))
+    wide_v = DV == 128 and (D != DV or (cc is not None and cc < (9, 0)))
+    tiles.append((8, 16, 0) if wide_v else (8, 32, 0))
     for NW, BC, HOLDQ in tiles:
         cfg = {"D": D, "DV": DV, "NW": NW, "BC": BC, "HOLDQ": HOLDQ, "DT": "3xtf32", "VEC": 1}
         if smem_limit is None or smem_bytes(cfg) <= smem_limit:
@@ -858,7 +862,8 @@ def config(problem, device):
         DT = "tf32" if precision == "tf32" else "3xtf32"
         if max(D, DV) > TF32_MAX_HEAD_DIM:
             raise Unsupported(f"{NAME} takes float32 head dims up to {TF32_MAX_HEAD_DIM}; got "
-                              f"d={d}, dv={dv} (cuda.block takes float32 up to d=256)")
+                              f"d={d}, dv={dv} (with precision='auto' cuda.block takes float32 "
+                              "up to d=256)")
         if DT == "3xtf32" and device.cc is not None and device.cc not in X3_CCS:
             raise Unsupported(
                 f"{NAME} runs float32 as 3xTF32 (three tf32 mma per product) only on compute "

@@ -191,20 +191,19 @@ def to_tf32(typingctx, x):
 
 @intrinsic
 def split_tf32(typingctx, x):
-    """float32 x -> (hi, lo) tf32 operands with x = hi + lo to about 2**-22 |x|, the operand pair
-    of a 3xTF32 product A B ~ A_h B_h + A_h B_l + A_l B_h (sm_80+). hi rounds x half away from
-    zero to 10 mantissa bits with integer adds (cvt.rna.tf32.f32 becomes ~4 instructions with
-    infinity / NaN checks on sm_90); lo = x - hi is exact, and only has 0x1000 added: a tf32 mma
-    ignores an operand's low 13 bits, so that rounds lo the same way. Inputs that are infinite or
-    NaN give a NaN or infinite lo, so they still reach the output."""
+    """float32 x -> (hi, lo) tf32 operands with x = hi + lo to 2**-21 |x|, the operand pair of a
+    3xTF32 product A B ~ A_h B_h + A_h B_l + A_l B_h (sm_80+). A tf32 mma reads only an
+    operand's top 19 bits, so hi = x's bits + 0x1000 is x rounded half away from zero as the
+    mma reads it, and lo = x - (hi & ~0x1fff) is exact and read truncated: 3 instructions
+    (cvt.rna.tf32.f32 alone is ~4 on sm_90). A NaN whose bits wrap in the add leaves a NaN lo,
+    so NaN still reaches the product; |x| >= 3.40256e38 splits into inf and -inf (NaN)."""
     sig = types.UniTuple(types.uint32, 2)(x)
 
     def codegen(context, builder, signature, args):
         v = _f32(context, builder, args[0], signature.args[0])
         fnty = ir.FunctionType(ir.LiteralStructType([_I32, _I32]), [_F32])
-        asm = ir.InlineAsm(fnty, "{ .reg .b32 x, h, l; mov.b32 x, $2; add.u32 h, x, 0x1000; "
-                                 "and.b32 $0, h, 0xFFFFE000; sub.f32 l, $2, $0; "
-                                 "add.u32 $1, l, 0x1000; }",
+        asm = ir.InlineAsm(fnty, "{ .reg .b32 t; mov.b32 t, $2; add.u32 $0, t, 0x1000; "
+                                 "and.b32 t, $0, 0xFFFFE000; sub.f32 $1, $2, t; }",
                            "=r,=r,f")
         return _tuple(context, builder, signature.return_type, builder.call(asm, [v]), 2)
     return sig, codegen
