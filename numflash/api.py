@@ -24,11 +24,11 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, layout="bhsd", backe
         H100, while on slow-tf32 parts such as the H20 "ieee" is likely faster), float32 with
         head dims up to 128 and 16-byte rows runs on cuda.mma as 3xTF32: each operand split
         into two tf32 values, each product three tf32 mma, held to the same accuracy rule as the
-        FMA kernels (error within 2x that of naive float32 attention). "ieee": float32 only on the FMA units (cuda.block, cuda.row, CPU).
-        "tf32": float32 on cuda.mma with one tf32 mma per product (10-bit mantissa products,
-        fp32 accumulation; relative error ~1e-3), needs CuPy arrays on a GPU of compute
-        capability >= 8.0; any other dtype or backend with "tf32" raises ValueError. Other
-        dtypes ignore "auto" / "ieee".
+        FMA kernels (error within 2x that of naive float32 attention). "ieee": float32 only on
+        the FMA units (cuda.block, cuda.row, CPU). "tf32": float32 on cuda.mma with one tf32
+        mma per product (10-bit mantissa products, fp32 accumulation; relative error ~1e-3),
+        needs CuPy arrays on a GPU of compute capability >= 8.0; any other dtype or backend with
+        "tf32" raises ValueError. Other dtypes ignore "auto" / "ieee".
 
     Returns the output in q's dtype, array kind and layout; ``(out, lse)`` if ``return_lse``.
     A forced backend or algorithm that cannot run the inputs raises ValueError saying why;

@@ -765,8 +765,9 @@ kv_head.__doc__ = """The K/V head serving query head h (GQA: H / Hkv query heads
 #: sm_86/89). A float64 fragment takes two registers per value, so ~250 registers a thread allow
 #: one 8-warp block per SM: 8 warps share each K/V tile.
 F64_TILES = {64: ((8, 64, 0), (8, 32, 1)), 128: ((8, 16, 0), (4, 16, 0))}
-#: Where 3xTF32 can beat the FMA units: tf32 mma.sync at >= 8x the fp32 FMA rate (A100, H100);
-#: on sm_86 / 89 / 12x tf32 tensor cores run at about the FMA rate, so three mma per product lose.
+#: Where 3xTF32 can beat the FMA units: tf32 mma.sync at >= 8x the fp32 FMA rate on the A100 /
+#: H100 class (timed on the H100 only); on sm_86 / 89 / 12x tf32 tensor cores run at about the
+#: FMA rate, so three mma per product lose.
 X3_CCS = ((8, 0), (9, 0))
 
 
