@@ -18,6 +18,7 @@ import pytest
 
 import numflash
 from mma_compile import assert_register_resident, compile_variant
+from mma_forced import run_forced_config
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SMEM_LIMIT = {(9, 0): 227 * 1024, (8, 0): 163 * 1024}
@@ -319,21 +320,12 @@ def test_gpu_3xtf32_every_tile(rng, d, nw, bc, holdq, vec):
     """Tiles other GPUs get (sm_80's d=128 tile), tiles bench/mma_probe.py times, and the scalar
     staging path, forced through mma.run."""
     import cupy
-    from numflash import plan as planner
-    from numflash.cuda import mma
-    from numflash.inputs import normalize
-    from numflash.testing import check
+    from numflash.cuda.mma import X3_CCS
     q, k, v = (cupy.asarray(_f32(rng, s)) for s in ((2, 3, 300, d), (2, 3, 777, d),
                                                     (2, 3, 777, d)))
-    p = normalize(q, k, v, causal=True)
-    dev = planner._cuda_device(p)
-    if dev.cc not in mma.X3_CCS:
-        pytest.skip(f"{dev.name} runs float32 on cuda.block")
-    cfg = dict(mma.config(p, dev), NW=nw, BC=bc, HOLDQ=holdq, VEC=vec)
-    if mma.smem_bytes(cfg) > dev.smem_per_block_optin:
-        pytest.skip(f"{cfg} needs more shared memory than {dev.name} has")
-    lse = mma.run(p, cfg, dev)
-    rep = check(p.out, q, k, v, lse=lse, causal=True)
+    cfg, rep = run_forced_config(
+        q, k, v, True, NW=nw, BC=bc, HOLDQ=holdq, VEC=vec,
+        skip=lambda dev: None if dev.cc in X3_CCS else f"{dev.name} runs float32 on cuda.block")
     assert rep.ok, f"{cfg}: {rep}"
 
 

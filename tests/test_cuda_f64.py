@@ -16,6 +16,7 @@ import pytest
 
 import numflash
 from mma_compile import assert_register_resident, compile_variant
+from mma_forced import run_forced_config
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SMEM_LIMIT = {(9, 0): 227 * 1024, (8, 0): 163 * 1024}
@@ -254,22 +255,13 @@ def test_gpu_f64_every_tile_and_mma_form(rng, form, tile):
     """The configs other GPUs get (sm_80-89: four m8n8k4 per product, the smaller tiles), forced
     here on whatever GPU runs the tests, through mma.run, against the reference."""
     import cupy
-    from numflash import plan as planner
-    from numflash.cuda import mma
-    from numflash.inputs import normalize
-    from numflash.testing import check
     nw, bc, holdq, vec = tile
     q, k, v = (cupy.asarray(rng.standard_normal(s)) for s in ((2, 3, 300, 64), (2, 3, 777, 64),
                                                              (2, 3, 777, 64)))
-    p = normalize(q, k, v, causal=True)
-    dev = planner._cuda_device(p)
-    if form == "m16n8k8" and dev.cc < (9, 0):
-        pytest.skip("m16n8k8 .f64 needs sm_90")
-    cfg = dict(mma.config(p, dev), NW=nw, BC=bc, HOLDQ=holdq, VEC=vec, MMA=form)
-    if mma.smem_bytes(cfg) > dev.smem_per_block_optin:
-        pytest.skip(f"{cfg} needs more shared memory than {dev.name} has")
-    lse = mma.run(p, cfg, dev)
-    rep = check(p.out, q, k, v, lse=lse, causal=True)
+    cfg, rep = run_forced_config(
+        q, k, v, True, NW=nw, BC=bc, HOLDQ=holdq, VEC=vec, MMA=form,
+        skip=lambda dev: "m16n8k8 .f64 needs sm_90" if form == "m16n8k8" and dev.cc < (9, 0)
+        else None)
     assert rep.ok, f"{cfg}: {rep}"
 
 
