@@ -1,7 +1,7 @@
 """Public entry points: check inputs -> choose a plan -> run it. No kernel code lives here."""
 from . import plan as _plan
 from .cuda import fastpath as _fastpath
-from .inputs import normalize
+from .inputs import normalize, normalize_backward
 
 
 def attention(q, k, v, *, causal=False, softmax_scale=None, layout="bhsd", backend="auto",
@@ -17,7 +17,8 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, layout="bhsd", backe
     softmax_scale: defaults to 1/sqrt(d).
     backend: "auto" (from the array type), "cpu" or "cuda".
     algorithm: "auto", "block" (block-tiled), "row" (FA1 per-row) or "mma" (tensor cores).
-    return_lse: also return the float32 (B, H, Nq) natural log of each row's softmax denominator.
+    return_lse: also return the (B, H, Nq) natural log of each row's softmax denominator, in
+        float32 (float64 for float64 inputs); :func:`attention_backward` takes it.
     out: write the result here (q's dtype and kind, shape of the result in ``layout``).
     precision: "auto": float32-level accuracy for float32 inputs. On compute capability 8.0
         and 9.0 (data-center parts whose tf32 tensor cores run ~8x the FMA rate; timed on the
@@ -60,13 +61,50 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, layout="bhsd", backe
     return (problem.result, lse) if return_lse else problem.result
 
 
+def attention_backward(do, q, k, v, o, lse, *, causal=False, softmax_scale=None, layout="bhsd",
+                       backend="auto", algorithm="auto", precision="auto", deterministic=False,
+                       dq=None, dk=None, dv=None):
+    """Gradients (dq, dk, dv) of :func:`attention` for the output gradient ``do``, in O(N) memory.
+
+    ``o`` and ``lse`` are what ``attention(q, k, v, ..., return_lse=True)`` returned for the same
+    q, k, v and options (``do`` and ``o`` have the output's shape; ``lse`` is float32, float64 for
+    float64 inputs). P is recomputed tile by tile from q, k and lse (FlashAttention-2's backward):
+    no Nq x Nk buffer exists. Every option means what it means for :func:`attention`.
+
+    deterministic: True asks for gradients that are equal bit for bit on every run; a kernel
+        that cannot promise it refuses. dq, dk, dv: write the gradients here (shapes, dtype,
+        kind and layout of q, k, v); by default new arrays are returned.
+
+    Returns (dq, dk, dv) with the dtypes, array kind and layout of q, k, v. A row that sees no
+    key contributes nothing: its dq is zero. :func:`explain` with ``backward=True`` names the
+    kernel that would run.
+    """
+    problem = normalize_backward(do, q, k, v, o, lse, causal=causal, softmax_scale=softmax_scale,
+                                 layout=layout, precision=precision, deterministic=deterministic,
+                                 dq=dq, dk=dk, dv=dv)
+    plan = _plan.choose(problem, backend, algorithm)
+    B, H, Nq, Nk, d, dv_ = problem.shape
+    if B * H == 0:
+        pass
+    elif Nq == 0 or Nk == 0:  # no query sees a key: every gradient is zero
+        for g in (problem.dq, problem.dk, problem.dv):
+            g[...] = 0
+    else:
+        plan.run(problem)
+    return problem.result
+
+
 def explain(q, k, v, *, causal=False, softmax_scale=None, layout="bhsd", backend="auto",
-            algorithm="auto", return_lse=False, out=None, precision="auto"):
-    """The :class:`numflash.plan.Plan` that :func:`attention` would run for these arguments.
+            algorithm="auto", return_lse=False, out=None, precision="auto", backward=False,
+            deterministic=False):
+    """The :class:`numflash.plan.Plan` that :func:`attention` would run for these arguments
+    (with ``backward=True``: that :func:`attention_backward` would run for these q, k, v).
 
     ``str(plan)`` names the kernel and its tile config and, for every kernel not chosen, why.
     Raises the same errors as :func:`attention` would.
     """
     problem = normalize(q, k, v, causal=causal, softmax_scale=softmax_scale, layout=layout,
                         return_lse=return_lse, out=out, precision=precision)
+    if backward:
+        problem.direction, problem.deterministic = "backward", bool(deterministic)
     return _plan.choose(problem, backend, algorithm)

@@ -17,6 +17,15 @@ _NUMPY_FLOATS = {np.dtype(n): n for n in ("float16", "float32", "float64")}
 
 def dtype_name(dt):
     return _NUMPY_FLOATS.get(dt) or np.dtype(dt).name
+
+
+def lse_dtype(dt):
+    """The dtype of the lse for inputs of dtype ``dt``: float64 for float64 inputs (the backward
+    recomputes P = exp(S - lse), so a float32 lse would bound float64 gradients near 1e-7),
+    float32 otherwise."""
+    return np.dtype(np.float64) if np.dtype(dt) == np.float64 else np.dtype(np.float32)
+
+
 LAYOUTS = ("bhsd", "bshd")
 CAUSAL_MODES = (False, True, "top_left", "bottom_right")
 #: "auto": float32-level accuracy in the input dtype (float32 may run on tensor cores as 3xTF32,
@@ -59,6 +68,16 @@ class Problem:
     return_lse: bool
     layout: str
     precision: str = "auto"  # one of PRECISIONS; "tf32" only with float32 inputs
+    # The backward (direction "backward"): do, o, lse are its extra inputs as (B, H, N, .) views,
+    # dq, dk, dv the views it writes (out is None); result is the user's (dq, dk, dv).
+    direction: str = "forward"
+    do: object = None
+    o: object = None
+    lse: object = None
+    dq: object = None
+    dk: object = None
+    dv: object = None
+    deterministic: bool = False
 
     @property
     def shape(self):
@@ -85,7 +104,7 @@ class Problem:
 
     def empty_lse(self):
         B, H, Nq = self.q.shape[:3]
-        return self.xp.empty((B, H, Nq), dtype=np.float32)
+        return self.xp.empty((B, H, Nq), dtype=lse_dtype(self.dtype))
 
 
 def parse_causal(causal, nq, nk):
@@ -131,8 +150,9 @@ def check_precision(precision, dtype=None):
     return precision
 
 
-def normalize(q, k, v, *, causal=False, softmax_scale=None, layout="bhsd", return_lse=False,
-              out=None, precision="auto"):
+def _check_qkv(q, k, v, causal, softmax_scale, layout, precision):
+    """The checks the forward and the backward share. Returns (kind, dtype, (q4, k4, v4), scale,
+    is_causal, causal_offset) with q4, k4, v4 the (B, H, N, d) views of the (CuPy) arrays."""
     check_precision(precision)
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be 'bhsd' (B, H, N, d) or 'bshd' (B, N, H, d); got {layout!r}")
@@ -197,35 +217,122 @@ def normalize(q, k, v, *, causal=False, softmax_scale=None, layout="bhsd", retur
                          f"{causal!r}")
     is_causal, offset = parse_causal(causal, Nq, Nk)
 
-    xp = np
-    if kind == "cupy":
-        import cupy as xp
-    user_shape = (B, H, Nq, dv) if layout == "bhsd" else (B, Nq, H, dv)
+    return kind, dtype, (q4, k4, v4), scale, is_causal, offset
+
+
+def _check_output(name, a, kind, dtype, device_id, shape, layout, inputs):
+    """A user-supplied output array: its kind, device, shape, dtype, writability, and no overlap
+    with the arrays the kernel reads while writing it. Returns it (CuPy-wrapped if need be)."""
+    a_kind = array_kind(a)
+    if a_kind == "cuda" and kind == "cupy":
+        a, a_kind = _as_cupy(a), "cupy"
+    if a_kind != kind:
+        raise TypeError(f"{name} must be the same kind of array as q ({kind}); got "
+                        f"{a_kind or type(a).__name__}")
+    if kind == "cupy" and a.device.id != device_id:
+        raise ValueError(f"{name} is on device {a.device.id} but q is on device {device_id}")
+    if tuple(a.shape) != shape:
+        raise ValueError(f"{name} must have shape {shape} for layout={layout!r}; got "
+                         f"{tuple(a.shape)}")
+    if np.dtype(a.dtype) != dtype:
+        raise TypeError(f"{name} must have q's dtype {dtype}; got {a.dtype}")
+    if any(st == 0 and n > 1 for st, n in zip(a.strides, a.shape)):
+        raise ValueError(f"{name} has a zero stride (a broadcast view): its elements overlap")
+    if kind == "numpy" and not a.flags.writeable:
+        raise ValueError(f"{name} is read-only")
+    xp = np if kind == "numpy" else _cupy()
+    for other, b in inputs:
+        if xp.may_share_memory(a, b):  # kernels read inputs while writing outputs
+            raise ValueError(f"{name} overlaps {other}: pass a separate output array")
+    return a
+
+
+def _cupy():
+    import cupy
+    return cupy
+
+
+def _user_shape(layout, B, H, N, d):
+    return (B, H, N, d) if layout == "bhsd" else (B, N, H, d)
+
+
+def normalize(q, k, v, *, causal=False, softmax_scale=None, layout="bhsd", return_lse=False,
+              out=None, precision="auto"):
+    """The forward's :class:`Problem` for an ``attention`` call (raises on bad arguments)."""
+    kind, dtype, (q4, k4, v4), scale, is_causal, offset = _check_qkv(
+        q, k, v, causal, softmax_scale, layout, precision)
+    B, H, Nq, _ = q4.shape
+    user_shape = _user_shape(layout, B, H, Nq, v4.shape[3])
     if out is None:
-        result = xp.empty(user_shape, dtype=dtype)
+        result = (np if kind == "numpy" else _cupy()).empty(user_shape, dtype=dtype)
     else:
-        out_kind = array_kind(out)
-        if out_kind == "cuda" and kind == "cupy":
-            out, out_kind = _as_cupy(out), "cupy"
-        if out_kind != kind:
-            raise TypeError(f"out must be the same kind of array as q ({kind}); got "
-                            f"{out_kind or type(out).__name__}")
-        if kind == "cupy" and out.device.id != q.device.id:
-            raise ValueError(f"out is on device {out.device.id} but q is on device {q.device.id}")
-        if tuple(out.shape) != user_shape:
-            raise ValueError(f"out must have shape {user_shape} for layout={layout!r}; got "
-                             f"{tuple(out.shape)}")
-        if np.dtype(out.dtype) != dtype:
-            raise TypeError(f"out must have q's dtype {dtype}; got {out.dtype}")
-        if any(s == 0 and n > 1 for s, n in zip(out.strides, out.shape)):
-            raise ValueError("out has a zero stride (a broadcast view): its elements overlap")
-        if kind == "numpy" and not out.flags.writeable:
-            raise ValueError("out is read-only")
-        for name, a in (("q", q), ("k", k), ("v", v)):
-            if xp.may_share_memory(out, a):  # kernels read inputs while writing out
-                raise ValueError(f"out overlaps {name}: pass a separate output array")
-        result = out
+        result = _check_output("out", out, kind, dtype, _device_id(q4, kind), user_shape, layout,
+                               (("q", q4), ("k", k4), ("v", v4)))
     return Problem(q=q4, k=k4, v=v4, out=_dims(layout, result), result=result, kind=kind,
                    dtype=dtype, dtype_name=dtype_name(dtype), scale=scale, causal=is_causal,
                    causal_offset=offset,
                    return_lse=bool(return_lse), layout=layout, precision=precision)
+
+
+def _device_id(a, kind):
+    return a.device.id if kind == "cupy" else None
+
+
+def normalize_backward(do, q, k, v, o, lse, *, causal=False, softmax_scale=None, layout="bhsd",
+                       precision="auto", deterministic=False, dq=None, dk=None, dv=None):
+    """The backward's :class:`Problem` for an ``attention_backward`` call.
+
+    do and o have the output's shape in ``layout`` and q's dtype and kind; lse is (B, H, Nq) in
+    :func:`lse_dtype` (what ``attention(..., return_lse=True)`` returned). dq, dk, dv, when given,
+    receive the gradients (shapes of q, k, v); otherwise new arrays are made.
+    """
+    kind, dtype, (q4, k4, v4), scale, is_causal, offset = _check_qkv(
+        q, k, v, causal, softmax_scale, layout, precision)
+    B, H, Nq, d = q4.shape
+    Nk, dv_ = k4.shape[2], v4.shape[3]
+    dev = _device_id(q4, kind)
+    extra = {}
+    for name, a in (("do", do), ("o", o), ("lse", lse)):
+        a_kind = _check_array(name, a)
+        if a_kind == "cuda" and kind == "cupy":
+            a, a_kind = _as_cupy(a), "cupy"
+        if a_kind != kind:
+            raise TypeError(f"{name} must be the same kind of array as q ({kind}); got {a_kind}")
+        if kind == "cupy" and a.device.id != dev:
+            raise ValueError(f"{name} is on device {a.device.id} but q is on device {dev}")
+        extra[name] = a
+    out_shape = _user_shape(layout, B, H, Nq, dv_)
+    for name in ("do", "o"):
+        a = extra[name]
+        if tuple(a.shape) != out_shape:
+            raise ValueError(f"{name} must have the output's shape {out_shape} for "
+                             f"layout={layout!r}; got {tuple(a.shape)}")
+        if np.dtype(a.dtype) != dtype:
+            raise TypeError(f"{name} must have q's dtype {dtype}; got {a.dtype}")
+    lse_ = extra["lse"]
+    if tuple(lse_.shape) != (B, H, Nq):
+        raise ValueError(f"lse must have shape (B, H, Nq) = {(B, H, Nq)} (what attention(..., "
+                         f"return_lse=True) returns); got {tuple(lse_.shape)}")
+    if np.dtype(lse_.dtype) != lse_dtype(dtype):
+        raise TypeError(f"lse must be {lse_dtype(dtype)} for {dtype} inputs (what attention(..., "
+                        f"return_lse=True) returns); got {lse_.dtype}")
+    if not isinstance(deterministic, (bool, np.bool_)):
+        raise TypeError(f"deterministic must be True or False; got {deterministic!r}")
+
+    inputs = (("q", q4), ("k", k4), ("v", v4), ("do", extra["do"]), ("o", extra["o"]),
+              ("lse", lse_))
+    xp = np if kind == "numpy" else _cupy()
+    grads = []
+    for name, given, src in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
+        if given is None:
+            grads.append(xp.empty(src.shape, dtype=dtype))
+            continue
+        given = _check_output(name, given, kind, dtype, dev, tuple(src.shape), layout,
+                              inputs + tuple((n, g) for n, g in zip(("dq", "dk"), grads)))
+        grads.append(given)
+    return Problem(q=q4, k=k4, v=v4, out=None, result=tuple(grads), kind=kind, dtype=dtype,
+                   dtype_name=dtype_name(dtype), scale=scale, causal=is_causal,
+                   causal_offset=offset, return_lse=False, layout=layout, precision=precision,
+                   direction="backward", do=_dims(layout, extra["do"]), o=_dims(layout, extra["o"]),
+                   lse=lse_, dq=_dims(layout, grads[0]), dk=_dims(layout, grads[1]),
+                   dv=_dims(layout, grads[2]), deterministic=bool(deterministic))

@@ -8,6 +8,7 @@ import importlib
 import os
 
 BACKENDS = ("auto", "cpu", "cuda")
+DIRECTIONS = ("forward", "backward")
 ALGORITHMS = ("auto", "block", "row", "mma")
 
 
@@ -48,6 +49,7 @@ class KernelSpec:
     summary: str = ""
     tf32: bool = False               # float32 on tensor cores: 3xTF32, or one tf32 mma per
     #                                  product with precision="tf32"; not precision="ieee"
+    direction: str = "forward"       # "backward": run() fills problem.dq, dk, dv
 
     def why_not(self, problem, device):
         """None if this kernel can run the problem on the device, else the reason in words."""
@@ -94,15 +96,26 @@ KERNELS = (
                summary="FA1 per-row: one thread owns one query row, K/V tiles in shared memory"),
 )
 
+BACKWARD_KERNELS = (
+    KernelSpec("cpu.tiled", "cpu", "block", "numflash.cpu.backward",
+               dtypes=("float16", "float32", "float64"), direction="backward",
+               summary="numba.njit FlashAttention-2 backward: parallel over (batch, head, key-block "
+                       "split), P recomputed from lse tile by tile, dQ per split summed in a "
+                       "fixed order (always deterministic)"),
+)
+
 # "auto" tries these in order and takes the first that can run the problem.
-AUTO_ORDER = {"cpu": ("cpu.tiled",), "cuda": ("cuda.mma", "cuda.block", "cuda.row")}
+AUTO_ORDER = {
+    "forward": {"cpu": ("cpu.tiled",), "cuda": ("cuda.mma", "cuda.block", "cuda.row")},
+    "backward": {"cpu": ("cpu.tiled",), "cuda": ()},
+}
+
+_SPECS = {"forward": {s.name: s for s in KERNELS},
+          "backward": {s.name: s for s in BACKWARD_KERNELS}}
 
 
-_SPECS = {s.name: s for s in KERNELS}
-
-
-def kernel_specs():
-    return _SPECS
+def kernel_specs(direction="forward"):
+    return _SPECS[direction]
 
 
 @dataclass
@@ -114,10 +127,12 @@ class Plan:
     device: Device
     config: dict = field(default_factory=dict)
     rejected: dict = field(default_factory=dict)  # kernel name -> reason in words
+    direction: str = "forward"
 
     def __str__(self):
         cfg = ", ".join(f"{k}={v}" for k, v in self.config.items())
-        lines = [f"numflash plan: {self.kernel} (backend={self.backend!r}, "
+        what = "" if self.direction == "forward" else " backward"
+        lines = [f"numflash{what} plan: {self.kernel} (backend={self.backend!r}, "
                  f"algorithm={self.algorithm!r}) on {self.device.name}",
                  f"  config: {cfg or '-'}"]
         for name, why in self.rejected.items():
@@ -125,7 +140,7 @@ class Plan:
         return "\n".join(lines)
 
     def run(self, problem):
-        module = importlib.import_module(kernel_specs()[self.kernel].module)
+        module = importlib.import_module(kernel_specs(self.direction)[self.kernel].module)
         return module.run(problem, self.config, self.device)
 
 
@@ -171,7 +186,8 @@ def choose(problem, backend="auto", algorithm="auto"):
     and the two choices, so they are memoized on those: a repeated call skips straight to the kernel.
     """
     arrays = (problem.q, problem.k, problem.v)
-    key = (backend, algorithm, getattr(problem, "precision", "auto"), problem.kind, problem.dtype,
+    key = (getattr(problem, "direction", "forward"), backend, algorithm,
+           getattr(problem, "precision", "auto"), problem.kind, problem.dtype,
            problem.shape, simulator_enabled(),
            tuple(a.strides for a in arrays),  # configs may depend on layout (mma's vector path)
            (problem.q.device.id, tuple(a.data.ptr % 16 for a in arrays))
@@ -193,6 +209,10 @@ def _choose(problem, backend, algorithm):
     if backend == "auto":
         backend = "cuda" if problem.on_device else "cpu"
 
+    direction = getattr(problem, "direction", "forward")
+    if not AUTO_ORDER[direction][backend]:
+        raise ValueError(f"no numflash {direction} kernel runs on backend={backend!r} yet: "
+                         f"compute the gradients on the CPU (NumPy arrays, backend='cpu')")
     rejected = {}
     if backend == "cpu" and getattr(problem, "precision", "auto") == "tf32":
         raise ValueError("precision='tf32' runs on tensor cores (cuda.mma): pass CuPy float32 "
@@ -210,9 +230,9 @@ def _choose(problem, backend, algorithm):
             raise ValueError(why)
         device = _cuda_device(problem)
 
-    specs = kernel_specs()
+    specs = kernel_specs(direction)
     chosen = None
-    for name in AUTO_ORDER[backend]:
+    for name in AUTO_ORDER[direction][backend]:
         spec = specs.get(name)
         if spec is None:
             rejected[name] = "not built yet"
@@ -231,12 +251,13 @@ def _choose(problem, backend, algorithm):
             rejected[name] = why
         elif chosen is not spec:
             rejected[name] = f"{chosen.name} comes first for 'auto'"
-    for spec in KERNELS:  # kernels of the other backend, for a complete explanation
+    for spec in specs.values():  # kernels of the other backend, for a complete explanation
         if spec.backend != backend:
             rejected.setdefault(spec.name, f"backend={backend!r}")
 
     if chosen is None:
         asked = f"algorithm={algorithm!r} on backend={backend!r}"
+
         if backend == "cpu" and algorithm in ("row", "mma"):
             raise ValueError(f"{asked} does not exist: the CPU path implements the block-tiled "
                              f"loop only (algorithm='block' or 'auto')")
@@ -245,5 +266,5 @@ def _choose(problem, backend, algorithm):
         raise ValueError(f"no numflash kernel can run {asked} for these inputs: {reasons}")
 
     return Plan(backend=backend, algorithm=chosen.algorithm, kernel=chosen.name, device=device,
-                config=config, rejected=rejected)
+                config=config, rejected=rejected, direction=direction)
 

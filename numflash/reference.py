@@ -4,7 +4,7 @@ It materializes the full Nq x Nk score matrix, so it is only for checking result
 """
 import numpy as np
 
-from .inputs import normalize
+from .inputs import lse_dtype, normalize
 
 
 def attention(q, k, v, *, causal=False, softmax_scale=None, layout="bhsd", return_lse=False, out=None,
@@ -24,7 +24,27 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, layout="bhsd", retur
         o = out
     elif layout == "bshd":
         o = o.transpose(0, 2, 1, 3)
-    return (o, lse.astype(np.float32)) if return_lse else o
+    return (o, lse.astype(lse_dtype(p.dtype))) if return_lse else o
+
+
+def _scores(q, k, *, scale, causal, causal_offset, dtype, query_positions):
+    """scale * q k^T in ``dtype`` with masked-out positions at -inf."""
+    s = np.matmul(q, np.swapaxes(k, -1, -2)) * dtype(scale)
+    nq, nk = q.shape[-2], k.shape[-2]
+    if causal:
+        rows = np.arange(nq) if query_positions is None else np.asarray(query_positions)
+        visible = np.arange(nk)[None, :] <= rows[:, None] + causal_offset
+        s = np.where(visible, s, -np.inf)
+    return s
+
+
+def _exp_and_sums(s, dtype):
+    """(p, l, m): p = exp(s - m) with m the row max (0 where a row has no finite max), l = row sums."""
+    nk = s.shape[-1]
+    m = s.max(axis=-1, keepdims=True) if nk else np.full(s.shape[:-1] + (1,), -np.inf, dtype)
+    m_safe = np.where(np.isfinite(m), m, 0).astype(dtype)
+    p = np.exp(s - m_safe)
+    return p, p.sum(axis=-1, keepdims=True), m_safe
 
 
 def naive(q, k, v, *, scale, causal=False, causal_offset=0, dtype=np.float64, query_positions=None):
@@ -37,17 +57,51 @@ def naive(q, k, v, *, scale, causal=False, causal_offset=0, dtype=np.float64, qu
     """
     dtype = np.dtype(dtype).type  # accept np.float32, "float32" or np.dtype("float32")
     q, k, v = (np.asarray(a, dtype=dtype) for a in (q, k, v))
-    s = np.matmul(q, np.swapaxes(k, -1, -2)) * dtype(scale)
-    nq, nk = q.shape[-2], k.shape[-2]
-    if causal:
-        rows = np.arange(nq) if query_positions is None else np.asarray(query_positions)
-        visible = np.arange(nk)[None, :] <= rows[:, None] + causal_offset
-        s = np.where(visible, s, -np.inf)
-    m = s.max(axis=-1, keepdims=True) if nk else np.full(s.shape[:-1] + (1,), -np.inf, dtype)
-    m_safe = np.where(np.isfinite(m), m, 0).astype(dtype)
-    p = np.exp(s - m_safe)
-    l = p.sum(axis=-1, keepdims=True)
+    s = _scores(q, k, scale=scale, causal=causal, causal_offset=causal_offset, dtype=dtype,
+                query_positions=query_positions)
+    p, l, m_safe = _exp_and_sums(s, dtype)
     with np.errstate(divide="ignore", invalid="ignore"):
         o = np.matmul(p, v) / np.where(l > 0, l, 1).astype(dtype)
         lse = np.where(l > 0, np.log(np.where(l > 0, l, 1)) + m_safe, -np.inf)[..., 0]
     return o.astype(dtype), lse
+
+
+def naive_backward(do, q, k, v, *, scale, causal=False, causal_offset=0, dtype=np.float64, o=None):
+    """Gradients (dq, dk, dv) of naive attention for the output gradient ``do``, in ``dtype``.
+
+    The textbook backward: P = softmax(S), dV = P^T dO, dP = dO V^T, D = rowsum(dO * O),
+    dS = P * (dP - D), dQ = scale dS K, dK = scale dS^T Q. ``o``: the forward output as it was
+    stored (a lower-precision run passes its own rounded output, as a kernel reads it);
+    by default P V in ``dtype``. Rows that see no key contribute nothing (P = 0).
+    """
+    dtype = np.dtype(dtype).type
+    do, q, k, v = (np.asarray(a, dtype=dtype) for a in (do, q, k, v))
+    s = _scores(q, k, scale=scale, causal=causal, causal_offset=causal_offset, dtype=dtype,
+                query_positions=None)
+    p, l, _ = _exp_and_sums(s, dtype)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        p = p / np.where(l > 0, l, 1).astype(dtype)
+    o = np.matmul(p, v) if o is None else np.asarray(o, dtype=dtype)
+    dv = np.matmul(np.swapaxes(p, -1, -2), do)
+    dp = np.matmul(do, np.swapaxes(v, -1, -2))
+    delta = (do * o).sum(axis=-1, keepdims=True)
+    ds = p * (dp - delta) * dtype(scale)
+    dq = np.matmul(ds, k)
+    dk = np.matmul(np.swapaxes(ds, -1, -2), q)
+    return dq.astype(dtype), dk.astype(dtype), dv.astype(dtype)
+
+
+def attention_backward(do, q, k, v, o=None, lse=None, *, causal=False, softmax_scale=None,
+                       layout="bhsd", backend="auto", algorithm="auto", precision="auto",
+                       deterministic=False, dq=None, dk=None, dv=None):
+    """Float64 naive gradients with the signature of :func:`numflash.attention_backward`.
+
+    Returns float64 NumPy (dq, dk, dv) in ``layout``. ``o`` and ``lse`` may be omitted (the
+    reference recomputes them); ``backend``, ``algorithm``, ``precision``, ``deterministic``
+    and the output arrays are accepted for signature compatibility and ignored.
+    """
+    p = normalize(q, k, v, causal=causal, softmax_scale=softmax_scale, layout=layout)
+    d4 = do if layout == "bhsd" else do.transpose(0, 2, 1, 3)
+    grads = naive_backward(p.host(d4), p.host(p.q), p.host(p.k), p.host(p.v), scale=p.scale,
+                           causal=p.causal, causal_offset=p.causal_offset)
+    return tuple(g if layout == "bhsd" else g.transpose(0, 2, 1, 3) for g in grads)

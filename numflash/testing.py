@@ -9,9 +9,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import reference
-from .inputs import normalize
+from .inputs import lse_dtype, normalize
 
 ABS_FLOOR = {"float64": 1e-12, "float32": 2e-6, "float16": 2e-4, "bfloat16": 2e-3}
+# lse is float32 (float64 for float64 inputs): it must match the reference to that precision.
+LSE_TOL = {"float64": 1e-10, "float32": 1e-5, "float16": 1e-5, "bfloat16": 1e-5}
 
 
 def _to_host(a):
@@ -76,16 +78,69 @@ def check(out, q, k, v, *, lse=None, causal=False, softmax_scale=None, layout="b
     lse_ok = True
     if lse is not None:
         lh = _to_host(lse)
-        if lh.dtype != np.float32 or lh.shape != ref_lse.shape:
+        if lh.dtype != lse_dtype(p.dtype) or lh.shape != ref_lse.shape:
             lse_ok = False
         else:
             inf_ref = np.isneginf(ref_lse)
             lse_ok = bool(np.array_equal(np.isneginf(lh), inf_ref)) and bool(np.allclose(
-                lh[~inf_ref], ref_lse[~inf_ref], rtol=1e-5, atol=1e-5))
+                lh[~inf_ref], ref_lse[~inf_ref], rtol=LSE_TOL[p.dtype.name],
+                atol=LSE_TOL[p.dtype.name]))
     return AccuracyReport(max_err, naive_err, bound, rel, lse_ok, finite)
 
 
 def assert_accurate(out, q, k, v, **kwargs):
     rep = check(out, q, k, v, **kwargs)
     assert rep.ok, f"attention result fails the accuracy rule: {rep}"
+    return rep
+
+
+@dataclass
+class GradientReport:
+    """The accuracy rule applied to each of dq, dk, dv (same bound as the forward's rule)."""
+    errors: dict        # name -> max |grad - reference|
+    naive_errors: dict  # name -> max |naive backward in the same dtype - reference|
+    bounds: dict        # name -> 2 * naive error + floor
+    finite: bool
+
+    @property
+    def ok(self):
+        return self.finite and all(self.errors[n] <= self.bounds[n] for n in self.errors)
+
+    def __str__(self):
+        parts = [f"{n}: err={self.errors[n]:.3g} bound={self.bounds[n]:.3g} "
+                 f"(naive {self.naive_errors[n]:.3g})" for n in self.errors]
+        return "; ".join(parts) + f"; finite={self.finite}"
+
+
+def check_backward(grads, do, q, k, v, *, causal=False, softmax_scale=None, layout="bhsd"):
+    """Compare gradients (dq, dk, dv) for output gradient ``do`` with the float64 reference.
+
+    The naive backward in the same dtype reads its own forward output rounded to that dtype, as a
+    kernel reads the stored o (D = rowsum(dO * O) depends on it).
+    """
+    p = normalize(q, k, v, causal=causal, softmax_scale=softmax_scale, layout=layout)
+    bhsd = (lambda a: a) if layout == "bhsd" else (lambda a: a.transpose(0, 2, 1, 3))
+    dt = p.dtype
+    raw = [_to_host(a) for a in (bhsd(do), p.q, p.k, p.v)]
+    opts = dict(scale=p.scale, causal=p.causal, causal_offset=p.causal_offset)
+    ref = reference.naive_backward(*(a.astype(np.float64) for a in raw), **opts)
+    work = np.float32 if dt.name in ("float16", "bfloat16") else dt.type
+    o_low, _ = reference.naive(*raw[1:], dtype=work, **opts)
+    naive = reference.naive_backward(*raw, dtype=work, o=o_low.astype(dt), **opts)
+    names = ("dq", "dk", "dv")
+    errors, naive_errors, bounds, finite = {}, {}, {}, True
+    for name, g, r, n in zip(names, grads, ref, naive):
+        g = bhsd(_to_host(g)).astype(np.float64)
+        if g.shape != r.shape:
+            raise ValueError(f"{name} has shape {g.shape}, expected {r.shape} (bhsd order)")
+        finite = finite and bool(np.isfinite(g).all())
+        errors[name] = float(np.abs(g - r).max()) if g.size else 0.0
+        naive_errors[name] = float(np.abs(n.astype(dt).astype(np.float64) - r).max()) if g.size else 0.0
+        bounds[name] = 2 * naive_errors[name] + ABS_FLOOR[dt.name]
+    return GradientReport(errors, naive_errors, bounds, finite)
+
+
+def assert_gradients_accurate(grads, do, q, k, v, **kwargs):
+    rep = check_backward(grads, do, q, k, v, **kwargs)
+    assert rep.ok, f"gradients fail the accuracy rule: {rep}"
     return rep

@@ -198,7 +198,7 @@ def run_word_kernel(q, k, v, DT, causal=False, causal_offset=0, scale=None, VEC=
           "ex2": np.exp2 if f64 else (lambda x: np.float32(np.exp2(np.float32(x))))}
     exec(compile(src, f"<{DT} emu>", "exec"), ns)
     out = np.full((B, H, Nq, dv), np.nan, real)
-    lse = np.full((B, H, Nq), np.nan, np.float32)
+    lse = np.full((B, H, Nq), np.nan, real)  # numflash's lse is float64 for float64 inputs
     scale = 1 / math.sqrt(d) if scale is None else scale
     with np.errstate(all="ignore"):
         emu.run(ns["mma_attention"], (q, k, v, out, lse, None, scale * math.log2(math.e), scale,

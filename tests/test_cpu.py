@@ -12,6 +12,7 @@ import pytest
 
 import numflash
 from numflash import testing
+from numflash.inputs import lse_dtype
 from numflash.testing import assert_accurate
 
 DTYPES = [np.float16, np.float32, np.float64]
@@ -32,7 +33,7 @@ def run_and_check(q, k, v, *, dtype=None, **kw):
     o, lse = numflash.attention(q, k, v, return_lse=True, **kw)
     kw.pop("out", None)
     assert o.dtype == (dtype or q.dtype)
-    assert lse.dtype == np.float32
+    assert lse.dtype == lse_dtype(q.dtype)
     rep = assert_accurate(o, q, k, v, lse=lse, **kw)
     return o, lse, rep
 
@@ -297,7 +298,7 @@ def test_return_lse(rng, causal, dtype):
     o_only = numflash.attention(q, k, v, causal=causal)
     o, lse = numflash.attention(q, k, v, causal=causal, return_lse=True)
     np.testing.assert_array_equal(o, o_only)
-    assert lse.shape == (2, 1, 260) and lse.dtype == np.float32
+    assert lse.shape == (2, 1, 260) and lse.dtype == lse_dtype(dtype)
     assert_accurate(o, q, k, v, lse=lse, causal=causal)
     # lse is the log of the row's softmax denominator of the scaled scores
     s = np.einsum("bhid,bhjd->bhij", q.astype(np.float64), k.astype(np.float64)) / math.sqrt(32)

@@ -14,6 +14,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 import numflash
 from numflash import testing
+from numflash.inputs import lse_dtype
 
 CAUSAL = [False, True, "top_left", "bottom_right"]
 
@@ -66,7 +67,7 @@ def test_random_problems_are_accurate(p):
 
     assert o.dtype == p["dtype"]
     assert o.shape == ((B, Nq, H, dv) if bshd else (B, H, Nq, dv))
-    assert lse.dtype == np.float32 and lse.shape == (B, H, Nq)
+    assert lse.dtype == lse_dtype(p["dtype"]) and lse.shape == (B, H, Nq)
     assert not np.isnan(o).any() and not np.isnan(lse).any()
     testing.assert_accurate(o, q, k, v, lse=lse, **kw)
 

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from numflash import reference
+from numflash.inputs import lse_dtype
 
 
 def direct(q, k, v, scale, visible):
@@ -73,7 +74,7 @@ def test_reference_matches_direct_formula(rng, case, causal):
     o_d, lse_d = direct(q, k, v, scale, visibility(causal, Nq, Nk))
     assert o.dtype == np.float64 and o.shape == (B, H, Nq, dv)
     np.testing.assert_allclose(o, o_d, rtol=1e-12, atol=1e-13)
-    assert lse.dtype == np.float32 and lse.shape == (B, H, Nq)
+    assert lse.dtype == lse_dtype(q.dtype) and lse.shape == (B, H, Nq)
     assert np.array_equal(np.isneginf(lse), np.isneginf(lse_d))
     fin = np.isfinite(lse_d)
     np.testing.assert_allclose(lse[fin], lse_d[fin], rtol=1e-6, atol=1e-6)

@@ -91,14 +91,15 @@ SCRATCH_LSE_BYTES = 1 << 18
 
 class Replay:
     """A recorded call: allocate out (and lse, if returned) like the full path did, relaunch."""
-    __slots__ = ("recipe", "out_shape", "dtype", "lse_shape", "return_lse", "scratch_lse",
-                 "scratch_stream")
+    __slots__ = ("recipe", "out_shape", "dtype", "lse_shape", "lse_dtype", "return_lse",
+                 "scratch_lse", "scratch_stream")
 
     def __init__(self, recipe, problem, lse):
         self.recipe = recipe
         self.dtype = problem.dtype
         self.out_shape = tuple(problem.result.shape)
         self.lse_shape = tuple(problem.q.shape[:3])
+        self.lse_dtype = lse.dtype
         self.return_lse = problem.return_lse
         small = not self.return_lse and lse.nbytes <= SCRATCH_LSE_BYTES
         self.scratch_lse = lse if small else None
@@ -110,7 +111,7 @@ class Replay:
         out = cupy.empty(self.out_shape, self.dtype)
         lse = self.scratch_lse if stream == self.scratch_stream else None
         if lse is None:
-            lse = cupy.empty(self.lse_shape, cupy.float32)
+            lse = cupy.empty(self.lse_shape, self.lse_dtype)
         self.recipe.launch(stream, (q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr,
                                     lse.data.ptr))
         return (out, lse) if self.return_lse else out

@@ -1,0 +1,165 @@
+"""The CPU backward: FlashAttention-2's gradient loop, compiled with numba.njit.
+
+It shares the forward's tile loads, exp2 and single-threaded BLAS (cpu/tiled.py). D = rowsum(dO * O)
+is computed first; then each parallel task owns one (batch, head) and a set of key blocks. For a key
+block it walks the query blocks that can see it, recomputes P = exp(scale * q k^T - lse) tile by
+tile (nothing of size Nq x Nk exists), and accumulates dK and dV for the block in registers of the
+task; dQ contributions go to the task's own float accumulator.
+
+dQ without atomics or races: when there are fewer (batch, head) pairs than threads, the key blocks
+of one head are dealt round-robin to a few splits, each with its own dQ accumulator, and the
+splits are summed in a fixed order at the end (extra memory: splits x Nq x d per head, splits
+<= 4 x threads). The result is the same bit for bit on every run with the same thread count, so
+``deterministic=True`` costs nothing here.
+"""
+import numba
+import numpy as np
+from numba import njit, prange
+
+from .tiled import FASTMATH, LOG2E, _exp2, _load_block, _SingleThreadedBlas, half_table
+
+NAME = "cpu.tiled"
+BLOCK_Q = 256
+BLOCK_K = 256
+MIN_BLOCK_K = 32
+
+
+@njit(fastmath=FASTMATH, cache=True)
+def _key_block_gradients(q, k, v, do, lse2, delta, dq_acc, dk, dv, b, h, j0, cols, c2, scale,
+                         causal, causal_offset, block_q, lut, kj, vj, qi, doi, s_buf, dp_buf,
+                         dk_acc, dv_acc, t_k, t_v, t_q):
+    """dK and dV for keys j0:j0+cols of (b, h), and their dQ contributions into dq_acc[b, h]."""
+    Nq = q.shape[2]
+    d = q.shape[3]
+    dvd = v.shape[3]
+    zero = dk.dtype.type(0)
+    _load_block(k, b, h, j0, cols, lut, kj)
+    _load_block(v, b, h, j0, cols, lut, vj)
+    kc, vc = kj[:cols], vj[:cols]
+    dk_acc[:cols] = zero
+    dv_acc[:cols] = zero
+    # Query rows before the first that sees key j0 contribute nothing (causal tile skipping).
+    i_first = max(0, j0 - causal_offset) if causal else 0
+    for i0 in range((i_first // block_q) * block_q, Nq, block_q):
+        rows = min(block_q, Nq - i0)
+        _load_block(q, b, h, i0, rows, lut, qi)
+        _load_block(do, b, h, i0, rows, lut, doi)
+        qr, dor = qi[:rows], doi[:rows]
+        s = s_buf[:rows * cols].reshape((rows, cols))
+        dp = dp_buf[:rows * cols].reshape((rows, cols))
+        np.dot(qr, kc.T, s)
+        np.dot(dor, vc.T, dp)
+        # P = exp(scale s - lse) = 2**(c2 s - lse2); dS = scale P (dP - D), in place over s.
+        for r in range(rows):
+            i = i0 + r
+            m = lse2[b, h, i]
+            last = cols if not causal else min(cols, max(0, i + causal_offset - j0 + 1))
+            if m == -np.inf:  # the row sees no key: P = 0 (and 2**(x - -inf) would be inf)
+                last = 0
+            dr = delta[b, h, i]
+            for c in range(last):
+                p = _exp2(s[r, c] * c2 - m)
+                s[r, c] = p
+                dp[r, c] = p * (dp[r, c] - dr) * scale
+            for c in range(last, cols):
+                s[r, c] = zero
+                dp[r, c] = zero
+        np.dot(s.T, dor, t_v[:cols])       # P^T dO
+        np.dot(dp.T, qr, t_k[:cols])       # dS^T Q
+        np.dot(dp, kc, t_q[:rows])         # dS K
+        for c in range(cols):
+            for x in range(dvd):
+                dv_acc[c, x] += t_v[c, x]
+            for x in range(d):
+                dk_acc[c, x] += t_k[c, x]
+        for r in range(rows):
+            for x in range(d):
+                dq_acc[b, h, i0 + r, x] += t_q[r, x]
+    for c in range(cols):
+        for x in range(d):
+            dk[b, h, j0 + c, x] = dk_acc[c, x]
+        for x in range(dvd):
+            dv[b, h, j0 + c, x] = dv_acc[c, x]
+
+
+@njit(parallel=True, fastmath=FASTMATH, cache=True)
+def tiled_backward(q, k, v, do, lse2, delta, dq_parts, dk, dv, c2, scale, causal, causal_offset,
+                   block_q, block_k, lut):
+    """dk, dv (compute dtype) and dq_parts[split] (zeroed; summed by the caller) for every head.
+
+    q, k, v, do: (B, H, N, .) of any strides (float32, float64, or float16 bits as uint16);
+    lse2 = lse * log2(e) and delta = rowsum(dO * O): (B, H, Nq) in the compute dtype.
+    """
+    splits, B, H, Nq, d = dq_parts.shape
+    Nk = k.shape[2]
+    dvd = v.shape[3]
+    nkb = (Nk + block_k - 1) // block_k
+    dt = dk.dtype
+    for task in prange(B * H * splits):
+        bh = task // splits
+        split = task % splits
+        b = bh // H
+        h = bh % H
+        kj = np.empty((block_k, d), dt)
+        vj = np.empty((block_k, dvd), dt)
+        qi = np.empty((block_q, d), dt)
+        doi = np.empty((block_q, dvd), dt)
+        s_buf = np.empty(block_q * block_k, dt)
+        dp_buf = np.empty(block_q * block_k, dt)
+        dk_acc = np.empty((block_k, d), dt)
+        dv_acc = np.empty((block_k, dvd), dt)
+        t_k = np.empty((block_k, d), dt)
+        t_v = np.empty((block_k, dvd), dt)
+        t_q = np.empty((block_q, d), dt)
+        # Round-robin key blocks: under a causal mask later blocks have less work, so dealing
+        # them out keeps the splits even.
+        for jb in range(split, nkb, splits):
+            j0 = jb * block_k
+            _key_block_gradients(q, k, v, do, lse2, delta, dq_parts[split], dk, dv, b, h, j0,
+                                 min(block_k, Nk - j0), c2, scale, causal, causal_offset,
+                                 block_q, lut, kj, vj, qi, doi, s_buf, dp_buf, dk_acc, dv_acc,
+                                 t_k, t_v, t_q)
+
+
+def config(problem, device):
+    B, H, Nq, Nk, d, dv = problem.shape
+    threads = numba.get_num_threads()
+    block_k = BLOCK_K
+    while block_k > MIN_BLOCK_K and B * H * -(-Nk // block_k) < 4 * threads:
+        block_k //= 2
+    nkb = -(-Nk // block_k)
+    splits = max(1, min(nkb, -(-4 * threads // max(1, B * H))))
+    return {"block_q": BLOCK_Q, "block_k": block_k, "splits": splits}
+
+
+def run(problem, config, device=None):
+    """Fill problem.dq, dk, dv for a normalized NumPy backward problem."""
+    p = problem
+    compute = np.float64 if p.dtype == np.float64 else np.float32
+    lut = half_table()
+    q, k, v, do = p.q, p.k, p.v, p.do
+    if p.dtype == np.float16:
+        q, k, v, do = (a.view(np.uint16) for a in (q, k, v, do))
+    B, H, Nq, Nk, d, dv = p.shape
+    # D = rowsum(dO * O) from O as stored, as FlashAttention-2's preprocessing pass does.
+    delta = np.einsum("bhnd,bhnd->bhn", p.do.astype(compute), p.o.astype(compute))
+    lse2 = np.ascontiguousarray(p.lse, dtype=compute) * compute(LOG2E)
+    dq_parts = np.zeros((config["splits"], B, H, Nq, d), compute)
+    dk = p.dk if p.dk.dtype == compute else np.empty(p.dk.shape, compute)
+    dvo = p.dv if p.dv.dtype == compute else np.empty(p.dv.shape, compute)
+    chunk = numba.set_parallel_chunksize(1)
+    try:
+        with _SingleThreadedBlas():
+            tiled_backward(q, k, v, do, lse2, delta, dq_parts, dk, dvo, compute(p.scale * LOG2E),
+                           compute(p.scale), p.causal, p.causal_offset, config["block_q"],
+                           config["block_k"], lut)
+    finally:
+        numba.set_parallel_chunksize(chunk)
+    dq = dq_parts[0]
+    for split in range(1, config["splits"]):  # a fixed order: bitwise reproducible
+        dq += dq_parts[split]
+    p.dq[...] = dq
+    if dk is not p.dk:
+        p.dk[...] = dk
+    if dvo is not p.dv:
+        p.dv[...] = dvo
