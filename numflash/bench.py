@@ -20,7 +20,8 @@ TFLOP/s = 4 B H Nq Nk d / time (halved for causal). Each numflash time is given 
 against every peer of the same row (peer time / numflash time: > 1 means numflash is faster).
 
 Results: a markdown table on stdout, and ``<date>_<device>.md`` / ``.json`` / ``_<suite>.png``
-under ``--out`` (default bench/results).
+under ``--out`` (default ./numflash-bench, which git ignores in a clone of numflash; the
+curated runs in bench/results were written with ``--out bench/results``).
 """
 import argparse
 import datetime
@@ -1538,8 +1539,9 @@ def parse_args(argv):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--time-limit", type=float,
                    help="seconds: start no new row after this, and write what was measured")
-    p.add_argument("--out", default=os.path.join("bench", "results"),
-                   help="directory for the .md, .json and .png results (default bench/results)")
+    p.add_argument("--out", default="numflash-bench",
+                   help="directory for the .md, .json and .png results (default ./numflash-bench; "
+                        "the repository's curated runs live in bench/results)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
     if args.causal is not None:

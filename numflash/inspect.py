@@ -36,13 +36,33 @@ class _Shape:
         self.on_device, self.precision = True, "auto"
 
 
-def argtypes(dtype, ndim_lse=3):
+def _lse_type(dtype):
+    from numba import types
+    from numba.np import numpy_support
+    from .inputs import lse_dtype
+    return types.Array(numpy_support.from_dtype(lse_dtype(dtype)), 3, "A")
+
+
+def argtypes(dtype):
+    """The SIMT forward kernels' signature: q, k, v, out, lse, scale, causal, causal_offset."""
     from numba import types
     from numba.np import numpy_support
     elem = numpy_support.from_dtype(np.dtype(dtype))
     arr = types.Array(elem, 4, "A")
-    return (arr, arr, arr, arr, types.Array(types.float32, ndim_lse, "A"), types.float64,
-            types.int64, types.int64)
+    return (arr, arr, arr, arr, _lse_type(dtype), types.float64, types.int64, types.int64)
+
+
+def backward_argtypes(dtype, kernel):
+    """cuda.row backward's signatures: q, k, v, do, lse, delta, then dk, dv ("keys") or dq
+    ("queries") in the compute type, then scale, causal, causal_offset."""
+    from numba import types
+    from numba.np import numpy_support
+    elem = numpy_support.from_dtype(np.dtype(dtype))
+    acc = types.float64 if np.dtype(dtype) == np.float64 else types.float32
+    arr, grad = types.Array(elem, 4, "A"), types.Array(acc, 4, "A")
+    rows = types.Array(acc, 3, "A")
+    grads = (grad, grad) if kernel == "keys" else (grad,)
+    return (arr, arr, arr, arr, rows, rows, *grads, types.float64, types.int64, types.int64)
 
 
 def mma_argtypes(dtype):
@@ -51,7 +71,7 @@ def mma_argtypes(dtype):
     from numba.np import numpy_support
     dt = np.dtype("uint16" if np.dtype(dtype).itemsize == 2 else dtype)
     arr = types.Array(numpy_support.from_dtype(dt), 4, "A")
-    return (arr, arr, arr, arr, types.Array(types.float32, 3, "A"),
+    return (arr, arr, arr, arr, _lse_type(dtype),
             types.Array(types.float32, 4, "A"), types.float64, types.float64, types.int64,
             types.int64)
 
@@ -113,7 +133,11 @@ def inspect(archs, head_dims=HEAD_DIMS, dtypes=DTYPES, out=sys.stdout, kernels=(
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m numflash.inspect",
+        description="Compile CUDA kernel variants and print what ptxas reports (registers, spills, "
+                    "stack, shared memory). Needs no GPU, only numba-cuda: pip install "
+                    "'numflash[cuda13]' (or '[cuda12]').")
     ap.add_argument("--arch", default="75,80,90", help="comma-separated compute capabilities")
     ap.add_argument("--d", default=None, help="comma-separated head dims")
     ap.add_argument("--dtype", default=None, help="comma-separated dtypes")

@@ -102,12 +102,16 @@ BACKWARD_KERNELS = (
                summary="numba.njit FlashAttention-2 backward: parallel over (batch, head, key-block "
                        "split), P recomputed from lse tile by tile, dQ per split summed in a "
                        "fixed order (always deterministic)"),
+    KernelSpec("cuda.row", "cuda", "row", "numflash.cuda.row_backward",
+               dtypes=("float16", "float32", "float64"), max_head_dim=256, direction="backward",
+               summary="FMA FlashAttention-2 backward, one thread a row: a key pass (dK, dV) and a "
+                       "query pass (dQ) that recomputes S, no atomics (always deterministic)"),
 )
 
 # "auto" tries these in order and takes the first that can run the problem.
 AUTO_ORDER = {
     "forward": {"cpu": ("cpu.tiled",), "cuda": ("cuda.mma", "cuda.block", "cuda.row")},
-    "backward": {"cpu": ("cpu.tiled",), "cuda": ()},
+    "backward": {"cpu": ("cpu.tiled",), "cuda": ("cuda.row",)},
 }
 
 _SPECS = {"forward": {s.name: s for s in KERNELS},

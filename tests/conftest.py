@@ -23,10 +23,54 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 
+# Two tiers. The README's test command (setup.cfg: -m "not extended") runs every public function on
+# the CPU and every CUDA kernel in the simulator or through its PTX at least once, in minutes on
+# 2 cores; `pytest -m extended` (which .ci/run runs next) holds the long sweeps. Whole tests listed
+# here are extended; for the sweeps listed, only the named cases stay in the fast tier.
+EXTENDED_TESTS = {
+    "test_every_variant_compiles_for_every_arch",    # every kernel x head dim x dtype x arch
+    "test_default_configs_do_not_spill",
+    "test_only_sm75_float64_at_d256_is_refused_and_says_why",
+    "test_inspect_cli_check_passes",
+    "test_block_configs_for_unequal_head_dims_do_not_spill",
+    "test_backward_kernels_compile_without_spills",
+}
+FAST_CASES = {  # sweep -> the case ids that stay in the fast tier
+    "test_3xtf32_variant_compiles_clean": {"d64-sm90"},
+    "test_3xtf32_source_emulated_on_cpu": {"d32-dv96-bottom_right-cp.async"},
+    "test_tf32_variant_compiles_clean": {"d64-sm80"},
+    "test_tf32_source_emulated_on_cpu": {"d32-dv96-bottom_right"},
+    "test_f64_variant_compiles_clean": {"d64-sm80", "d128-sm90-scalar"},
+    "test_f64_source_emulated_on_cpu": {"d32-dv96-bottom_right-cp.async",
+                                        "d59-dv40-causal-scalar"},
+    "test_kernel_variant_compiles_clean": {"D64-DV64-NW4-BC64-HOLDQ1-DTf16-VEC0-DBG0-sm90",
+                                           "D32-DV32-NW4-BC64-HOLDQ1-DTf16-VEC1-DBG0-sm80"},
+    "test_row_kernel_large_head_dims": {"float32-16-256-0-2", "float32-200-40-1-1"},
+}
+
+
+def _extended(item):
+    name = item.originalname if hasattr(item, "originalname") else item.name
+    if name in EXTENDED_TESTS:
+        return True
+    fast = FAST_CASES.get(name)
+    return fast is not None and item.callspec.id not in fast
+
+
 def pytest_collection_modifyitems(config, items):
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU with CuPy")
     skip_sim = pytest.mark.skip(reason="simulator tests run on machines without a GPU")
+    ids = {}
     for item in items:
+        if getattr(item, "originalname", None) in FAST_CASES and hasattr(item, "callspec"):
+            ids.setdefault(item.originalname, set()).add(item.callspec.id)
+    for name, got in ids.items():  # a renamed case must not silently leave the fast tier
+        if not config.option.keyword and FAST_CASES[name] - got:
+            raise pytest.UsageError(f"tests/conftest.py FAST_CASES[{name!r}] names cases that "
+                                    f"do not exist: {sorted(FAST_CASES[name] - got)}")
+    for item in items:
+        if _extended(item):
+            item.add_marker(pytest.mark.extended)
         if item.get_closest_marker("gpu") and not HAS_GPU:
             item.add_marker(skip_gpu)
         if item.get_closest_marker("simulator") and HAS_GPU:

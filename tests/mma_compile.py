@@ -20,7 +20,8 @@ _SCRIPT = textwrap.dedent("""
     from numflash.cuda import launch, mma
     cfg, cc, ops, elem = (json.loads(a) for a in sys.argv[1:5])
     A = types.Array(getattr(types, elem), 4, "A")
-    args = (A, A, A, A, types.Array(types.float32, 3, "A"), types.Array(types.float32, 4, "A"),
+    lse = types.Array(types.float64 if elem == "float64" else types.float32, 3, "A")
+    args = (A, A, A, A, lse, types.Array(types.float32, 4, "A"),
             types.float64, types.float64, types.int64, types.int64)
     cubin, entry, ptx, res = launch.compile_to_cubin(mma.make_kernel(**cfg), args, tuple(cc))
     print(json.dumps({"resources": res, "ops": {op: ptx.count(op) for op in ops},

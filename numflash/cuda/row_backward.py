@@ -1,0 +1,251 @@
+"""The FMA backward (float16 in float32, float32, float64): FlashAttention-2's gradients with one
+thread per row, deterministic by construction (no atomics).
+
+Two kernels after the preprocessing pass D = rowsum(dO * O) (one CuPy reduction):
+- key pass: one thread owns one key row j. Its k and v rows sit in shared memory (transposed:
+  a warp reads 32 consecutive words, no bank conflicts). The block walks the query tiles that can
+  see its keys (causal: from the first visible row on); each tile of Q, dO, lse and D is staged
+  into shared memory once and read by every thread as broadcasts. Per query row: s = q . k,
+  P = exp(scale s - lse), dP = dO . v, dS = scale P (dP - D); dV += P dO, dK += dS q.
+- query pass: one thread owns one query row i, the key tiles stream past it: dQ += dS k.
+  This recomputes S and dP once more (FlashAttention-2's deterministic dQ), in exchange for no
+  atomics and no float32 dQ accumulator in device memory.
+
+The accumulated columns ([dK | dV] in the key pass, dQ in the query pass) are split across grid z
+in chunks of at most ACC_WORDS words, each block recomputing the dot products, so the
+accumulators stay in registers at any head dim (as the forward row kernel splits its output).
+"""
+import numpy as np
+from numba import cuda
+
+from ..plan import Unsupported
+from . import launch
+from .common import NEG_INF, SMEM_ALIGN, compute_type, element_size, exp_for, head_dim_bucket, \
+    key_end, stage_chunk, tile_stager
+
+NAME = "cuda.row"
+ACC_WORDS = 64        # 32-bit words of accumulated gradient columns a thread keeps (no spills)
+TILE_BYTES = 48 * 1024
+
+
+def _own_rows_loader(D, ROWS, ACC):
+    """Copies this thread's row of a (B, H, N, d) array into shared memory, transposed
+    (smem[base + c * ROWS + tid]), zero past the row count or d."""
+    u = np.uint64
+    uD, uROWS = u(D), u(ROWS)
+
+    @cuda.jit(device=True)
+    def load_own_row(src, b, h, row, nrows, ncols, smem, base, tid):
+        for c in range(uD):
+            smem[base + c * uROWS + tid] = ACC(src[b, h, row, c]) \
+                if row < nrows and c < ncols else ACC(0)
+    return load_own_row
+
+
+def make_key_kernel(D, DV, CW, BQ, ROWS, acc):
+    """dK and dV: ROWS key rows a block, query tiles of BQ rows, CW accumulated columns of the
+    concatenated [dK | dV] (D + DV padded columns) per block (grid z)."""
+    ACC = compute_type(acc)
+    exp = exp_for(acc)
+    u = np.uint64
+    uD, uDV, uBQ, uROWS, uCW = u(D), u(DV), u(BQ), u(ROWS), u(CW)
+    KT, VT = u(0), u(D * ROWS)                    # own k, v rows (transposed)
+    QS = u((D + DV) * ROWS)                       # then the Q tile, the dO tile, lse and D
+    DOS = QS + u(BQ * D)
+    LS = DOS + u(BQ * DV)
+    DS = LS + uBQ
+    zero = u(0)
+    chunk = stage_chunk(acc)
+    _, _, stage_q, Q_REGS, _ = tile_stager(BQ, D, ROWS, acc, False, D, chunk)
+    _, _, stage_do, DO_REGS, _ = tile_stager(BQ, DV, ROWS, acc, False, DV, chunk)
+    STAGE_REGS = max(Q_REGS, DO_REGS)
+    load_own_row = _own_rows_loader(D, ROWS, ACC)
+    load_own_v = _own_rows_loader(DV, ROWS, ACC)
+
+    def key_gradients(q, k, v, do, lse, delta, dk, dv, scale, causal, causal_offset):
+        H = q.shape[1]
+        Nq, d, Nk, dvd = u(q.shape[2]), u(q.shape[3]), u(k.shape[2]), u(v.shape[3])
+        sc = ACC(scale)
+        tid = u(cuda.threadIdx.x)
+        b = u(cuda.blockIdx.x // H)
+        h = u(cuda.blockIdx.x % H)
+        j_first = u(cuda.blockIdx.y) * uROWS
+        j = j_first + tid
+        col0 = u(cuda.blockIdx.z) * uCW        # this block's columns of [dK | dV]
+        smem = cuda.shared.array(0, ACC, alignment=SMEM_ALIGN)
+        regs = cuda.local.array(STAGE_REGS, ACC)
+        load_own_row(k, b, h, j, Nk, d, smem, KT, tid)
+        load_own_v(v, b, h, j, Nk, dvd, smem, VT, tid)
+        acc_g = cuda.local.array(CW, ACC)
+        for c in range(uCW):
+            acc_g[c] = 0
+        # The first query row that sees key j_first (causal), rounded down to a tile.
+        i_start = zero
+        if causal and int(j_first) - causal_offset > 0:
+            i_start = u(int(j_first) - causal_offset) // uBQ * uBQ
+        qbh, dobh = q[b, h], do[b, h]
+        for i0 in range(i_start, Nq, uBQ):
+            cuda.syncthreads()  # the previous tile is no longer read
+            stage_q(qbh, i0, Nq, d, regs, smem, QS, tid)
+            stage_do(dobh, i0, Nq, dvd, regs, smem, DOS, tid)
+            for t in range(tid, uBQ, uROWS):
+                inside = i0 + t < Nq
+                smem[LS + t] = ACC(lse[b, h, i0 + t]) if inside else ACC(NEG_INF)
+                smem[DS + t] = ACC(delta[b, h, i0 + t]) if inside else ACC(0)
+            cuda.syncthreads()
+            rows = min(uBQ, Nq - i0)
+            for r in range(rows):
+                m = smem[LS + r]
+                if j >= Nk or m == NEG_INF or j >= u(key_end(i0 + r, Nk, causal, causal_offset)):
+                    continue  # this key is not seen by the row, or the row sees no key
+                s = ACC(0)
+                for c in range(uD):
+                    s += smem[QS + r * uD + c] * smem[KT + c * uROWS + tid]
+                dp = ACC(0)
+                for c in range(uDV):
+                    dp += smem[DOS + r * uDV + c] * smem[VT + c * uROWS + tid]
+                p = exp(s * sc - m)
+                ds = p * (dp - smem[DS + r]) * sc
+                for w in range(uCW):
+                    c = col0 + w
+                    if c < uD:
+                        acc_g[w] += ds * smem[QS + r * uD + c]
+                    elif c < uD + uDV:
+                        acc_g[w] += p * smem[DOS + r * uDV + (c - uD)]
+        if j < Nk:
+            for w in range(uCW):
+                c = col0 + w
+                if c < d:
+                    dk[b, h, j, c] = acc_g[w]
+                elif uD <= c and c - uD < dvd:
+                    dv[b, h, j, c - uD] = acc_g[w]
+
+    return key_gradients
+
+
+def make_query_kernel(D, DV, CW, BC, ROWS, acc):
+    """dQ: ROWS query rows a block, key tiles of BC rows, CW columns of dQ per block (grid z)."""
+    ACC = compute_type(acc)
+    exp = exp_for(acc)
+    u = np.uint64
+    uD, uDV, uBC, uROWS, uCW = u(D), u(DV), u(BC), u(ROWS), u(CW)
+    QT, DOT = u(0), u(D * ROWS)                   # own q, dO rows (transposed)
+    KS = u((D + DV) * ROWS)                       # then the K tile and the V tile
+    VS = KS + u(BC * D)
+    zero = u(0)
+    chunk = stage_chunk(acc)
+    _, _, stage_k, K_REGS, _ = tile_stager(BC, D, ROWS, acc, False, D, chunk)
+    _, _, stage_v, V_REGS, _ = tile_stager(BC, DV, ROWS, acc, False, DV, chunk)
+    STAGE_REGS = max(K_REGS, V_REGS)
+    load_own_row = _own_rows_loader(D, ROWS, ACC)
+    load_own_do = _own_rows_loader(DV, ROWS, ACC)
+
+    def query_gradients(q, k, v, do, lse, delta, dq, scale, causal, causal_offset):
+        H = q.shape[1]
+        Nq, d, Nk, dvd = u(q.shape[2]), u(q.shape[3]), u(k.shape[2]), u(v.shape[3])
+        sc = ACC(scale)
+        tid = u(cuda.threadIdx.x)
+        b = u(cuda.blockIdx.x // H)
+        h = u(cuda.blockIdx.x % H)
+        block_first = u(cuda.gridDim.y - 1 - cuda.blockIdx.y) * uROWS  # longest (causal) first
+        i = block_first + tid
+        col0 = u(cuda.blockIdx.z) * uCW
+        smem = cuda.shared.array(0, ACC, alignment=SMEM_ALIGN)
+        regs = cuda.local.array(STAGE_REGS, ACC)
+        load_own_row(q, b, h, i, Nq, d, smem, QT, tid)
+        load_own_do(do, b, h, i, Nq, dvd, smem, DOT, tid)
+        m = ACC(lse[b, h, i]) if i < Nq else ACC(NEG_INF)
+        di = ACC(delta[b, h, i]) if i < Nq else ACC(0)
+        acc_g = cuda.local.array(CW, ACC)
+        for c in range(uCW):
+            acc_g[c] = 0
+        row_keys = u(key_end(i, Nk, causal, causal_offset)) if i < Nq and m != NEG_INF else zero
+        block_keys = u(key_end(min(Nq, block_first + uROWS) - u(1), Nk, causal, causal_offset))
+        kbh, vbh = k[b, h], v[b, h]
+        for j0 in range(zero, block_keys, uBC):
+            cuda.syncthreads()
+            stage_k(kbh, j0, Nk, d, regs, smem, KS, tid)
+            stage_v(vbh, j0, Nk, dvd, regs, smem, VS, tid)
+            cuda.syncthreads()
+            keys = min(uBC, row_keys - j0) if row_keys > j0 else zero
+            for jj in range(keys):
+                s = ACC(0)
+                for c in range(uD):
+                    s += smem[QT + c * uROWS + tid] * smem[KS + jj * uD + c]
+                dp = ACC(0)
+                for c in range(uDV):
+                    dp += smem[DOT + c * uROWS + tid] * smem[VS + jj * uDV + c]
+                ds = exp(s * sc - m) * (dp - di) * sc
+                for w in range(uCW):
+                    c = col0 + w
+                    if c < uD:
+                        acc_g[w] += ds * smem[KS + jj * uD + c]
+        if i < Nq:
+            for w in range(uCW):
+                c = col0 + w
+                if c < d:
+                    dq[b, h, i, c] = acc_g[w]
+
+    return query_gradients
+
+
+def _chunk_width(total, words):
+    """Columns a block accumulates: all of them up to ACC_WORDS words, else even chunks of 16."""
+    most = ACC_WORDS // words
+    if total <= most:
+        return total
+    chunks = -(-total // most)
+    return -(-total // chunks // 16) * 16
+
+
+def config(problem, device):
+    B, H, Nq, Nk, d, dv = problem.shape
+    acc = "float64" if problem.dtype_name == "float64" else "float32"
+    esize = element_size(acc)
+    D, DV = head_dim_bucket(d), head_dim_bucket(dv)
+    words = esize // 4
+    limit = None if device.simulator else device.smem_per_block_optin
+    for rows in ((32,) if device.simulator else (128, 64, 32)):
+        for tile in (64, 32, 16, 8):
+            cfg = {"D": D, "DV": DV, "ROWS": rows, "TILE": tile, "acc": acc,
+                   "CW_KEY": _chunk_width(D + DV, words), "CW_QUERY": _chunk_width(D, words)}
+            if tile * (D + DV) * esize <= TILE_BYTES and (
+                    limit is None or shared_bytes(cfg) <= limit):
+                return cfg
+    raise Unsupported(f"{NAME} backward: its smallest block needs {shared_bytes(cfg)} bytes of "
+                      f"shared memory for d={d}, dv={dv} in {acc}, more than the {limit} a block "
+                      f"may use on {device.name}; the CPU path can take it")
+
+
+def shared_bytes(cfg):
+    own = cfg["ROWS"] * (cfg["D"] + cfg["DV"])
+    tiles = cfg["TILE"] * (cfg["D"] + cfg["DV"]) + 2 * cfg["TILE"]
+    return (own + tiles) * element_size(cfg["acc"])
+
+
+def run(problem, cfg, device):
+    """Fill problem.dq, dk, dv (the gradients) for a normalized device or simulator problem."""
+    p = problem
+    xp = p.xp
+    B, H, Nq, Nk, d, dv = p.shape
+    acc = np.float64 if cfg["acc"] == "float64" else np.float32
+    # Preprocessing: D = rowsum(dO * O) in the compute type, from O as stored.
+    delta = (p.do.astype(acc) * p.o.astype(acc)).sum(axis=-1)
+    lse = p.lse if p.lse.dtype == acc else p.lse.astype(acc)
+    grads = [g if g.dtype == acc else xp.empty(g.shape, acc) for g in (p.dq, p.dk, p.dv)]
+    D, DV, ROWS, TILE = cfg["D"], cfg["DV"], cfg["ROWS"], cfg["TILE"]
+    opts = (float(p.scale), int(p.causal), int(p.causal_offset))
+    key_kernel = launch.get_kernel(NAME + ".backward_keys", make_key_kernel,
+                                   {"D": D, "DV": DV, "CW": cfg["CW_KEY"], "BQ": TILE,
+                                    "ROWS": ROWS, "acc": cfg["acc"]})
+    key_kernel((B * H, -(-Nk // ROWS), -(-(D + DV) // cfg["CW_KEY"])), (ROWS,),
+               shared_bytes(cfg), (p.q, p.k, p.v, p.do, lse, delta, grads[1], grads[2], *opts),
+               device)
+    query_kernel = launch.get_kernel(NAME + ".backward_queries", make_query_kernel,
+                                     {"D": D, "DV": DV, "CW": cfg["CW_QUERY"], "BC": TILE,
+                                      "ROWS": ROWS, "acc": cfg["acc"]})
+    query_kernel((B * H, -(-Nq // ROWS), -(-D // cfg["CW_QUERY"])), (ROWS,), shared_bytes(cfg),
+                 (p.q, p.k, p.v, p.do, lse, delta, grads[0], *opts), device)
+    for g, mine in zip((p.dq, p.dk, p.dv), grads):
+        if g is not mine:
+            g[...] = mine
