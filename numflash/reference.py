@@ -50,7 +50,7 @@ def _exp_and_sums(s, dtype):
 def naive(q, k, v, *, scale, causal=False, causal_offset=0, dtype=np.float64, query_positions=None):
     """softmax(scale * q k^T + mask) v in ``dtype`` on (B, H, N, d) NumPy arrays; returns (o, lse).
 
-    Rows that see no key give zeros and lse = -inf. ``dtype`` lets the accuracy tests compute the
+    Rows that see no key give zeros and lse = -inf; a NaN score makes its row's output and lse NaN. ``dtype`` lets the accuracy tests compute the
     same naive formula in a lower precision, to measure that precision's own error.
     ``query_positions``: the original row index of each q row, when q holds a subset of the rows
     (rows are independent, so a sample of them can be checked at sizes where all would not fit).
@@ -62,7 +62,8 @@ def naive(q, k, v, *, scale, causal=False, causal_offset=0, dtype=np.float64, qu
     p, l, m_safe = _exp_and_sums(s, dtype)
     with np.errstate(divide="ignore", invalid="ignore"):
         o = np.matmul(p, v) / np.where(l > 0, l, 1).astype(dtype)
-        lse = np.where(l > 0, np.log(np.where(l > 0, l, 1)) + m_safe, -np.inf)[..., 0]
+        # -inf only for a row that sees no key; a NaN score gives a NaN l, hence a NaN lse
+        lse = np.where(l == 0, -np.inf, np.log(np.where(l == 0, 1, l)) + m_safe)[..., 0]
     return o.astype(dtype), lse
 
 
@@ -80,7 +81,7 @@ def naive_backward(do, q, k, v, *, scale, causal=False, causal_offset=0, dtype=n
                 query_positions=None)
     p, l, _ = _exp_and_sums(s, dtype)
     with np.errstate(divide="ignore", invalid="ignore"):
-        p = p / np.where(l > 0, l, 1).astype(dtype)
+        p = p / np.where(l == 0, 1, l).astype(dtype)  # a NaN row sum poisons the whole row
     o = np.matmul(p, v) if o is None else np.asarray(o, dtype=dtype)
     dv = np.matmul(np.swapaxes(p, -1, -2), do)
     dp = np.matmul(do, np.swapaxes(v, -1, -2))

@@ -12,10 +12,11 @@ from test_backward import make
 from test_cuda_compile import run_without_simulator
 
 
-def cuda_forward_backward(q, k, v, do, xp=np, **opts):
+def cuda_forward_backward(q, k, v, do, xp=np, deterministic=False, **opts):
     q, k, v, do = (xp.asarray(a) for a in (q, k, v, do))
     o, lse = numflash.attention(q, k, v, return_lse=True, backend="cuda", **opts)
-    return numflash.attention_backward(do, q, k, v, o, lse, backend="cuda", **opts)
+    return numflash.attention_backward(do, q, k, v, o, lse, backend="cuda",
+                                       deterministic=deterministic, **opts)
 
 
 # (B, H, Nq, Nk, d, dv): more query rows than a query tile, more keys than a block of threads,
@@ -50,6 +51,19 @@ def test_simulated_column_chunks_layout_strides_and_outputs(rng):
                                       dk=outs[1], dv=outs[2], **opts)
     assert all(r is g for r, g in zip(res, outs))
     testing.assert_gradients_accurate(res, do, q, k, v, **opts)
+
+
+@pytest.mark.simulator
+def test_simulator_explains_the_cuda_backward(rng):
+    q, k, v, _ = make(rng, 1, 2, 5, 7, 4)
+    text = str(numflash.explain(q, k, v, backward=True, backend="cuda"))
+    assert text.startswith("numflash backward plan: cuda.row (backend='cuda', algorithm='row') "
+                           "on numba CUDA simulator")
+    assert "not cpu.tiled: backend='cuda'" in text
+    with pytest.raises(ValueError, match=r"cuda\.row computes in exact float32; precision='tf32'"):
+        numflash.explain(q, k, v, backward=True, backend="cuda", precision="tf32")
+    with pytest.raises(ValueError, match=r"algorithm='mma' was asked for"):
+        numflash.explain(q, k, v, backward=True, backend="cuda", algorithm="mma")
 
 
 @pytest.mark.simulator

@@ -97,7 +97,10 @@ def _exp2_impl(x):
         p = p * f + np.float32(6.931472028550421e-1)
         p = p * f + np.float32(1.0)
         two_n = _f32_from_bits(np.int32((n + np.float32(127.0)) * np.float32(8388608.0)))
-        return p * two_n if x >= np.float32(-126.0) else np.float32(0.0)
+        # NaN (neither >= nor <) comes back as NaN: a poisoned score poisons its row.
+        if x >= np.float32(-126.0):
+            return p * two_n
+        return np.float32(0.0) if x < np.float32(-126.0) else x
     return exp2_f32
 
 
@@ -154,7 +157,12 @@ def _online_softmax(s, c2, p, m, l, alpha, zero):
                 continue
         m_new = max(m_old, _row_max(s[r]) * c2)  # c2 > 0, so max commutes with the scaling
         if m_new == -np.inf:  # no visible key yet: P = 0 (and exp2(-inf - -inf) would be NaN)
-            p[r, :] = zero
+            poison = zero  # ...but a NaN score (maxnum skips it) must still poison the row
+            for c in range(s.shape[1]):
+                x = s[r, c]
+                p[r, c] = zero if x == -np.inf else x
+                poison += p[r, c]
+            l[r] += poison
             alpha[r] = 1
             continue
         total = _exp2_row(s[r], c2, m_new, p[r], zero)
@@ -204,7 +212,7 @@ def _attend_block(q, k, v, out, lse, b, h, i0, rows, kend, causal, causal_offset
                 acc[r, c] = acc[r, c] * a + pv[r, c]
 
     for r in range(rows):
-        if l[r] > 0:
+        if l[r] != 0:  # l > 0, or NaN from a poisoned score: NaN out and lse, as the reference
             inv = 1 / l[r]
             for c in range(dv):
                 out[b, h, i0 + r, c] = acc[r, c] * inv

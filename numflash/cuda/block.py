@@ -228,9 +228,11 @@ def make_kernel(D, DV, BR, BC, TM, TN, acc, PF, SP):
                 for jj in range(one, uTN):
                     mx = max(mx, s[ii, jj])
                 m_new = max(m[ii], group_max(mx, TX, scratch, tid))
-                if m_new == NEG_INF:  # the row has seen no key yet: nothing to add
-                    for jj in range(uTN):
-                        s[ii, jj] = 0
+                if m_new == NEG_INF:  # the row has seen no key yet: nothing to add...
+                    for jj in range(uTN):  # ...but a NaN score (max skips it) poisons the row
+                        x = s[ii, jj]
+                        s[ii, jj] = ACC(0) if x == NEG_INF else x
+                        l[ii] += s[ii, jj]
                 else:
                     # scale is applied to scores, not to q: pre-scaling would round q once more
                     msc = m_new * sc
@@ -260,12 +262,12 @@ def make_kernel(D, DV, BR, BC, TM, TN, acc, PF, SP):
             total = group_sum(l[ii], TX, scratch, tid)
             row = row0 + ii
             if row < Nq:
-                inv = 1 / total if total > 0 else ACC(0)
+                inv = 1 / total if total != 0 else ACC(0)  # NaN total: NaN out, as the reference
                 for kk in range(uTO):
                     if col0 + kk < dv:
                         out[b, h, row, col0 + kk] = o[ii, kk] * inv
                 if tx == zero:
-                    lse[b, h, row] = m[ii] * sc + math.log(total) if total > 0 else NEG_INF
+                    lse[b, h, row] = m[ii] * sc + math.log(total) if total != 0 else NEG_INF
 
     return block_attention
 

@@ -121,12 +121,12 @@ def make_kernel(D, DV, BC, ROWS, QS, acc):
                             acc_o[c + w] += p * t[w]
 
         if i < Nq:
-            inv = 1 / l if l > 0 else ACC(0)  # a row that sees no key gives zeros
+            inv = 1 / l if l != 0 else ACC(0)  # no key: zeros; a NaN score: NaN, as the reference
             for c in range(uDV):
                 if c < cols:
                     out[b, h, i, col0 + c] = acc_o[c] * inv
             if col0 == zero:
-                lse[b, h, i] = m + math.log(l) if l > 0 else NEG_INF
+                lse[b, h, i] = m + math.log(l) if l != 0 else NEG_INF
 
     return row_attention
 
