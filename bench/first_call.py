@@ -1,0 +1,99 @@
+"""Where the first call's time goes: one fresh process per configuration with an empty kernel
+cache (numba typing + lowering + NVVM to PTX, then nvJitLink/ptxas to a cubin, then load and
+run), a second process on the warm disk cache, and a warm in-process call.
+
+    python bench/first_call.py            (GPU; prints a markdown table)
+"""
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import textwrap
+
+CONFIGS = [  # dtype, d, causal, direction
+    ("float16", 64, False, "forward"),
+    ("float16", 128, True, "forward"),
+    ("bfloat16", 128, False, "forward"),
+    ("float32", 64, False, "forward"),
+    ("float32", 128, False, "forward"),
+    ("float64", 64, False, "forward"),
+    ("float32", 64, False, "backward"),
+]
+
+CHILD = textwrap.dedent("""
+    import json, sys, time
+    t0 = time.perf_counter()
+    import cupy, numpy as np
+    import numflash
+    from numflash.cuda import launch
+    t_import = time.perf_counter() - t0
+    phases = {"ptx": 0.0, "cubin": 0.0}
+    ptx_fn, cubin_fn = launch.compile_ptx, launch.compile_to_cubin
+
+    def timed_ptx(*a, **k):
+        t = time.perf_counter(); r = ptx_fn(*a, **k); phases["ptx"] += time.perf_counter() - t
+        return r
+
+    def timed_cubin(*a, **k):
+        t = time.perf_counter(); r = cubin_fn(*a, **k); phases["cubin"] += time.perf_counter() - t
+        return r
+    launch.compile_ptx, launch.compile_to_cubin = timed_ptx, timed_cubin
+    dtype, d, causal, direction = json.loads(sys.argv[1])
+    if dtype == "bfloat16":  # CuPy holds bfloat16 only through DLPack
+        import torch
+        q, k, v, do = (cupy.from_dlpack(torch.randn(1, 2, 256, d, device="cuda",
+                                                    dtype=torch.bfloat16)) for _ in range(4))
+    else:
+        rng = np.random.default_rng(0)
+        q, k, v, do = (cupy.asarray(rng.standard_normal((1, 2, 256, d)).astype(dtype))
+                       for _ in range(4))
+
+    def call():
+        if direction == "forward":
+            numflash.attention(q, k, v, causal=causal)
+        else:
+            o, lse = numflash.attention(q, k, v, causal=causal, return_lse=True)
+            cupy.cuda.get_current_stream().synchronize()
+            t = time.perf_counter()
+            numflash.attention_backward(do, q, k, v, o, lse, causal=causal)
+            cupy.cuda.get_current_stream().synchronize()
+            return time.perf_counter() - t
+        cupy.cuda.get_current_stream().synchronize()
+    t = time.perf_counter(); first = call(); first = first or time.perf_counter() - t
+    t = time.perf_counter(); warm = call(); warm = warm or time.perf_counter() - t
+    print(json.dumps({"import": t_import, "first": first, "warm": warm, **phases}))
+""")
+
+
+def run(cfg, cache):
+    env = dict(os.environ, NUMFLASH_CACHE_DIR=cache)
+    out = subprocess.run([sys.executable, "-c", CHILD, json.dumps(cfg)], env=env,
+                         capture_output=True, text=True, timeout=300)
+    if out.returncode:
+        return {"error": out.stderr.strip().splitlines()[-1][:80]}
+    return json.loads(out.stdout.splitlines()[-1])
+
+
+def main():
+    rows = ["| config | first call, empty cache (s) | of which PTX (numba+NVVM) | of which "
+            "cubin (nvJitLink) | first call, disk cache (s) | warm call (ms) | import (s) |",
+            "|---|---|---|---|---|---|---|"]
+    for cfg in CONFIGS:
+        with tempfile.TemporaryDirectory() as cache:
+            cold = run(cfg, cache)
+            disk = run(cfg, cache)
+        name = f"{cfg[0]} d{cfg[1]}{' causal' if cfg[2] else ''} {cfg[3]}"
+        if "error" in cold or "error" in disk:
+            rows.append(f"| {name} | {cold.get('error') or disk.get('error')} |||||")
+        else:
+            ptx = cold["ptx"]
+            link = cold["cubin"] - ptx  # compile_to_cubin includes its compile_ptx
+            rows.append(f"| {name} | {cold['first']:.2f} | {ptx:.2f} | {link:.2f} | "
+                        f"{disk['first']:.3f} | {disk['warm'] * 1e3:.2f} | {cold['import']:.2f} |")
+        print(rows[-1], file=sys.stderr, flush=True)
+    print("\n".join(rows))
+
+
+if __name__ == "__main__":
+    main()
