@@ -9,7 +9,19 @@ from numflash import reference, testing
 
 BACKENDS = [("cpu", "auto"),
             pytest.param("cuda", "block", marks=pytest.mark.simulator),
-            pytest.param("cuda", "row", marks=pytest.mark.simulator)]
+            pytest.param("cuda", "row", marks=pytest.mark.simulator),
+            pytest.param("gpu", "block", marks=pytest.mark.gpu),
+            pytest.param("gpu", "row", marks=pytest.mark.gpu),
+            pytest.param("gpu", "mma", marks=pytest.mark.gpu)]
+
+
+def run(backend, fn, *arrays, **opts):
+    """fn on NumPy arrays (cpu, simulator) or on their CuPy copies (gpu); NumPy results."""
+    if backend != "gpu":
+        return fn(*arrays, backend=backend, **opts)
+    import cupy
+    res = fn(*(cupy.asarray(a) for a in arrays), backend="cuda", **opts)
+    return tuple(r.get() for r in res)
 
 
 def _poisoned(rng, where, dtype):
@@ -36,8 +48,8 @@ def _assert_same_nan_rows_and_finite_rest(got, ref, what):
 def test_nan_scores_poison_exactly_the_rows_that_see_them(rng, backend, algorithm, causal, where,
                                                            dtype):
     q, k, v = _poisoned(rng, where, dtype)
-    o, lse = numflash.attention(q, k, v, causal=causal, return_lse=True, backend=backend,
-                                algorithm=algorithm)
+    o, lse = run(backend, numflash.attention, q, k, v, causal=causal, return_lse=True,
+                 algorithm=algorithm)
     ref_o, ref_lse = reference.attention(q, k, v, causal=causal, return_lse=True)
     _assert_same_nan_rows_and_finite_rest(o, ref_o, "out")
     _assert_same_nan_rows_and_finite_rest(lse, ref_lse, "lse")
@@ -46,13 +58,14 @@ def test_nan_scores_poison_exactly_the_rows_that_see_them(rng, backend, algorith
     assert err <= 1e-5 if dtype == np.float32 else err <= 1e-12
 
 
-@pytest.mark.parametrize("backend", ["cpu", pytest.param("cuda", marks=pytest.mark.simulator)])
+@pytest.mark.parametrize("backend", ["cpu", pytest.param("cuda", marks=pytest.mark.simulator),
+                                     pytest.param("gpu", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("where", ["q", "k"])
 def test_nan_scores_poison_the_gradients_as_in_the_reference(rng, backend, where):
     q, k, v = _poisoned(rng, where, np.float64)
     do = rng.standard_normal(q.shape)
-    o, lse = numflash.attention(q, k, v, return_lse=True, backend=backend)
-    grads = numflash.attention_backward(do, q, k, v, o, lse, backend=backend)
+    o, lse = run(backend, numflash.attention, q, k, v, return_lse=True)
+    grads = run(backend, numflash.attention_backward, do, q, k, v, o, lse)
     for name, g, r in zip(("dq", "dk", "dv"), grads,
                           reference.attention_backward(do, q, k, v)):
         _assert_same_nan_rows_and_finite_rest(g, r, name)
