@@ -2,7 +2,7 @@
 cache (numba typing + lowering + NVVM to PTX, then nvJitLink/ptxas to a cubin, then load and
 run), a second process on the warm disk cache, and a warm in-process call.
 
-    python bench/first_call.py            (GPU; prints a markdown table)
+    python bench/first_call.py [INDEX ...]   (GPU; prints a markdown table; INDEX: which CONFIGS)
 """
 import json
 import os
@@ -79,7 +79,8 @@ def main():
     rows = ["| config | first call, empty cache (s) | of which PTX (numba+NVVM) | of which "
             "cubin (nvJitLink) | first call, disk cache (s) | warm call (ms) | import (s) |",
             "|---|---|---|---|---|---|---|"]
-    for cfg in CONFIGS:
+    picked = [CONFIGS[int(i)] for i in sys.argv[1:]] or CONFIGS
+    for cfg in picked:
         with tempfile.TemporaryDirectory() as cache:
             cold = run(cfg, cache)
             disk = run(cfg, cache)
