@@ -33,6 +33,9 @@ CAUSAL_MODES = (False, True, "top_left", "bottom_right")
 #: (IEEE products and sums); "tf32": float32 inputs on tensor cores with one tf32 mma per product
 #: (10-bit mantissa products, fp32 accumulation), an explicit opt-in.
 PRECISIONS = ("auto", "ieee", "tf32")
+IEEE_REASON = ("precision='ieee' keeps float32 on the FMA units (IEEE float32 products and sums); "
+               "cuda.mma computes float32 on tensor cores (3xTF32); the IEEE float32 kernel is "
+               "cuda.block")
 
 
 def array_kind(x):

@@ -79,7 +79,7 @@ def mma_argtypes(dtype):
 def variants(archs, head_dims=HEAD_DIMS, dtypes=DTYPES, kernels=KERNELS):
     """(kernel module, config, dtype, cc) for the default config of every kernel at each size."""
     from .cuda import block, mma, row
-    from .plan import Device
+    from .device import Device
     for cc in archs:
         # Shared memory each architecture lets one block opt into (CUDA programming guide).
         optin = {(7, 5): 64 * 1024, (8, 0): 163 * 1024, (8, 6): 99 * 1024,

@@ -5,34 +5,13 @@ why each one was or was not chosen without importing or compiling any of them.
 """
 from dataclasses import dataclass, field
 import importlib
-import os
+
+from .device import Device, Unsupported, simulator_enabled  # noqa: F401 (kernels' and tests' names)
+from .inputs import IEEE_REASON
 
 BACKENDS = ("auto", "cpu", "cuda")
 DIRECTIONS = ("forward", "backward")
 ALGORITHMS = ("auto", "block", "row", "mma")
-
-
-def simulator_enabled():
-    """True when numba's CUDA simulator is on (NUMBA_ENABLE_CUDASIM=1)."""
-    return os.environ.get("NUMBA_ENABLE_CUDASIM", "0") not in ("", "0")
-
-
-class Unsupported(ValueError):
-    """A kernel module's config() cannot serve the problem on the device; the message says why."""
-
-
-@dataclass(frozen=True)
-class Device:
-    """Where a CUDA kernel would run: a real GPU, or numba's simulator (cc None)."""
-    name: str
-    cc: tuple = None
-    smem_per_block_optin: int = 48 * 1024
-    simulator: bool = False
-
-
-IEEE_REASON = ("precision='ieee' keeps float32 on the FMA units (IEEE float32 products and sums); "
-               "cuda.mma computes float32 on tensor cores (3xTF32); the IEEE float32 kernel is "
-               "cuda.block")
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ import math
 import numpy as np
 from numba import cuda
 
-from ..plan import Unsupported
+from ..device import Unsupported
 from . import launch
 from .common import NEG_INF, SMEM_ALIGN, compute_type, element_size, exp_for, \
     group_max, group_sum, head_dim_bucket, inlined_device, key_end, stage_chunk, stage_parts, \

@@ -10,7 +10,7 @@ import numpy as np
 
 from numba import cuda, float32, float64, int64
 
-from ..plan import simulator_enabled
+from ..device import simulator_enabled
 
 # fastmath=True would set LLVM's 'ninf'/'nnan' flags and let the compiler delete the -inf checks
 # that fully masked rows rely on; the one place speed needs approximation (exp) asks for it.

@@ -21,7 +21,7 @@ import threading
 
 import numpy as np
 
-from ..plan import simulator_enabled
+from ..device import simulator_enabled
 from . import fastpath
 from .common import FASTMATH
 

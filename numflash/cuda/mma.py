@@ -39,7 +39,8 @@ import math
 
 import numpy as np
 
-from ..plan import IEEE_REASON, Unsupported
+from ..device import Unsupported
+from ..inputs import IEEE_REASON
 from .common import key_end
 
 NAME = "cuda.mma"

@@ -20,7 +20,7 @@ import math
 import numpy as np
 from numba import cuda
 
-from ..plan import Unsupported
+from ..device import Unsupported
 from . import launch
 from .common import NEG_INF, SMEM_ALIGN, compute_type, element_size, exp_for, head_dim_bucket, \
     key_end, stage_chunk, tile_stager, vector_load

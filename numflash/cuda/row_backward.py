@@ -18,7 +18,7 @@ accumulators stay in registers at any head dim (as the forward row kernel splits
 import numpy as np
 from numba import cuda
 
-from ..plan import Unsupported
+from ..device import Unsupported
 from . import launch
 from .common import NEG_INF, SMEM_ALIGN, compute_type, element_size, exp_for, head_dim_bucket, \
     key_end, stage_chunk, tile_stager
@@ -42,6 +42,17 @@ def _own_rows_loader(D, ROWS, ACC):
     return load_own_row
 
 
+def _pass_pieces(TILE, D, DV, ROWS, acc):
+    """What both passes need: stagers for the streamed tiles (TILE rows of width D, then DV),
+    the number of staging registers, and loaders for the thread's own rows (widths D and DV)."""
+    chunk = stage_chunk(acc)
+    _, _, stage_d, regs_d, _ = tile_stager(TILE, D, ROWS, acc, False, D, chunk)
+    _, _, stage_dv, regs_dv, _ = tile_stager(TILE, DV, ROWS, acc, False, DV, chunk)
+    ACC = compute_type(acc)
+    return (stage_d, stage_dv, max(regs_d, regs_dv), _own_rows_loader(D, ROWS, ACC),
+            _own_rows_loader(DV, ROWS, ACC))
+
+
 def make_key_kernel(D, DV, CW, BQ, ROWS, acc):
     """dK and dV: ROWS key rows a block, query tiles of BQ rows, CW accumulated columns of the
     concatenated [dK | dV] (D + DV padded columns) per block (grid z)."""
@@ -55,12 +66,7 @@ def make_key_kernel(D, DV, CW, BQ, ROWS, acc):
     LS = DOS + u(BQ * DV)
     DS = LS + uBQ
     zero = u(0)
-    chunk = stage_chunk(acc)
-    _, _, stage_q, Q_REGS, _ = tile_stager(BQ, D, ROWS, acc, False, D, chunk)
-    _, _, stage_do, DO_REGS, _ = tile_stager(BQ, DV, ROWS, acc, False, DV, chunk)
-    STAGE_REGS = max(Q_REGS, DO_REGS)
-    load_own_row = _own_rows_loader(D, ROWS, ACC)
-    load_own_v = _own_rows_loader(DV, ROWS, ACC)
+    stage_q, stage_do, STAGE_REGS, load_own_row, load_own_v = _pass_pieces(BQ, D, DV, ROWS, acc)
 
     def key_gradients(q, k, v, do, lse, delta, dk, dv, scale, causal, causal_offset):
         H = q.shape[1]
@@ -133,12 +139,7 @@ def make_query_kernel(D, DV, CW, BC, ROWS, acc):
     KS = u((D + DV) * ROWS)                       # then the K tile and the V tile
     VS = KS + u(BC * D)
     zero = u(0)
-    chunk = stage_chunk(acc)
-    _, _, stage_k, K_REGS, _ = tile_stager(BC, D, ROWS, acc, False, D, chunk)
-    _, _, stage_v, V_REGS, _ = tile_stager(BC, DV, ROWS, acc, False, DV, chunk)
-    STAGE_REGS = max(K_REGS, V_REGS)
-    load_own_row = _own_rows_loader(D, ROWS, ACC)
-    load_own_do = _own_rows_loader(DV, ROWS, ACC)
+    stage_k, stage_v, STAGE_REGS, load_own_row, load_own_do = _pass_pieces(BC, D, DV, ROWS, acc)
 
     def query_gradients(q, k, v, do, lse, delta, dq, scale, causal, causal_offset):
         H = q.shape[1]
