@@ -7,8 +7,9 @@ math), all on the same inputs in the same run (torch sees the CuPy arrays throug
 copy). Without a GPU the numba CPU path runs against NumPy naive attention (and torch SDPA on the
 CPU when torch is importable) at sizes that finish in about a minute.
 
-Suites: the main grid (default), ``--memory`` (long-sequence time and peak memory, naive shown as
-OOM where it fails) and ``--decode`` (decode Nq=1 and cross-attention Nq != Nk rows).
+Suites: the main grid (default), ``--backward`` (gradients: attention_backward against torch
+SDPA's backward and the naive backward), ``--memory`` (long-sequence time and peak memory, naive
+shown as OOM where it fails) and ``--decode`` (decode Nq=1 and cross-attention Nq != Nk rows).
 
 How it measures: a warm-up first, then the median (with min and max) of at least 10 timed repeats
 (fewer only where 10 calls would take longer than ``--cap`` seconds; the ``reps`` column says how
@@ -75,7 +76,19 @@ DEFAULTS = {
                                    d=(64,), dtype=("float32",), causal=(False,)),
     ("cpu", "decode", True): dict(batch=1, heads=8, nq=(1, 512), n=(2048, 8192), d=(64,),
                                   dtype=("float32",), causal=(False,)),
+    ("cuda", "backward", False): dict(batch=4, heads=16, n=(1024, 4096), d=(64, 128),
+                                      dtype=("float32", "float16"), causal=(False, True)),
+    ("cuda", "backward", True): dict(batch=4, heads=16, n=(1024,), d=(64,), dtype=("float32",),
+                                     causal=(False, True)),
+    ("cpu", "backward", False): dict(batch=1, heads=8, n=(512, 1024, 2048), d=(64,),
+                                     dtype=("float32",), causal=(False, True)),
+    ("cpu", "backward", True): dict(batch=1, heads=4, n=(256, 512), d=(64,), dtype=("float32",),
+                                    causal=(False, True)),
 }
+# The backward keeps each input set's forward (and a peer's saved tensors) alive: few sets.
+BACKWARD_SETS = 3
+# FlashAttention-2's backward does 5 matrix products of the forward's 2 sizes: 2.5x its FLOPs.
+BACKWARD_FLOPS = 2.5
 
 # Timing policy per backend: min/max repeats, the seconds one method may spend timing one row
 # before its repeats drop below min_reps (never below floor_reps), warm-up calls.
@@ -341,6 +354,7 @@ class Method:
     info: dict = field(default_factory=dict)
     memory: str = "pool"              # which peak-memory probe: "pool" (CuPy/NumPy) or "torch"
     refusal: object = None            # exc -> reason if the exception means "does not take these"
+    check: object = None              # result -> check dict; default: sampled forward check
 
 
 def selected(name, patterns):
@@ -422,6 +436,83 @@ def torch_sdpa_methods(torch, tsets, cfg, patterns):
                                                       scale=cfg.scale)
         methods.append(Method(name, "peer", call, io="standard" if attr == "MATH" else None,
                               memory="torch", refusal=refusal,
+                              info={"sdpa_backend": attr}))
+    return methods, skipped
+
+
+def backward_methods(backend, cfg, sets, patterns, torch=None):
+    """The backward suite: numflash's backward kernels (every algorithm explain() takes), torch
+    SDPA's backward per backend, and on the CPU the naive backward in NumPy. Each call returns
+    (dq, dk, dv) for output gradient dos[i] (the next set's q: independent, same shape). The
+    forward each backward needs (numflash's o and lse, torch's autograd graph) is made here,
+    outside the timing, so each timed call is the backward alone. The check compares head (0, 0)
+    with the float64 reference gradients (numflash.testing.check_backward).
+    """
+    import numflash
+    from numflash import reference, testing
+    from numflash.plan import ALGORITHMS
+    dos = [sets[(i + 1) % len(sets)][0] for i in range(len(sets))]
+    head = (slice(0, 1), slice(0, 1))
+
+    def check(grads):
+        q, k, v = sets[0]
+        part = [backend.to_host(a[head]) for a in (dos[0], q, k, v)]
+        rep = testing.check_backward([backend.to_host(g[head]) for g in grads], *part,
+                                     causal=cfg.causal, softmax_scale=cfg.scale)
+        worst = max(rep.errors, key=lambda n: rep.errors[n] / rep.bounds[n])
+        return {"ok": rep.ok, "max_err": rep.errors[worst], "bound": rep.bounds[worst],
+                "naive_err": rep.naive_errors[worst], "rel_err": max(rep.rel_errors.values()),
+                "checked": f"b0h0 dq, dk, dv (worst: {worst})"}
+
+    methods, skipped = [], {}
+    for alg in [a for a in ALGORITHMS if a != "auto"]:
+        name = f"numflash-{alg}"
+        if not selected(name, patterns):
+            continue
+        try:
+            plan = numflash.explain(*sets[0], causal=cfg.causal, backend=backend.name,
+                                    algorithm=alg, backward=True)
+        except ValueError as e:
+            skipped[name] = f"refused: {first_line(e, 300)}"
+            continue
+        forwards = [numflash.attention(*s, causal=cfg.causal, backend=backend.name,
+                                       return_lse=True) for s in sets]
+
+        def call(i, _alg=alg, _fw=forwards):
+            q, k, v = sets[i]
+            return numflash.attention_backward(dos[i], q, k, v, *_fw[i], causal=cfg.causal,
+                                               backend=backend.name, algorithm=_alg)
+        methods.append(Method(name, "numflash", call, check=check,
+                              info={"kernel": plan.kernel, "config": dict(plan.config)}))
+    if backend.name == "cpu" and selected("numpy-naive", patterns):
+        def naive(i):
+            q, k, v = sets[i]
+            return reference.naive_backward(dos[i], q, k, v, scale=cfg.scale, causal=cfg.causal,
+                                            dtype=np.dtype(cfg.dtype))
+        methods.append(Method("numpy-naive", "peer", naive, check=check))
+    if torch is None:
+        return methods, skipped
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    for name, attr in TORCH_SDPA:
+        if not selected(name, patterns) or getattr(SDPBackend, attr, None) is None:
+            continue
+        graphs = []
+        try:
+            for s, do in zip(sets, dos):
+                t = [torch.from_dlpack(a).requires_grad_() for a in s]
+                with sdpa_kernel([getattr(SDPBackend, attr)]):
+                    out = torch.nn.functional.scaled_dot_product_attention(
+                        *t, is_causal=cfg.causal, scale=cfg.scale)
+                graphs.append((out, t, torch.from_dlpack(do)))
+        except RuntimeError as e:
+            skipped[name] = (f"OOM: {first_line(e)}" if is_oom(e) else
+                             f"refused: {first_line(e)}")
+            continue
+
+        def call(i, _g=graphs):
+            out, t, do = _g[i]
+            return torch.autograd.grad(out, t, do, retain_graph=True)
+        methods.append(Method(name, "peer", call, check=check, memory="torch",
                               info={"sdpa_backend": attr}))
     return methods, skipped
 
@@ -918,11 +1009,12 @@ def detect_backend(choice):
 # ----------------------------------------------------------------------------------------------
 
 def base_record(cfg, method_name, family, backend_name):
+    flops = attention_flops(cfg.B, cfg.H, cfg.Nq, cfg.Nk, cfg.d, cfg.causal)
     return {"suite": cfg.suite, "backend": backend_name, "B": cfg.B, "H": cfg.H, "Nq": cfg.Nq,
             "Nk": cfg.Nk, "d": cfg.d, "dtype": cfg.dtype, "causal": cfg.causal,
             "method": method_name, "family": family, "status": None, "note": None,
             "time_ms": None, "host_ms": None, "reps": None, "tflops": None, "check": None,
-            "flops": attention_flops(cfg.B, cfg.H, cfg.Nq, cfg.Nk, cfg.d, cfg.causal)}
+            "flops": flops * (BACKWARD_FLOPS if cfg.suite == "backward" else 1)}
 
 
 def measure(method, cfg, sets, backend, policy, probe_memory=False, max_elems=CHECK_ELEMS):
@@ -986,7 +1078,8 @@ def measure(method, cfg, sets, backend, policy, probe_memory=False, max_elems=CH
     rec["bandwidth_GBps"] = mb / (rec["time_ms"]["median"] * 1e-3) / 1e9 if mb else None
     rec["predicted_peak_bytes"] = predicted_peak(rec)
     try:
-        rec["check"] = sampled_check(kept, *sets[0], cfg.causal, max_elems, backend.to_host)
+        rec["check"] = (method.check(kept) if method.check else
+                        sampled_check(kept, *sets[0], cfg.causal, max_elems, backend.to_host))
         rec["status"] = "ok" if rec["check"]["ok"] else "FAIL"
     except Exception as e:  # noqa: BLE001
         rec["status"], rec["note"] = "ERROR", f"check failed: {type(e).__name__}: {first_line(e)}"
@@ -1029,6 +1122,7 @@ SUITE_METHOD_DEFAULTS = {
     "decode": {},
     # the memory sweep: the algorithm numflash picks by itself, against naive attention
     "memory": {"algorithms": ("auto",), "peers": ("cupy-naive", "numpy-naive")},
+    "backward": {},
 }
 
 
@@ -1041,6 +1135,8 @@ def run_suite(backend, suite, configs, args, policy, progress, deadline, on_conf
             break
         seed = zlib.crc32(f"{args.seed}/{suite}/{idx}/{cfg}".encode())
         n_sets = args.sets or n_input_sets(cfg.set_bytes(), backend.cache_bytes())
+        if suite == "backward":
+            n_sets = min(n_sets, BACKWARD_SETS)
         try:
             sets = backend.make_sets(cfg, n_sets, seed)
         except Exception as e:  # noqa: BLE001
@@ -1051,7 +1147,21 @@ def run_suite(backend, suite, configs, args, policy, progress, deadline, on_conf
             backend.cleanup()
             records.append(rec)
             continue
-        methods, skipped = backend.methods(cfg, sets, args.methods, SUITE_METHOD_DEFAULTS[suite])
+        try:
+            if suite == "backward":
+                methods, skipped = backward_methods(backend, cfg, sets, args.methods,
+                                                    getattr(backend, "torch", None))
+            else:
+                methods, skipped = backend.methods(cfg, sets, args.methods,
+                                                   SUITE_METHOD_DEFAULTS[suite])
+        except Exception as e:  # noqa: BLE001 - e.g. a forward for the backward ran out of memory
+            rec = base_record(cfg, "inputs", "peer", backend.name)
+            rec["status"] = "OOM" if is_oom(e) else "ERROR"
+            rec["note"] = f"preparing methods: {type(e).__name__}: {first_line(e)}"
+            del e
+            backend.cleanup()
+            records.append(rec)
+            continue
         for name, why in skipped.items():
             rec = base_record(cfg, name, "numflash" if name.startswith("numflash") else "peer",
                               backend.name)
@@ -1216,7 +1326,8 @@ def _row_label(r):
     return f"{n} d={r['d']} {r['dtype']}{' causal' if r['causal'] else ''}"
 
 
-SUITE_TITLES = {"grid": "Attention forward", "memory": "Long-sequence memory sweep",
+SUITE_TITLES = {"grid": "Attention forward", "backward": "Attention backward (gradients only)",
+                "memory": "Long-sequence memory sweep",
                 "decode": "Decode (Nq=1) and cross-attention (Nq != Nk)"}
 
 
@@ -1232,7 +1343,9 @@ def render_markdown(meta, suites, policy):
              "- versions: " + ", ".join(f"{k} {v}" for k, v in meta["versions"].items()),
              f"- timing: {meta['timer']}; warm-up first; median (min-max) of the reps column; "
              f"inputs (standard normal) drawn fresh per row and rotated among the input sets",
-             "- TFLOP/s = 4 B H Nq Nk d / median time, halved for causal",
+             "- TFLOP/s = 4 B H Nq Nk d / median time, halved for causal (the backward: 2.5x "
+             "that, FlashAttention-2's count; its peers are timed on autograd.grad over a "
+             "forward made before the timing, so every time is the backward alone)",
              *(["- others' CPU: share of all CPUs that other processes (and VM steal) used "
                 "while the row was timed (/proc/stat minus this process): above "
                 f"{100 * BUSY_SHARE:.0f}% the time is inflated by the shared machine"]
@@ -1507,11 +1620,14 @@ def parse_args(argv):
     p.add_argument("--backend", choices=("auto", "cpu", "cuda"), default="auto",
                    help="auto: CUDA when CuPy sees a GPU, else the CPU path")
     p.add_argument("--grid", action="store_true",
-                   help="run the main grid (the default when neither --memory nor --decode)")
+                   help="run the main grid (the default when no other suite is asked for)")
     p.add_argument("--memory", action="store_true",
                    help="long-sequence sweep: time and peak memory, numflash vs naive")
     p.add_argument("--decode", action="store_true",
                    help="decode (Nq=1) and cross-attention (Nq != Nk) rows")
+    p.add_argument("--backward", action="store_true",
+                   help="the backward: attention_backward against torch SDPA's backward (and "
+                        "the naive NumPy backward on the CPU), gradients checked")
     p.add_argument("--quick", action="store_true", help="a few rows of each chosen suite")
     p.add_argument("--n", type=int, nargs="+", help="sequence lengths (Nk for --decode)")
     p.add_argument("--nq", type=int, nargs="+", help="query counts for --decode")
@@ -1586,8 +1702,10 @@ def run(argv=None):
     from tqdm import tqdm
 
     backend, why = detect_backend(args.backend)
-    suites_to_run = [s for s, on in (("grid", args.grid or not (args.memory or args.decode)),
-                                     ("memory", args.memory), ("decode", args.decode)) if on]
+    suites_to_run = [s for s, on in (("grid", args.grid or not (args.memory or args.decode
+                                                                  or args.backward)),
+                                     ("backward", args.backward), ("memory", args.memory),
+                                     ("decode", args.decode)) if on]
     policy = dict(POLICY[backend.name])
     for key, val in (("min_reps", args.repeats), ("max_repeats", args.max_repeats),
                      ("cap_s", args.cap), ("warmup", args.warmup)):

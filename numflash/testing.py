@@ -101,6 +101,7 @@ class GradientReport:
     naive_errors: dict  # name -> max |naive backward in the same dtype - reference|
     bounds: dict        # name -> 2 * naive error + floor
     finite: bool
+    rel_errors: dict = None  # name -> ||grad - ref|| / ||ref|| (Frobenius)
 
     @property
     def ok(self):
@@ -128,7 +129,7 @@ def check_backward(grads, do, q, k, v, *, causal=False, softmax_scale=None, layo
     o_low, _ = reference.naive(*raw[1:], dtype=work, **opts)
     naive = reference.naive_backward(*raw, dtype=work, o=o_low.astype(dt), **opts)
     names = ("dq", "dk", "dv")
-    errors, naive_errors, bounds, finite = {}, {}, {}, True
+    errors, naive_errors, bounds, rel, finite = {}, {}, {}, {}, True
     for name, g, r, n in zip(names, grads, ref, naive):
         g = bhsd(_to_host(g)).astype(np.float64)
         if g.shape != r.shape:
@@ -137,7 +138,8 @@ def check_backward(grads, do, q, k, v, *, causal=False, softmax_scale=None, layo
         errors[name] = float(np.abs(g - r).max()) if g.size else 0.0
         naive_errors[name] = float(np.abs(n.astype(dt).astype(np.float64) - r).max()) if g.size else 0.0
         bounds[name] = 2 * naive_errors[name] + ABS_FLOOR[dt.name]
-    return GradientReport(errors, naive_errors, bounds, finite)
+        rel[name] = float(np.linalg.norm(g - r)) / (float(np.linalg.norm(r)) or 1.0)
+    return GradientReport(errors, naive_errors, bounds, finite, rel)
 
 
 def assert_gradients_accurate(grads, do, q, k, v, **kwargs):

@@ -35,6 +35,43 @@ def _header(text, first_col):
 
 # ---------------------------------------------------------------------------------- end to end
 
+def test_cpu_backward_end_to_end(tmp_path, capsys):
+    """--backward times attention_backward against the naive NumPy backward (and torch SDPA's
+    backward where torch is installed), each gradient set checked against the reference."""
+    out = str(tmp_path / "res")
+    assert bench.main(TINY + ["--backward", "--n", "64", "--causal", "both", "--out", out]) == 0
+    assert "Attention backward" in capsys.readouterr().out
+    _, data = _outputs(out)
+    assert set(data["suites"]) == {"backward"}  # --backward alone runs no forward grid
+    rows = [r for r in data["suites"]["backward"] if r["status"] != "skipped"]
+    assert {r["method"] for r in rows} >= {"numflash-block", "numpy-naive"}
+    for r in rows:
+        assert r["status"] == "ok" and r["check"]["ok"], r
+        assert r["check"]["checked"].startswith("b0h0 dq, dk, dv")
+        assert r["flops"] == pytest.approx(
+            2.5 * bench.attention_flops(1, 2, 64, 64, 16, r["causal"]))
+    ours = [r for r in rows if r["method"] == "numflash-block"]
+    assert len(ours) == 2 and all("numpy-naive" in r["speedup"] for r in ours)
+    assert all(r["info"]["kernel"] == "cpu.tiled" for r in ours)
+
+
+def test_backward_check_catches_wrong_gradients(monkeypatch, tmp_path):
+    """A kernel whose dk is off fails the backward check: the suite's check is not a stub."""
+    import numflash
+    real = numflash.attention_backward
+
+    def wrong(*args, **kwargs):
+        dq, dk, dv = real(*args, **kwargs)
+        return dq, dk * 1.01, dv
+    monkeypatch.setattr(numflash, "attention_backward", wrong)
+    out = str(tmp_path / "res")
+    bench.main(TINY + ["--backward", "--n", "32", "--causal", "no", "--methods",
+                       "numflash-block", "--out", out])
+    _, data = _outputs(out)
+    row = next(r for r in data["suites"]["backward"] if r["method"] == "numflash-block")
+    assert row["status"] == "FAIL" and "dk" in row["check"]["checked"]
+
+
 def test_cpu_grid_end_to_end(tmp_path, capsys):
     out = str(tmp_path / "res")
     rc = bench.main(TINY + ["--n", "64", "96", "--causal", "both", "--out", out])
