@@ -83,13 +83,11 @@ def attention_backward(do, q, k, v, o, lse, *, causal=False, softmax_scale=None,
                                  layout=layout, precision=precision, deterministic=deterministic,
                                  dq=dq, dk=dk, dv=dv)
     plan = _plan.choose(problem, backend, algorithm)
-    B, H, Nq, Nk, d, dv_ = problem.shape
-    if B * H == 0:
-        pass
-    elif Nq == 0 or Nk == 0:  # no query sees a key: every gradient is zero
+    B, H, Nq, Nk = problem.shape[:4]
+    if Nq == 0 or Nk == 0:  # no query sees a key: every gradient is zero
         for g in (problem.dq, problem.dk, problem.dv):
             g[...] = 0
-    else:
+    elif B * H:
         plan.run(problem)
     return problem.result
 

@@ -10,7 +10,6 @@ from .device import Device, Unsupported, simulator_enabled  # noqa: F401 (kernel
 from .inputs import IEEE_REASON
 
 BACKENDS = ("auto", "cpu", "cuda")
-DIRECTIONS = ("forward", "backward")
 ALGORITHMS = ("auto", "block", "row", "mma")
 
 
@@ -193,9 +192,6 @@ def _choose(problem, backend, algorithm):
         backend = "cuda" if problem.on_device else "cpu"
 
     direction = getattr(problem, "direction", "forward")
-    if not AUTO_ORDER[direction][backend]:
-        raise ValueError(f"no numflash {direction} kernel runs on backend={backend!r} yet: "
-                         f"compute the gradients on the CPU (NumPy arrays, backend='cpu')")
     rejected = {}
     if backend == "cpu" and getattr(problem, "precision", "auto") == "tf32":
         raise ValueError("precision='tf32' runs on tensor cores (cuda.mma): pass CuPy float32 "
