@@ -16,12 +16,32 @@ import numba
 import numpy as np
 from numba import njit, prange
 
-from .tiled import FASTMATH, LOG2E, _exp2, _load_block, _SingleThreadedBlas, half_table
+from .tiled import FASTMATH, LOG2E, _exp2, _load_block, _SingleThreadedBlas, all_finite, \
+    half_table, visible_keys
 
 NAME = "cpu.tiled"
 BLOCK_Q = 256
 BLOCK_K = 256
 MIN_BLOCK_K = 32
+
+
+@njit(fastmath=FASTMATH, cache=True)
+def _masked_products(p, ds, qr, dor, kc, t_v, t_k, t_q, i0, j0, cols, causal, causal_offset,
+                     lse2_rows, zero):
+    """t_v = P^T dO, t_k = dS^T Q, t_q = dS K over visible (row, key) pairs only."""
+    rows = qr.shape[0]
+    t_v[:cols] = zero
+    t_k[:cols] = zero
+    t_q[:rows] = zero
+    for r in range(rows):
+        if lse2_rows[r] == -np.inf:  # the row sees no key
+            continue
+        for c in range(visible_keys(i0 + r, j0, cols, causal, causal_offset)):
+            for x in range(dor.shape[1]):
+                t_v[c, x] += p[r, c] * dor[r, x]
+            for x in range(qr.shape[1]):
+                t_k[c, x] += ds[r, c] * qr[r, x]
+                t_q[r, x] += ds[r, c] * kc[c, x]
 
 
 @njit(fastmath=FASTMATH, cache=True)
@@ -36,6 +56,7 @@ def _key_block_gradients(q, k, v, do, lse2, delta, dq_acc, dk, dv, b, h, j0, col
     _load_block(k, b, h, j0, cols, lut, kj)
     _load_block(v, b, h, j0, cols, lut, vj)
     kc, vc = kj[:cols], vj[:cols]
+    kv_finite = all_finite(kc) and all_finite(vc)
     dk_acc[:cols] = zero
     dv_acc[:cols] = zero
     # Query rows before the first that sees key j0 contribute nothing (causal tile skipping).
@@ -53,7 +74,7 @@ def _key_block_gradients(q, k, v, do, lse2, delta, dq_acc, dk, dv, b, h, j0, col
         for r in range(rows):
             i = i0 + r
             m = lse2[b, h, i]
-            last = cols if not causal else min(cols, max(0, i + causal_offset - j0 + 1))
+            last = visible_keys(i, j0, cols, causal, causal_offset)
             if m == -np.inf:  # the row sees no key: P = 0 (and 2**(x - -inf) would be inf)
                 last = 0
             dr = delta[b, h, i]
@@ -64,9 +85,14 @@ def _key_block_gradients(q, k, v, do, lse2, delta, dq_acc, dk, dv, b, h, j0, col
             for c in range(last, cols):
                 s[r, c] = zero
                 dp[r, c] = zero
-        np.dot(s.T, dor, t_v[:cols])       # P^T dO
-        np.dot(dp.T, qr, t_k[:cols])       # dS^T Q
-        np.dot(dp, kc, t_q[:rows])         # dS K
+        if kv_finite and all_finite(qr) and all_finite(dor):
+            np.dot(s.T, dor, t_v[:cols])       # P^T dO
+            np.dot(dp.T, qr, t_k[:cols])       # dS^T Q
+            np.dot(dp, kc, t_q[:rows])         # dS K
+        else:  # non-finite inputs: sum over the (row, key) pairs that see each other only, so
+            #    a NaN never reaches a gradient through a masked (zero) P or dS: 0 * NaN
+            _masked_products(s, dp, qr, dor, kc, t_v, t_k, t_q, i0, j0, cols, causal,
+                             causal_offset, lse2[b, h, i0:i0 + rows], zero)
         for c in range(cols):
             for x in range(dvd):
                 dv_acc[c, x] += t_v[c, x]

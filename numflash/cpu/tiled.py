@@ -117,6 +117,24 @@ def _load_block(src, b, h, r0, rows, lut, dst):
 
 
 @njit(fastmath=FASTMATH, cache=True)
+def all_finite(a):
+    """No NaN or inf in a 2-D array (BLAS would spread one through a zero weight: 0 * NaN)."""
+    for r in range(a.shape[0]):
+        for c in range(a.shape[1]):
+            if not np.isfinite(a[r, c]):
+                return False
+    return True
+
+
+@njit(fastmath=FASTMATH, cache=True)
+def visible_keys(i, j0, cols, causal, causal_offset):
+    """How many of the keys j0:j0+cols query row i sees (they are the first ones)."""
+    if not causal:
+        return cols
+    return min(cols, max(0, i + causal_offset - j0 + 1))
+
+
+@njit(fastmath=FASTMATH, cache=True)
 def _row_max(row):
     """max(row); -inf for a row of -inf."""
     mx = row[0]
@@ -201,10 +219,17 @@ def _attend_block(q, k, v, out, lse, b, h, i0, rows, kend, causal, causal_offset
         np.dot(qi, kj[:cols].T, s)
         if causal and j0 + cols - 1 > i0 + causal_offset:  # block crosses the diagonal
             for r in range(rows):
-                for c in range(max(0, i0 + r + causal_offset - j0 + 1), cols):
+                for c in range(visible_keys(i0 + r, j0, cols, causal, causal_offset), cols):
                     s[r, c] = -np.inf
         _online_softmax(s, c2, p, m, l, alpha, zero)
-        np.dot(p, vj[:cols], pv)
+        if all_finite(vj[:cols]):
+            np.dot(p, vj[:cols], pv)
+        else:  # a non-finite v reaches only the rows that see its key, never through a 0 weight
+            pv[:] = zero
+            for r in range(rows):
+                for c in range(visible_keys(i0 + r, j0, cols, causal, causal_offset)):
+                    for x in range(pv.shape[1]):
+                        pv[r, x] += p[r, c] * vj[c, x]
         # Rescale and add in one pass: the multiply rides along with the add for free.
         for r in range(rows):
             a = alpha[r]
