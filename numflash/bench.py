@@ -1137,27 +1137,20 @@ def run_suite(backend, suite, configs, args, policy, progress, deadline, on_conf
         n_sets = args.sets or n_input_sets(cfg.set_bytes(), backend.cache_bytes())
         if suite == "backward":
             n_sets = min(n_sets, BACKWARD_SETS)
+        step = "making inputs"
         try:
             sets = backend.make_sets(cfg, n_sets, seed)
-        except Exception as e:  # noqa: BLE001
-            rec = base_record(cfg, "inputs", "peer", backend.name)
-            rec["status"] = "OOM" if is_oom(e) else "ERROR"
-            rec["note"] = f"making inputs: {type(e).__name__}: {first_line(e)}"
-            del e
-            backend.cleanup()
-            records.append(rec)
-            continue
-        try:
+            step = "preparing methods"  # e.g. the forwards a backward row needs
             if suite == "backward":
                 methods, skipped = backward_methods(backend, cfg, sets, args.methods,
                                                     getattr(backend, "torch", None))
             else:
                 methods, skipped = backend.methods(cfg, sets, args.methods,
                                                    SUITE_METHOD_DEFAULTS[suite])
-        except Exception as e:  # noqa: BLE001 - e.g. a forward for the backward ran out of memory
+        except Exception as e:  # noqa: BLE001
             rec = base_record(cfg, "inputs", "peer", backend.name)
             rec["status"] = "OOM" if is_oom(e) else "ERROR"
-            rec["note"] = f"preparing methods: {type(e).__name__}: {first_line(e)}"
+            rec["note"] = f"{step}: {type(e).__name__}: {first_line(e)}"
             del e
             backend.cleanup()
             records.append(rec)
