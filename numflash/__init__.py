@@ -1,7 +1,19 @@
 """numflash: exact FlashAttention in Python, on NVIDIA GPUs (numba.cuda + CuPy) and on the CPU."""
+import importlib
+
 from . import reference
 from .api import attention, attention_backward, explain
 from .io_model import io_model
 
 __all__ = ["attention", "attention_backward", "explain", "reference", "io_model"]
 __version__ = "0.1.0"
+
+# The framework layers import their framework: loaded on first use (numflash.torch, ...), so that
+# numflash itself imports without torch, transformers or JAX.
+_FRAMEWORK_MODULES = ("torch", "transformers", "jax")
+
+
+def __getattr__(name):
+    if name in _FRAMEWORK_MODULES:
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -10,7 +10,8 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, layout="bhsd", backe
 
     q: (B, H, Nq, d), k: (B, H, Nk, d), v: (B, H, Nk, dv) for ``layout="bhsd"``;
     (B, N, H, d) each for ``layout="bshd"``. NumPy arrays run on the CPU, CuPy arrays (or any
-    ``__cuda_array_interface__`` object) on the GPU. Strided inputs are read in place.
+    ``__cuda_array_interface__`` object) on the GPU. Strided inputs are read in place. torch
+    tensors (CPU or CUDA) give torch tensors back, differentiably (:mod:`numflash.torch`).
 
     causal: False, True / "top_left" (query i sees keys j <= i), or "bottom_right"
         (query i sees keys j <= i + Nk - Nq). A row that sees no key gives zeros and lse = -inf.
@@ -42,6 +43,11 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, layout="bhsd", backe
         replay = _fastpath.lookup(key)
         if replay is not None:
             return replay(q, k, v)
+    if _is_torch(q):
+        from . import torch as _torch
+        return _torch.attention(q, k, v, causal=causal, softmax_scale=softmax_scale,
+                                layout=layout, backend=backend, algorithm=algorithm,
+                                return_lse=return_lse, out=out, precision=precision)
     problem = normalize(q, k, v, causal=causal, softmax_scale=softmax_scale, layout=layout,
                         return_lse=return_lse, out=out, precision=precision)
     plan = _plan.choose(problem, backend, algorithm)
@@ -79,6 +85,13 @@ def attention_backward(do, q, k, v, o, lse, *, causal=False, softmax_scale=None,
     key contributes nothing: its dq is zero. :func:`explain` with ``backward=True`` names the
     kernel that would run.
     """
+    if _is_torch(q):
+        from . import torch as _torch
+        return _torch.attention_backward(do, q, k, v, o, lse, causal=causal,
+                                         softmax_scale=softmax_scale, layout=layout,
+                                         backend=backend, algorithm=algorithm,
+                                         precision=precision, deterministic=deterministic,
+                                         dq=dq, dk=dk, dv=dv)
     problem = normalize_backward(do, q, k, v, o, lse, causal=causal, softmax_scale=softmax_scale,
                                  layout=layout, precision=precision, deterministic=deterministic,
                                  dq=dq, dk=dk, dv=dv)
@@ -90,6 +103,12 @@ def attention_backward(do, q, k, v, o, lse, *, causal=False, softmax_scale=None,
     elif B * H:
         plan.run(problem)
     return problem.result
+
+
+def _is_torch(x):
+    """A torch.Tensor (checked without importing torch): numflash.torch runs it."""
+    return type(x).__module__ == "torch" or (type(x).__module__.startswith("torch.")
+                                             and type(x).__name__ in ("Tensor", "Parameter"))
 
 
 def explain(q, k, v, *, causal=False, softmax_scale=None, layout="bhsd", backend="auto",

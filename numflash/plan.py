@@ -81,7 +81,8 @@ BACKWARD_KERNELS = (
                        "split), P recomputed from lse tile by tile, dQ per split summed in a "
                        "fixed order (always deterministic)"),
     KernelSpec("cuda.row", "cuda", "row", "numflash.cuda.row_backward",
-               dtypes=("float16", "float32", "float64"), max_head_dim=256, direction="backward",
+               dtypes=("float16", "bfloat16", "float32", "float64"), max_head_dim=256,
+               direction="backward",
                summary="FMA FlashAttention-2 backward, one thread a row: a key pass (dK, dV) and a "
                        "query pass (dQ) that recomputes S, no atomics (always deterministic)"),
 )

@@ -34,6 +34,7 @@ EXTENDED_TESTS = {
     "test_inspect_cli_check_passes",
     "test_block_configs_for_unequal_head_dims_do_not_spill",
     "test_backward_kernels_compile_without_spills",
+    "test_torch_compile_inductor_fullgraph",         # inductor compiles C++ for ~20 s
 }
 FAST_CASES = {  # sweep -> the case ids that stay in the fast tier
     "test_3xtf32_variant_compiles_clean": {"d64-sm90"},

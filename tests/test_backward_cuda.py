@@ -36,6 +36,23 @@ def test_simulated_gradients_meet_the_accuracy_rule(rng, dtype, shape, causal):
 
 
 @pytest.mark.simulator
+@pytest.mark.parametrize("causal", [False, "bottom_right"])
+def test_simulated_bfloat16_gradients_meet_the_accuracy_rule(rng, causal):
+    """bfloat16 runs the float32 kernels on float32 copies; o and lse come from the reference
+    (the bfloat16 forward is cuda.mma's, which the simulator cannot run)."""
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    bf16 = np.dtype(ml_dtypes.bfloat16)
+    q, k, v, do = (a.astype(bf16) for a in make(rng, 1, 2, 33, 20, 12, 7))
+    o, lse = numflash.reference.attention(q, k, v, causal=causal, return_lse=True)
+    plan = numflash.explain(q, k, v, backward=True, backend="cuda", causal=causal)
+    assert plan.kernel == "cuda.row"
+    grads = numflash.attention_backward(do, q, k, v, o.astype(bf16), lse.astype(np.float32),
+                                        backend="cuda", causal=causal)
+    assert all(g.dtype == bf16 for g in grads)
+    testing.assert_gradients_accurate(grads, do, q, k, v, causal=causal)
+
+
+@pytest.mark.simulator
 def test_simulated_column_chunks_layout_strides_and_outputs(rng):
     """float64 d=59, dv=111: [dK | dV] and dQ split across grid z; bshd, strided, given outputs."""
     q, k, v, do = make(rng, 1, 2, 9, 40, 59, 111, dtype=np.float64, layout="bshd")
@@ -114,6 +131,7 @@ GPU_CASES = [  # (B, H, Nq, Nk, d, dv, dtype, causal)
     (1, 2, 777, 513, 59, 111, "float64", True),
     (1, 2, 513, 700, 256, 256, "float16", False),
     (1, 2, 300, 260, 1, 1, "float64", False),
+    (2, 4, 1024, 999, 64, 64, "bfloat16", True),
 ]
 
 
@@ -122,6 +140,8 @@ GPU_CASES = [  # (B, H, Nq, Nk, d, dv, dtype, causal)
 def test_gpu_gradients_meet_the_accuracy_rule_and_repeat_bitwise(rng, case):
     import cupy
     B, H, Nq, Nk, d, dv, dtype, causal = case
+    if dtype == "bfloat16":
+        dtype = pytest.importorskip("ml_dtypes").bfloat16
     q, k, v, do = make(rng, B, H, Nq, Nk, d, dv, dtype=np.dtype(dtype))
     first = cuda_forward_backward(q, k, v, do, xp=cupy, causal=causal, deterministic=True)
     again = cuda_forward_backward(q, k, v, do, xp=cupy, causal=causal, deterministic=True)

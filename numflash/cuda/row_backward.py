@@ -1,5 +1,9 @@
-"""The FMA backward (float16 in float32, float32, float64): FlashAttention-2's gradients with one
-thread per row, deterministic by construction (no atomics).
+"""The FMA backward (float16 in float32, float32, float64; bfloat16 staged as float32):
+FlashAttention-2's gradients with one thread per row, deterministic by construction (no atomics).
+
+bfloat16: numba has no bfloat16 type, so q, k, v and dO are first copied to float32 (CuPy casts,
+4 x N x d words more device memory, still O(N)) and the float32 kernels run; the gradients are
+rounded to bfloat16 at the end, as the float16 ones are.
 
 Two kernels after the preprocessing pass D = rowsum(dO * O) (one CuPy reduction):
 - key pass: one thread owns one key row j. Its k and v rows sit in shared memory (transposed:
@@ -230,8 +234,11 @@ def run(problem, cfg, device):
     xp = p.xp
     B, H, Nq, Nk, d, dv = p.shape
     acc = np.float64 if cfg["acc"] == "float64" else np.float32
+    q, k, v, do = p.q, p.k, p.v, p.do
+    if p.dtype_name == "bfloat16":  # no bfloat16 in numba: the float32 kernels read copies
+        q, k, v, do = (a.astype(np.float32) for a in (q, k, v, do))
     # Preprocessing: D = rowsum(dO * O) in the compute type, from O as stored.
-    delta = (p.do.astype(acc) * p.o.astype(acc)).sum(axis=-1)
+    delta = (do.astype(acc) * p.o.astype(acc)).sum(axis=-1)
     lse = p.lse if p.lse.dtype == acc else p.lse.astype(acc)
     grads = [g if g.dtype == acc else xp.empty(g.shape, acc) for g in (p.dq, p.dk, p.dv)]
     D, DV, ROWS, TILE = cfg["D"], cfg["DV"], cfg["ROWS"], cfg["TILE"]
@@ -240,13 +247,13 @@ def run(problem, cfg, device):
                                    {"D": D, "DV": DV, "CW": cfg["CW_KEY"], "BQ": TILE,
                                     "ROWS": ROWS, "acc": cfg["acc"]})
     key_kernel((B * H, -(-Nk // ROWS), -(-(D + DV) // cfg["CW_KEY"])), (ROWS,),
-               shared_bytes(cfg), (p.q, p.k, p.v, p.do, lse, delta, grads[1], grads[2], *opts),
+               shared_bytes(cfg), (q, k, v, do, lse, delta, grads[1], grads[2], *opts),
                device)
     query_kernel = launch.get_kernel(NAME + ".backward_queries", make_query_kernel,
                                      {"D": D, "DV": DV, "CW": cfg["CW_QUERY"], "BC": TILE,
                                       "ROWS": ROWS, "acc": cfg["acc"]})
     query_kernel((B * H, -(-Nq // ROWS), -(-D // cfg["CW_QUERY"])), (ROWS,), shared_bytes(cfg),
-                 (p.q, p.k, p.v, p.do, lse, delta, grads[0], *opts), device)
+                 (q, k, v, do, lse, delta, grads[0], *opts), device)
     for g, mine in zip((p.dq, p.dk, p.dv), grads):
         if g is not mine:
             g[...] = mine

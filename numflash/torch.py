@@ -1,0 +1,515 @@
+"""PyTorch entry points: numflash as a torch operator, differentiable and zero-copy.
+
+The layers, innermost first (as flash-attn stacks extension -> custom op -> autograd -> API):
+
+- :func:`numflash.attention` / :func:`numflash.attention_backward` on NumPy / CuPy views of the
+  tensors' memory (``Tensor.numpy()`` on the CPU, DLPack on the GPU: no copy either way);
+- two torch operators, ``numflash::attention`` and ``numflash::attention_backward``
+  (``torch.library.custom_op``), with fake implementations so that ``torch.compile`` traces them
+  without a graph break, and CUDA launches on torch's current stream;
+- ``register_autograd`` ties them together, so gradients flow through ``loss.backward()`` and
+  ``torch.autograd.grad``; ``register_vmap`` folds a vmapped dimension into the batch. Eager
+  calls skip the operator's dispatch: without autograd they run the body directly, with it an
+  autograd.Function holding the same pieces (see :func:`_run_forward`). ``torch.func.grad``
+  cannot run them (its backward tensors have no memory to read) and raises saying so;
+- public functions with the signatures people already call: :func:`scaled_dot_product_attention`
+  (torch's) and :func:`flash_attn_func` (flash-attn's), plus :func:`attention`, which
+  :func:`numflash.attention` hands torch tensors to.
+
+Repeated CUDA calls replay the recorded kernel launch with the tensors' data pointers (as
+numflash.cuda.fastpath does for CuPy), so a call costs one torch allocation and one launch.
+"""
+import math
+import threading
+
+import torch
+
+from . import api as _api
+from .cuda import fastpath as _fastpath
+
+__all__ = ["attention", "attention_backward", "scaled_dot_product_attention", "flash_attn_func",
+           "attention_probabilities"]
+
+_CAUSAL = {False: "none", None: "none", True: "top_left", "top_left": "top_left",
+           "bottom_right": "bottom_right"}
+_CAUSAL_ARG = {"none": False, "top_left": "top_left", "bottom_right": "bottom_right"}
+_LAYOUT_DIMS = {"bhsd": (0, 1, 2), "bshd": (0, 2, 1)}  # positions of B, H, N in each layout
+
+
+def _causal_name(causal):
+    try:
+        return _CAUSAL[causal]
+    except (KeyError, TypeError):
+        raise ValueError(f"causal must be one of False, True, 'top_left', 'bottom_right'; got "
+                         f"{causal!r}") from None
+
+
+def _scale(softmax_scale, d):
+    if softmax_scale is None:
+        return 1.0 / math.sqrt(d) if d > 0 else 1.0  # d == 0 is refused by numflash's checks
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
+        raise TypeError(f"softmax_scale must be a real number or None; got "
+                        f"{type(softmax_scale).__name__}")
+    scale = float(softmax_scale)
+    if not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"softmax_scale must be finite and > 0; got {softmax_scale!r}")
+    return scale
+
+
+def _lse_dtype(dtype):
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _check_tensors(**tensors):
+    """What must hold before any tensor is viewed as an array: tensors, one device, a dtype and a
+    device numflash runs. The shapes and the rest are numflash's own checks."""
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor; got {type(t).__name__}")
+    devices = {name: t.device for name, t in tensors.items()}
+    if len(set(devices.values())) > 1:
+        raise ValueError("tensors must be on one device; got "
+                         + ", ".join(f"{n} on {d}" for n, d in devices.items()))
+    name, t = next(iter(tensors.items()))
+    if t.device.type not in ("cpu", "cuda"):
+        raise TypeError(f"numflash runs CPU and CUDA tensors; {name} is on {t.device}")
+    if t.device.type == "cpu" and t.dtype == torch.bfloat16:
+        raise TypeError(f"{name} is a bfloat16 CPU tensor: numflash's CPU path (cpu.tiled) takes "
+                        f"float16, float32 and float64; bfloat16 runs on CUDA tensors")
+
+
+_FUNC_GRAD_REASON = (
+    "numflash's attention cannot be differentiated by torch.func.grad / vjp / jacrev (torch "
+    "hands its backward tensors without memory to read); use torch.autograd.grad or "
+    "loss.backward(). torch.func.vmap works")
+
+
+def _views(*tensors):
+    """Zero-copy NumPy (CPU) or CuPy (CUDA) views of the tensors' memory, strides kept."""
+    if any(map(torch._C._functorch.is_functorch_wrapped_tensor, tensors)):
+        raise NotImplementedError(_FUNC_GRAD_REASON)
+    if tensors[0].device.type == "cpu":
+        return [t.detach().numpy() for t in tensors]
+    import cupy
+    return [cupy.from_dlpack(t.detach()) for t in tensors]
+
+
+def _current_device():
+    """torch.cuda.current_device() without its lazy-initialization check (CUDA is initialized
+    once a CUDA tensor exists)."""
+    get = getattr(torch._C, "_cuda_getDevice", None)
+    return get() if get is not None else torch.cuda.current_device()
+
+
+def _current_stream(index):
+    """torch's current CUDA stream on device ``index`` as a raw handle. The private call is what
+    Triton uses; it skips building a torch.cuda.Stream object (microseconds a call)."""
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    return raw(index) if raw is not None else torch.cuda.current_stream(index).cuda_stream
+
+
+class _on_torch_stream:
+    """Inside: CuPy's current device and stream are the tensor's device and torch's current
+    stream there, so numflash's launches are ordered with the model's other work (no sync)."""
+
+    def __init__(self, t):
+        self.t = t
+
+    def __enter__(self):
+        if self.t.device.type != "cuda":
+            return None
+        import cupy
+        self.device = cupy.cuda.Device(self.t.device.index)
+        self.device.__enter__()
+        handle = _current_stream(self.t.device.index)
+        self.stream = cupy.cuda.ExternalStream(handle, self.t.device.index)
+        self.stream.__enter__()
+        return handle
+
+    def __exit__(self, *exc):
+        if self.t.device.type == "cuda":
+            self.stream.__exit__(*exc)
+            self.device.__exit__(*exc)
+
+
+def _out_shape(q, v, layout):
+    shape = list(q.shape)
+    shape[3] = v.shape[3]
+    return tuple(shape)
+
+
+def _lse_shape(q, layout):
+    b, h, n = _LAYOUT_DIMS[layout]
+    return (q.shape[b], q.shape[h], q.shape[n])
+
+
+# ---- CUDA replays: a repeated call launches the recorded kernel on the tensors' pointers ----
+
+_replays = {}
+_MAX_REPLAYS = 1024
+_replay_lock = threading.Lock()
+
+
+class _Replay:
+    __slots__ = ("recipe", "out_shape", "lse_shape", "dtype", "lse_dtype")
+
+    def __init__(self, recipe, out_shape, lse_shape, dtype):
+        self.recipe, self.out_shape, self.lse_shape = recipe, out_shape, lse_shape
+        self.dtype, self.lse_dtype = dtype, _lse_dtype(dtype)
+
+    def __call__(self, q, k, v):
+        device = q.device
+        out = torch.empty(self.out_shape, dtype=self.dtype, device=device)
+        lse = torch.empty(self.lse_shape, dtype=self.lse_dtype, device=device)
+        self.recipe.launch(_current_stream(device.index), (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
+                                    lse.data_ptr()))
+        return out, lse
+
+
+def _replay_key(q, k, v, options):
+    """None unless q, k, v are plain tensors and q is on the current device (a replay launches
+    in the current context)."""
+    if type(k) is not torch.Tensor or type(v) is not torch.Tensor:
+        return None
+    if q.device.index != _current_device():
+        return None
+    return (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype,
+            v.dtype, q.device, k.device, v.device, q.data_ptr() % 16, k.data_ptr() % 16,
+            v.data_ptr() % 16, torch.cuda.current_device(), options)
+
+
+def _forward_impl(q, k, v, causal, scale, layout, backend, algorithm, precision):
+    """(out, lse) as new tensors on q's device: the operator's body."""
+    on_cuda = q.is_cuda
+    key = None
+    if on_cuda:  # a recorded call's key holds everything the checks below depend on
+        key = _replay_key(q, k, v, (causal, scale, layout, backend, algorithm, precision))
+        replay = _replays.get(key)
+        if replay is not None:  # the key holds the current device: it is q's
+            return replay(q, k, v)
+    _check_tensors(q=q, k=k, v=v)
+    out = torch.empty(_out_shape(q, v, layout), dtype=q.dtype, device=q.device)
+    with _on_torch_stream(q):
+        qa, ka, va, outa = _views(q, k, v, out)
+        with _fastpath.recording() as launches:
+            _, lse = _api.attention(qa, ka, va, causal=_CAUSAL_ARG[causal], softmax_scale=scale,
+                                    layout=layout, backend=backend, algorithm=algorithm,
+                                    return_lse=True, out=outa, precision=precision)
+    lse = torch.from_numpy(lse) if not on_cuda else torch.from_dlpack(lse)
+    if on_cuda and key is not None and len(launches) == 1:
+        _remember(key, launches[0], (q, k, v, out, lse), out.shape, lse.shape, q.dtype)
+    return out, lse
+
+
+def _remember(key, recipe, tensors, out_shape, lse_shape, dtype):
+    """Keep a launch for replay when its first five pointers are q, k, v, out, lse and its other
+    array arguments live as long as the process (numflash.cuda.fastpath.keep)."""
+    if recipe.pointers[:5] != tuple(t.data_ptr() for t in tensors):
+        return
+    if any(p not in _fastpath._kept for p in recipe.pointers[5:]):
+        return
+    with _replay_lock:
+        if len(_replays) >= _MAX_REPLAYS:
+            _replays.clear()
+        _replays[key] = _Replay(recipe, tuple(out_shape), tuple(lse_shape), dtype)
+
+
+def _backward_impl(do, q, k, v, o, lse, causal, scale, layout, backend, algorithm, precision,
+                   deterministic):
+    _check_tensors(do=do, q=q, k=k, v=v, o=o, lse=lse)
+    grads = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v)]
+    with _on_torch_stream(q):
+        arrays = _views(do, q, k, v, o, lse, *grads)
+        _api.attention_backward(*arrays[:6], causal=_CAUSAL_ARG[causal], softmax_scale=scale,
+                                layout=layout, backend=backend, algorithm=algorithm,
+                                precision=precision, deterministic=deterministic,
+                                dq=arrays[6], dk=arrays[7], dv=arrays[8])
+    return tuple(grads)
+
+
+# ---- the operators ----
+
+@torch.library.custom_op("numflash::attention", mutates_args=())
+def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: str, scale: float,
+                  layout: str, backend: str, algorithm: str, precision: str,
+                  deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    # `deterministic` is the backward's option, carried here so that autograd can pass it on.
+    return _forward_impl(q, k, v, causal, scale, layout, backend, algorithm, precision)
+
+
+@_attention_op.register_fake
+def _attention_fake(q, k, v, causal, scale, layout, backend, algorithm, precision, deterministic):
+    out = q.new_empty(_out_shape(q, v, layout))
+    lse = q.new_empty(_lse_shape(q, layout), dtype=_lse_dtype(q.dtype))
+    return out, lse
+
+
+@torch.library.custom_op("numflash::attention_backward", mutates_args=())
+def _attention_backward_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           o: torch.Tensor, lse: torch.Tensor, causal: str, scale: float,
+                           layout: str, backend: str, algorithm: str, precision: str,
+                           deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _backward_impl(do, q, k, v, o, lse, causal, scale, layout, backend, algorithm,
+                          precision, deterministic)
+
+
+@_attention_backward_op.register_fake
+def _attention_backward_fake(do, q, k, v, o, lse, causal, scale, layout, backend, algorithm,
+                             precision, deterministic):
+    # contiguous, as the real implementation makes them
+    return tuple(t.new_empty(t.shape) for t in (q, k, v))
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, causal, scale, layout, backend, algorithm, precision, deterministic = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
+    # The forward's `algorithm` names a forward kernel; the backward chooses its own.
+    ctx.options = (causal, scale, layout, backend, "auto", precision, deterministic)
+    ctx.mark_non_differentiable(lse)
+
+
+def _gradients(backward, ctx, d_out):
+    if torch._C._are_functorch_transforms_active():
+        raise NotImplementedError(_FUNC_GRAD_REASON)
+    if torch.is_grad_enabled() and not torch.compiler.is_compiling():
+        # create_graph=True: the gradients would be constants, and a loss built on them would
+        # silently lose their dependence on q, k and v
+        raise NotImplementedError("numflash's attention backward is not differentiable: "
+                                  "double backward (create_graph=True) is not supported")
+    q, k, v, out, lse = ctx.saved_tensors
+    if d_out is None:
+        d_out = torch.zeros_like(out)
+    dq, dk, dv = backward(d_out, q, k, v, out, lse, *ctx.options)
+    return dq, dk, dv, None, None, None, None, None, None, None
+
+
+def _op_backward(ctx, d_out, d_lse):
+    return _gradients(_attention_backward_op, ctx, d_out)
+
+
+_attention_op.register_autograd(_op_backward, setup_context=_setup_context)
+
+
+def _vmap_rule(apply):
+    """torch.func.vmap: the mapped dimension becomes part of the batch (B' = V * B)."""
+    def rule(info, in_dims, q, k, v, *options):
+        size = info.batch_size
+        tensors = []
+        for t, dim in zip((q, k, v), in_dims[:3]):
+            t = t.unsqueeze(0).expand(size, *t.shape) if dim is None else t.movedim(dim, 0)
+            tensors.append(t.reshape(size * t.shape[1], *t.shape[2:]))
+        out, lse = apply(*tensors, *options)
+        return ((out.reshape(size, -1, *out.shape[1:]), lse.reshape(size, -1, *lse.shape[1:])),
+                (0, 0))
+    return rule
+
+
+_attention_op.register_vmap(_vmap_rule(_attention_op))
+
+
+class _AttentionFunction(torch.autograd.Function):
+    """The same forward, backward and vmap rule as the operator, without the operator's dispatch
+    (~18 us a call on the CPU where it was measured, 30 more with autograd), for eager calls;
+    traced code (torch.compile) takes the operator."""
+
+    @staticmethod
+    def forward(q, k, v, causal, scale, layout, backend, algorithm, precision, deterministic):
+        return _forward_impl(q, k, v, causal, scale, layout, backend, algorithm, precision)
+
+    setup_context = staticmethod(_setup_context)
+
+    @staticmethod
+    def backward(ctx, d_out, d_lse):
+        return _gradients(_backward_impl, ctx, d_out)
+
+    @staticmethod
+    def vmap(info, in_dims, *args):
+        return _vmap_rule(_AttentionFunction.apply)(info, in_dims, *args)
+
+
+def _run_forward(q, k, v, *options):
+    """The cheapest way to run the forward for how it is being called."""
+    if torch.compiler.is_compiling():
+        return _attention_op(q, k, v, *options)
+    if torch._C._are_functorch_transforms_active() or (torch.is_grad_enabled() and (
+            q.requires_grad or k.requires_grad or v.requires_grad)):
+        return _AttentionFunction.apply(q, k, v, *options)
+    return _forward_impl(q, k, v, *options[:-1])
+
+
+# ---- public functions ----
+
+def attention(q, k, v, *, causal=False, softmax_scale=None, layout="bhsd", backend="auto",
+              algorithm="auto", return_lse=False, out=None, precision="auto",
+              deterministic=False):
+    """:func:`numflash.attention` for torch tensors (it is what that function runs for them).
+
+    Differentiable: gradients come from numflash's backward (``deterministic=True`` asks the
+    backward for bit-reproducible gradients; numflash's backward kernels all are). The lse is
+    not differentiable. ``out=`` writes the result into a tensor and is not differentiable: with
+    grad mode on and an input that requires grad, it raises.
+    """
+    if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor)
+            and isinstance(v, torch.Tensor)):
+        _check_tensors(q=q, k=k, v=v)  # raises; the rest is checked where the call runs
+    name = _causal_name(causal)
+    scale = _scale(softmax_scale, q.shape[-1] if q.dim() == 4 else 0)
+    if out is not None:
+        _check_tensors(q=q, k=k, v=v)
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+            raise ValueError("out= writes into a tensor and cannot be differentiated: leave "
+                             "out=None, or call under torch.no_grad()")
+        _check_tensors(q=q, out=out)
+        with _on_torch_stream(q):
+            qa, ka, va, outa = _views(q, k, v, out)
+            res = _api.attention(qa, ka, va, causal=causal, softmax_scale=softmax_scale,
+                                 layout=layout, backend=backend, algorithm=algorithm,
+                                 return_lse=return_lse, out=outa, precision=precision)
+        if not return_lse:
+            return out
+        lse = res[1]
+        return out, torch.from_numpy(lse) if q.device.type == "cpu" else torch.from_dlpack(lse)
+    o, lse = _run_forward(q, k, v, name, scale, layout, backend, algorithm, precision,
+                          bool(deterministic))
+    return (o, lse) if return_lse else o
+
+
+def attention_backward(do, q, k, v, o, lse, *, causal=False, softmax_scale=None, layout="bhsd",
+                       backend="auto", algorithm="auto", precision="auto", deterministic=False,
+                       dq=None, dk=None, dv=None):
+    """:func:`numflash.attention_backward` for torch tensors: returns (dq, dk, dv) tensors."""
+    _check_tensors(do=do, q=q, k=k, v=v, o=o, lse=lse)
+    if dq is None and dk is None and dv is None:
+        scale = _scale(softmax_scale, q.shape[-1] if q.dim() == 4 else 0)
+        return _attention_backward_op(do, q, k, v, o, lse, _causal_name(causal), scale, layout,
+                                      backend, algorithm, precision, bool(deterministic))
+    grads = [g if g is not None else torch.empty(t.shape, dtype=t.dtype, device=t.device)
+             for g, t in ((dq, q), (dk, k), (dv, v))]
+    _check_tensors(q=q, dq=grads[0], dk=grads[1], dv=grads[2])
+    with _on_torch_stream(q):
+        arrays = _views(do, q, k, v, o, lse, *grads)
+        _api.attention_backward(*arrays[:6], causal=causal, softmax_scale=softmax_scale,
+                                layout=layout, backend=backend, algorithm=algorithm,
+                                precision=precision, deterministic=deterministic,
+                                dq=arrays[6], dk=arrays[7], dv=arrays[8])
+    return tuple(grads)
+
+
+def attention_probabilities(q, k, lse, *, causal=False, softmax_scale=None, layout="bhsd"):
+    """The exact attention probabilities P = exp(scale q k^T - lse) as a (B, H, Nq, Nk) tensor,
+    from the lse that :func:`attention` returned: a second pass, O(Nq Nk) memory by nature (for
+    ``output_attentions`` / ``return_attn_probs``; the attention itself never builds it).
+    Masked positions and rows that see no key are 0. Computed in float32 for 16-bit inputs and
+    returned in q's dtype; differentiable through q and k (not through lse)."""
+    if layout == "bshd":
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
+    nq, nk = q.shape[2], k.shape[2]
+    scale = _scale(softmax_scale, q.shape[-1])
+    work = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
+    s = torch.matmul(q.to(work), k.to(work).transpose(-1, -2)) * scale
+    lse = lse.detach().to(work)
+    finite = torch.isfinite(lse)[..., None]
+    p = torch.where(finite, torch.exp(s - torch.where(finite, lse[..., None], 0)), 0)
+    name = _causal_name(causal)
+    if name != "none":
+        offset = 0 if name == "top_left" else nk - nq
+        rows = torch.arange(nq, device=q.device)[:, None]
+        cols = torch.arange(nk, device=q.device)[None, :]
+        p = torch.where(cols <= rows + offset, p, 0)
+    return p.to(q.dtype)
+
+
+def _sdpa_refusals(attn_mask, dropout_p, enable_gqa, query, key):
+    if attn_mask is not None:
+        raise NotImplementedError("numflash.torch.scaled_dot_product_attention: attn_mask is not "
+                                  "supported yet (masks and biases are not in numflash's kernels); "
+                                  "pass is_causal=True for a causal mask, or use "
+                                  "torch.nn.functional.scaled_dot_product_attention")
+    if dropout_p:
+        raise NotImplementedError(f"numflash.torch.scaled_dot_product_attention: dropout_p="
+                                  f"{dropout_p} is not supported (numflash has no dropout); pass "
+                                  f"dropout_p=0.0")
+    if query.dim() >= 3 and key.dim() >= 3 and query.shape[-3] != key.shape[-3]:
+        what = "enable_gqa=True" if enable_gqa else "different head counts"
+        raise NotImplementedError(f"numflash.torch.scaled_dot_product_attention: {what} "
+                                  f"(query has {query.shape[-3]} heads, key {key.shape[-3]}): "
+                                  f"grouped-query attention is not supported yet; repeat key and "
+                                  f"value along dim -3 with repeat_interleave")
+
+
+def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
+                                 is_causal=False, scale=None, enable_gqa=False):
+    """torch.nn.functional.scaled_dot_product_attention's signature and semantics on numflash.
+
+    query (..., L, E), key (..., S, E), value (..., S, Ev) with the same leading dimensions
+    (usually (N, H)); ``is_causal`` is top-left aligned, as in torch. Differentiable. Not yet
+    supported, and refused with NotImplementedError naming the option: ``attn_mask``,
+    ``dropout_p > 0`` and grouped-query attention (``enable_gqa`` with fewer key heads).
+    """
+    if (attn_mask is None and not dropout_p and type(query) is torch.Tensor and query.dim() == 4
+            and type(key) is torch.Tensor and key.dim() == 4 and query.shape[1] == key.shape[1]):
+        return attention(query, key, value, causal=bool(is_causal), softmax_scale=scale)
+    _check_tensors(query=query, key=key, value=value)
+    _sdpa_refusals(attn_mask, dropout_p, enable_gqa, query, key)
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if t.dim() < 2:
+            raise ValueError(f"{name} must have at least 2 dimensions (..., L, E); got shape "
+                             f"{tuple(t.shape)}")
+    lead = query.shape[:-2]
+    for name, t in (("key", key), ("value", value)):
+        if t.shape[:-2] != lead:
+            raise ValueError(f"{name}'s leading dimensions {tuple(t.shape[:-2])} must equal "
+                             f"query's {tuple(lead)} (numflash does not broadcast them)")
+    q4, k4, v4 = (_as_4d(t) for t in (query, key, value))
+    out = attention(q4, k4, v4, causal=bool(is_causal), softmax_scale=scale)
+    return out.reshape(*lead, *out.shape[-2:])
+
+
+def _as_4d(t):
+    """(..., N, E) as (B, H, N, E): a view when the leading dimensions allow one."""
+    if t.dim() == 4:
+        return t
+    if t.dim() == 3:
+        return t.unsqueeze(1)
+    if t.dim() == 2:
+        return t[None, None]
+    return t.reshape(-1, t.shape[-3], *t.shape[-2:])
+
+
+def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
+                    window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
+                    return_attn_probs=False):
+    """flash-attn's ``flash_attn_func`` on numflash: q (B, Nq, H, d), k and v (B, Nk, H, d), causal
+    aligned to the bottom right (query i sees keys j <= i + Nk - Nq), differentiable. Also fp32,
+    fp64, any head dim, Turing GPUs and CPUs.
+
+    ``return_attn_probs=True`` returns (out, softmax_lse, probs) with softmax_lse (B, H, Nq) and
+    the exact probabilities (B, H, Nq, Nk) (:func:`attention_probabilities`). Not yet supported,
+    and refused with NotImplementedError naming the option: ``dropout_p > 0``, a sliding window,
+    ``softcap``, ``alibi_slopes`` and fewer key heads than query heads (GQA/MQA).
+    """
+    _check_tensors(q=q, k=k, v=v)
+    if dropout_p:
+        raise NotImplementedError(f"flash_attn_func: dropout_p={dropout_p} is not supported "
+                                  f"(numflash has no dropout); pass dropout_p=0.0")
+    if tuple(window_size) != (-1, -1):
+        raise NotImplementedError(f"flash_attn_func: window_size={tuple(window_size)} (sliding "
+                                  f"window) is not supported yet; pass window_size=(-1, -1)")
+    if softcap:
+        raise NotImplementedError(f"flash_attn_func: softcap={softcap} is not supported yet; "
+                                  f"pass softcap=0.0")
+    if alibi_slopes is not None:
+        raise NotImplementedError("flash_attn_func: alibi_slopes is not supported yet")
+    if q.dim() == 4 and k.dim() == 4 and q.shape[2] != k.shape[2]:
+        raise NotImplementedError(f"flash_attn_func: q has {q.shape[2]} heads and k "
+                                  f"{k.shape[2]}: grouped-query / multi-query attention is not "
+                                  f"supported yet; repeat k and v along dim 2")
+    causal_mode = "bottom_right" if causal else False
+    out, lse = attention(q, k, v, causal=causal_mode, softmax_scale=softmax_scale, layout="bshd",
+                         return_lse=True, deterministic=deterministic)
+    if return_attn_probs:
+        probs = attention_probabilities(q, k, lse, causal=causal_mode,
+                                        softmax_scale=softmax_scale, layout="bshd")
+        return out, lse, probs
+    return out

@@ -1,0 +1,164 @@
+"""Hugging Face transformers: run every attention layer of a model through numflash.
+
+    name = numflash.transformers.register()
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation=name)
+
+:func:`register` adds an attention function to ``transformers.AttentionInterface`` and, under the
+same name, a mask function to ``transformers.masking_utils.AttentionMaskInterface``. Two facts of
+transformers 5.x shape it. Any implementation name containing "flash" is taken for a flash-attn
+kernel and fails to load without flash-attn's own functions, so the name is ``"nf_attention"``.
+And without a registered mask function, an attention function gets ``attention_mask=None``: a
+left-padded batch would attend to its padding. The mask function registered here hands numflash
+the most compact mask it can use, the (B, kv_len) key-padding vector (None without padding), and
+refuses mask patterns numflash cannot run yet (sliding windows, chunked or packed-sequence masks),
+never dropping them.
+
+A padded batch runs one numflash call per sequence on its unpadded keys: left padding with a
+causal mask is bottom-right-aligned causal attention on the kept keys, exactly. Query rows that
+are padding themselves see no key and give zeros.
+"""
+import torch
+
+from . import torch as _nt
+
+NAME = "nf_attention"
+
+
+def _mask_functions():
+    from transformers import masking_utils
+    return {masking_utils.causal_mask_function: True,
+            masking_utils.bidirectional_mask_function: False}
+
+
+def key_padding_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0,
+                     mask_function=None, attention_mask=None, **kwargs):
+    """transformers' mask function for numflash: the (B, kv_length) boolean key-padding mask, or
+    None when no key is padding. Causal and bidirectional patterns are the attention function's
+    ``is_causal``; any other pattern is refused."""
+    if mask_function is not None and mask_function not in _mask_functions():
+        name = getattr(mask_function, "__qualname__", repr(mask_function))
+        raise NotImplementedError(
+            f"numflash's transformers attention takes causal or bidirectional masks with key "
+            f"padding; this model asked for the mask pattern {name} (a sliding window, chunked "
+            f"attention, packed sequences or a custom mask), which numflash cannot run yet: use "
+            f"attn_implementation='sdpa' for this model")
+    if attention_mask is None:
+        return None
+    if attention_mask.dim() != 2:
+        raise NotImplementedError(f"numflash's transformers attention takes a 2-D (batch, "
+                                  f"kv_len) padding mask; got shape {tuple(attention_mask.shape)}")
+    mask = attention_mask[:, -kv_length:].to(torch.bool)
+    if mask.shape[1] == kv_length and bool(mask.all()):
+        return None
+    return mask
+
+
+def _kept_keys(mask_row, kv_length, causal):
+    """(start, end) of the one run of kept keys in a padding-mask row."""
+    kept = torch.nonzero(mask_row).flatten()
+    if kept.numel() == 0:
+        return 0, 0
+    start, end = int(kept[0]), int(kept[-1]) + 1
+    if end - start != kept.numel():
+        raise NotImplementedError("numflash's transformers attention takes padding on one side of "
+                                  "each sequence; this attention mask has holes inside a sequence")
+    if causal and end != kv_length:
+        raise NotImplementedError("numflash's transformers attention with a causal model takes "
+                                  "left padding only (tokenizer.padding_side = 'left'); this batch "
+                                  "is padded on the right")
+    return start, end
+
+
+def attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+                      is_causal=None, **kwargs):
+    """transformers' attention function: query (B, H, Nq, d), key and value (B, Hk, Nk, d),
+    ``attention_mask`` what :func:`key_padding_mask` returned. Returns ((B, Nq, H, d), weights),
+    weights being the exact attention probabilities with ``output_attentions=True``, else None."""
+    if dropout and module.training:
+        raise NotImplementedError(f"numflash has no attention dropout; this model trains with "
+                                  f"attention_dropout={dropout}: set config.attention_dropout = 0.0")
+    for option in ("softcap", "sliding_window", "s_aux"):
+        if kwargs.get(option) is not None:
+            raise NotImplementedError(f"numflash's transformers attention does not support "
+                                      f"{option}={kwargs[option]!r} yet: use "
+                                      f"attn_implementation='sdpa' for this model")
+    if kwargs.get("cu_seq_lens_q") is not None:
+        raise NotImplementedError("numflash's transformers attention does not take packed "
+                                  "sequences (cu_seq_lens_q) yet")
+    if attention_mask is not None and attention_mask.dim() != 2:
+        raise NotImplementedError("numflash's transformers attention got a dense attention mask: "
+                                  "register it with numflash.transformers.register(), which also "
+                                  "registers its mask function")
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    nq, nk = query.shape[2], key.shape[2]
+    groups = query.shape[1] // key.shape[1]
+    if groups > 1:
+        if nq == 1:  # decode: the group's query heads are rows of one problem (a view)
+            return _decode_grouped(query, key, value, attention_mask, scaling, groups, kwargs)
+        # Grouped-query attention is not in numflash's kernels yet: K and V are repeated.
+        key = key.repeat_interleave(groups, dim=1)
+        value = value.repeat_interleave(groups, dim=1)
+    mode = "bottom_right" if causal and nq > 1 else False  # a lone new query sees every key
+    if attention_mask is None:
+        out, lse = _nt.attention(query, key, value, causal=mode, softmax_scale=scaling,
+                                 return_lse=True)
+        lse_parts = [(lse, key, 0, nk)]
+    else:
+        outs, lse_parts = [], []
+        for b in range(query.shape[0]):
+            start, end = _kept_keys(attention_mask[b], nk, bool(mode))
+            kb, vb = key[b:b + 1, :, start:end], value[b:b + 1, :, start:end]
+            if end == start:  # a sequence of padding only
+                o = query.new_zeros(1, query.shape[1], nq, value.shape[3])
+                lse = torch.full((1, query.shape[1], nq), float("-inf"), device=query.device)
+            else:
+                o, lse = _nt.attention(query[b:b + 1], kb, vb, causal=mode, softmax_scale=scaling,
+                                       return_lse=True)
+            outs.append(o)
+            lse_parts.append((lse, kb, start, end))
+        out = torch.cat(outs)
+    weights = None
+    if kwargs.get("output_attentions"):
+        weights = _probabilities(query, lse_parts, mode, scaling, nk)
+    return out.transpose(1, 2), weights
+
+
+def _decode_grouped(query, key, value, attention_mask, scaling, groups, kwargs):
+    """One new token per sequence with grouped-query attention: (B, H, 1, d) viewed as
+    (B, Hk, groups, d), so each key head attends for its group of query heads at once."""
+    b, h, _, d = query.shape
+    grouped = query.reshape(b, h // groups, groups, d)
+    module = type("_Decode", (), {"training": False, "is_causal": False})()
+    out, weights = attention_forward(module, grouped, key, value, attention_mask, scaling=scaling,
+                                     is_causal=False, **kwargs)
+    # out: (B, groups, Hk, dv) -> (B, 1, H, dv); weights: (B, Hk, groups, Nk) -> (B, H, 1, Nk)
+    out = out.transpose(1, 2).reshape(b, h, 1, -1).transpose(1, 2)
+    if weights is not None:
+        weights = weights.reshape(b, h, 1, -1)
+    return out, weights
+
+
+def _probabilities(query, lse_parts, mode, scaling, nk):
+    """The (B, H, Nq, Nk) probabilities, zero on padding keys."""
+    rows = []
+    for b, (lse, keys, start, end) in enumerate(lse_parts):
+        qb = query if len(lse_parts) == 1 else query[b:b + 1]
+        p = qb.new_zeros(qb.shape[0], qb.shape[1], qb.shape[2], nk)
+        if end > start:
+            p[..., start:end] = _nt.attention_probabilities(qb, keys, lse, causal=mode,
+                                                            softmax_scale=scaling)
+        rows.append(p)
+    return torch.cat(rows)
+
+
+def register(name=NAME):
+    """Register numflash with transformers under ``name`` and return it, for
+    ``attn_implementation=name``. The name must not contain "flash" (see the module's docstring)."""
+    if "flash" in name:
+        raise ValueError(f"transformers takes any attention name containing 'flash' for a "
+                         f"flash-attn kernel; choose another name than {name!r}")
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+    AttentionInterface.register(name, attention_forward)
+    AttentionMaskInterface.register(name, key_padding_mask)
+    return name

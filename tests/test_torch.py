@@ -1,0 +1,341 @@
+"""numflash.torch: the torch operators (autograd, torch.compile, vmap), the SDPA and flash-attn
+signatures, torch tensors through numflash.attention, and input checks, on CPU tensors here and
+on CUDA tensors on a GPU (marked gpu). Results are held to the accuracy rule (numflash.testing)."""
+import math
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="torch is optional: pip install torch==2.13.0")
+import torch.nn.functional as F  # noqa: E402
+
+import numflash  # noqa: E402
+import numflash.torch as nt  # noqa: E402
+from numflash import testing  # noqa: E402
+
+DTYPES = {"float16": torch.float16, "float32": torch.float32, "float64": torch.float64}
+
+
+def tensors(shape_q, shape_kv, dtype=torch.float32, dv=None, device="cpu", grad=False, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    shape_v = shape_kv[:-1] + (dv or shape_kv[-1],)
+    out = [torch.randn(s, generator=g, dtype=torch.float64).to(dtype=dtype, device=device)
+           for s in (shape_q, shape_kv, shape_v)]
+    return [t.requires_grad_(grad) for t in out]
+
+
+def np_(t):
+    return t.detach().cpu().numpy()
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("causal", [False, True, "bottom_right"])
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+@pytest.mark.parametrize("sizes", [(1, 1, 1, 1), (97, 61, 59, 40), (33, 97, 1, 3)],
+                         ids=lambda s: "Nq{}-Nk{}-d{}-dv{}".format(*s))
+def test_forward_and_gradients_meet_the_accuracy_rule(dtype, causal, layout, sizes):
+    nq, nk, d, dv = sizes
+    mk = (lambda n, e: (2, 3, n, e)) if layout == "bhsd" else (lambda n, e: (2, n, 3, e))
+    q, k, v = tensors(mk(nq, d), mk(nk, d), DTYPES[dtype], dv=dv, grad=True)
+    opts = dict(causal=causal, layout=layout)
+    out, lse = numflash.attention(q, k, v, return_lse=True, **opts)
+    assert isinstance(out, torch.Tensor) and out.dtype == q.dtype and out.shape == mk(nq, dv)
+    testing.assert_accurate(np_(out), np_(q), np_(k), np_(v), lse=np_(lse), **opts)
+    do = torch.randn(out.shape, generator=torch.Generator().manual_seed(1),
+                     dtype=torch.float64).to(q.dtype)
+    grads = torch.autograd.grad(out, (q, k, v), do)
+    testing.assert_gradients_accurate([np_(g) for g in grads], np_(do), np_(q), np_(k), np_(v),
+                                      **opts)
+
+
+def test_gradcheck_float64():
+    q, k, v = tensors((1, 2, 5, 3), (1, 2, 7, 3), torch.float64, dv=4, grad=True)
+    for causal in (False, True, "bottom_right"):
+        assert torch.autograd.gradcheck(
+            lambda q, k, v: numflash.attention(q, k, v, causal=causal, softmax_scale=0.8),
+            (q, k, v))
+
+
+def test_strided_inputs_are_read_in_place_and_match_contiguous_copies():
+    base = torch.randn(2, 40, 3, 24, dtype=torch.float64)
+    q = base[..., :16].transpose(1, 2)          # (2, 3, 40, 16) with a 24-element row stride
+    k, v = base[:, ::2, :, 8:].transpose(1, 2), base[:, 1::2, :, :16].transpose(1, 2)
+    assert not q.is_contiguous() and not k.is_contiguous()
+    got = numflash.attention(q, k, v, causal=True)
+    want = numflash.attention(q.contiguous(), k.contiguous(), v.contiguous(), causal=True)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-14)
+
+
+def test_out_writes_into_the_tensor_and_refuses_to_be_differentiated():
+    q, k, v = tensors((1, 2, 9, 8), (1, 2, 9, 8))
+    out = torch.empty(1, 2, 9, 8)
+    res, lse = numflash.attention(q, k, v, out=out, return_lse=True)
+    assert res is out and isinstance(lse, torch.Tensor) and lse.dtype == torch.float32
+    testing.assert_accurate(np_(out), np_(q), np_(k), np_(v), lse=np_(lse))
+    q.requires_grad_(True)
+    with pytest.raises(ValueError, match="out= .* cannot be differentiated"):
+        numflash.attention(q, k, v, out=out)
+    with torch.no_grad():
+        assert numflash.attention(q, k, v, out=out) is out
+
+
+def test_attention_backward_takes_and_returns_tensors():
+    q, k, v = tensors((2, 2, 13, 8), (2, 2, 17, 8), torch.float64)
+    out, lse = numflash.attention(q, k, v, causal="bottom_right", return_lse=True)
+    do = torch.randn_like(out)
+    dq, dk, dv = numflash.attention_backward(do, q, k, v, out, lse, causal="bottom_right")
+    assert all(isinstance(g, torch.Tensor) for g in (dq, dk, dv))
+    testing.assert_gradients_accurate([np_(g) for g in (dq, dk, dv)], np_(do), np_(q), np_(k),
+                                      np_(v), causal="bottom_right")
+    bufs = [torch.empty_like(t) for t in (q, k, v)]
+    res = numflash.attention_backward(do, q, k, v, out, lse, causal="bottom_right",
+                                      dq=bufs[0], dk=bufs[1], dv=bufs[2])
+    assert all(a is b for a, b in zip(res, bufs))
+    for a, b in zip(res, (dq, dk, dv)):
+        assert torch.equal(a, b)
+
+
+def test_backward_is_deterministic():
+    q, k, v = tensors((1, 4, 300, 32), (1, 4, 300, 32), grad=True)
+    runs = []
+    for _ in range(2):
+        out = nt.attention(q, k, v, causal=True, deterministic=True)
+        runs.append(torch.autograd.grad(out.square().sum(), (q, k, v)))
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+
+
+def test_operators_pass_torch_library_opcheck():
+    q, k, v = tensors((2, 3, 17, 8), (2, 3, 11, 8), grad=True)
+    fwd = (q, k, v, "bottom_right", 0.3, "bhsd", "auto", "auto", "auto", False)
+    out, lse = torch.ops.numflash.attention(*fwd)
+    bwd = (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out.detach(), lse, "bottom_right",
+           0.3, "bhsd", "auto", "auto", "auto", False)
+    for op, args in ((torch.ops.numflash.attention.default, fwd),
+                     (torch.ops.numflash.attention_backward.default, bwd)):
+        result = torch.library.opcheck(op, args)
+        assert set(result.values()) == {"SUCCESS"}, result
+
+
+def test_lse_is_not_differentiable():
+    q, k, v = tensors((1, 1, 4, 4), (1, 1, 4, 4), grad=True)
+    out, lse = nt.attention(q, k, v, return_lse=True)
+    assert out.requires_grad and not lse.requires_grad
+
+
+def _sdpa_both(fn, q, k, v, **kw):
+    out = fn(q, k, v, **kw)
+    return out, torch.autograd.grad(out.square().sum(), (q, k, v))
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 19, 16), (3, 19, 16), (2, 2, 2, 19, 16), (19, 16)],
+                         ids=lambda s: f"{len(s)}d")
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_sdpa_signature_matches_torch(shape, is_causal):
+    q, k, v = tensors(shape, shape[:-2] + (23, 16), torch.float64, grad=True)
+    kw = dict(is_causal=is_causal, scale=0.37)
+    if is_causal:  # torch's is_causal is top-left aligned: Nq = 19 rows against 23 keys
+        kw_ref = dict(attn_mask=torch.ones(19, 23, dtype=torch.bool).tril(), scale=0.37)
+    else:
+        kw_ref = kw
+    ours, g_ours = _sdpa_both(nt.scaled_dot_product_attention, q, k, v, **kw)
+    ref, g_ref = _sdpa_both(F.scaled_dot_product_attention, q, k, v, **kw_ref)
+    assert ours.shape == ref.shape
+    torch.testing.assert_close(ours, ref, rtol=1e-12, atol=1e-12)
+    for a, b in zip(g_ours, g_ref):
+        torch.testing.assert_close(a, b, rtol=1e-11, atol=1e-11)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(attn_mask=torch.ones(5, 5, dtype=torch.bool)), "attn_mask is not supported yet"),
+    (dict(dropout_p=0.1), "dropout_p=0.1 is not supported"),
+    (dict(enable_gqa=True), "grouped-query attention is not supported yet"),
+])
+def test_sdpa_refuses_what_it_cannot_run(kwargs, match):
+    q = torch.randn(1, 4, 5, 8)
+    k = torch.randn(1, 2 if "enable_gqa" in kwargs else 4, 5, 8)
+    with pytest.raises(NotImplementedError, match=match):
+        nt.scaled_dot_product_attention(q, k, k, **kwargs)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_flash_attn_func_conventions(causal):
+    q, k, v = tensors((2, 13, 3, 16), (2, 29, 3, 16), torch.float64, grad=True)
+    out, lse, probs = nt.flash_attn_func(q, k, v, causal=causal, softmax_scale=0.5,
+                                         return_attn_probs=True)
+    # flash-attn: (B, N, H, d), causal aligned to the bottom right, lse (B, H, Nq)
+    s = torch.einsum("bqhd,bkhd->bhqk", q, k) * 0.5
+    if causal:
+        s = s.masked_fill(torch.ones(13, 29, dtype=torch.bool).tril(29 - 13).logical_not(),
+                          float("-inf"))
+    p = torch.softmax(s, -1)
+    torch.testing.assert_close(out, torch.einsum("bhqk,bkhd->bqhd", p, v), rtol=0, atol=1e-13)
+    torch.testing.assert_close(lse, torch.logsumexp(s, -1), rtol=0, atol=1e-12)
+    torch.testing.assert_close(probs, p.detach(), rtol=0, atol=1e-13)
+    g = torch.autograd.grad(out.sum(), q)[0]
+    g_ref = torch.autograd.grad(torch.einsum("bhqk,bkhd->bqhd", p, v).sum(), q)[0]
+    torch.testing.assert_close(g, g_ref, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(dropout_p=0.1), "dropout_p=0.1"), (dict(window_size=(4, 0)), "sliding window"),
+    (dict(softcap=30.0), "softcap=30.0"), (dict(alibi_slopes=torch.ones(2)), "alibi_slopes"),
+])
+def test_flash_attn_func_refuses_what_it_cannot_run(kwargs, match):
+    q = torch.randn(1, 5, 2, 8)
+    with pytest.raises(NotImplementedError, match=match):
+        nt.flash_attn_func(q, q, q, **kwargs)
+    with pytest.raises(NotImplementedError, match="grouped-query"):
+        nt.flash_attn_func(q, q[:, :, :1], q[:, :, :1])
+
+
+def test_bad_tensors_get_errors_naming_the_argument():
+    q = torch.randn(1, 2, 4, 8)
+    with pytest.raises(TypeError, match="bfloat16 CPU tensor"):
+        numflash.attention(q.bfloat16(), q.bfloat16(), q.bfloat16())
+    with pytest.raises(ValueError, match="on one device.*k on meta"):
+        nt.attention(q, q.to("meta"), q)
+    with pytest.raises(TypeError, match="k must be a torch.Tensor"):
+        nt.attention(q, np.zeros((1, 2, 4, 8), np.float32), q)
+    with pytest.raises(ValueError, match="softmax_scale must be finite"):
+        nt.attention(q, q, q, softmax_scale=math.inf)
+    with pytest.raises(ValueError, match="causal must be one of"):
+        nt.attention(q, q, q, causal="diagonal")
+    with pytest.raises(TypeError, match="q, k and v must share one dtype"):
+        nt.attention(q, q.double(), q)
+    with pytest.raises(ValueError, match="q and k must have the same head dim"):
+        nt.attention(q, torch.randn(1, 2, 4, 5), q)
+
+
+def test_torch_compile_fullgraph_forward_and_backward():
+    q, k, v = tensors((2, 3, 33, 16), (2, 3, 33, 16), grad=True)
+
+    def layer(q, k, v):
+        return nt.scaled_dot_product_attention(q * 2, k, v, is_causal=True).relu().sum()
+
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    got = torch.autograd.grad(compiled(q, k, v), (q, k, v))
+    want = torch.autograd.grad(layer(q, k, v), (q, k, v))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_torch_compile_inductor_fullgraph():
+    q, k, v = tensors((1, 2, 40, 16), (1, 2, 40, 16), grad=True)
+
+    def layer(q, k, v):
+        return (nt.flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                   causal=True) * 3).sum()
+
+    compiled = torch.compile(layer, fullgraph=True)
+    got = torch.autograd.grad(compiled(q, k, v), (q, k, v))
+    want = torch.autograd.grad(layer(q, k, v), (q, k, v))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_vmap_folds_the_mapped_dimension_into_the_batch():
+    q, k, v = tensors((4, 2, 3, 7, 8), (4, 2, 3, 9, 8), torch.float64)
+    got = torch.func.vmap(lambda q, k, v: nt.attention(q, k, v, causal=True))(q, k, v)
+    for i in range(4):
+        torch.testing.assert_close(got[i], nt.attention(q[i], k[i], v[i], causal=True),
+                                   rtol=0, atol=0)
+    shared = torch.func.vmap(lambda q: nt.attention(q, k[0], v[0]))(q)  # k, v not mapped
+    torch.testing.assert_close(shared[2], nt.attention(q[2], k[0], v[0]), rtol=0, atol=0)
+
+
+# ---- CUDA tensors: on the lent GPU ----
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+@pytest.mark.parametrize("causal", [False, "bottom_right"])
+def test_cuda_tensors_forward_and_backward(dtype, causal):
+    q, k, v = tensors((2, 8, 1025, 64), (2, 8, 777, 64), dtype, device="cuda", grad=True)
+    out, lse = nt.attention(q, k, v, causal=causal, return_lse=True)
+    assert out.device == q.device and out.dtype == dtype
+    do = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), do)
+    if dtype == torch.bfloat16:  # NumPy has no bfloat16: against float32 numflash, bf16 bounds
+        q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
+        ref = nt.attention(q32, k32, v32, causal=causal)
+        ref_grads = torch.autograd.grad(ref, (q32, k32, v32), do.float())
+        assert (out.float() - ref).abs().max().item() < 2e-2
+        for g, r in zip(grads, ref_grads):
+            assert g.dtype == dtype and (g.float() - r).abs().max().item() < 2e-2 * r.abs().max()
+        return
+    host = [np_(t) for t in (q, k, v)]
+    testing.assert_accurate(np_(out), *host, lse=np_(lse), causal=causal)
+    testing.assert_gradients_accurate([np_(g) for g in grads], np_(do), *host, causal=causal)
+
+
+@pytest.mark.gpu
+def test_cuda_launches_on_torchs_current_stream():
+    """On a side stream, q is written after a long sleep; numflash on that stream must see the new
+    q. Launched on any other stream it would read q before the write."""
+    q, k, v = tensors((1, 4, 256, 64), (1, 4, 256, 64), device="cuda")
+    new_q = torch.randn_like(q)
+    want = nt.attention(new_q, k, v)
+    side = torch.cuda.Stream()
+    for _ in range(2):  # the first call records the launch, the second replays it
+        torch.cuda.synchronize()
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(50_000_000)
+            q.copy_(new_q)
+            got = nt.attention(q, k, v)
+        side.synchronize()
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+        q.normal_()
+
+
+@pytest.mark.gpu
+def test_cuda_replay_reads_the_tensors_without_a_copy():
+    q, k, v = tensors((1, 2, 64, 32), (1, 2, 64, 32), device="cuda")
+    nt.attention(q, k, v)  # records
+    before = torch.cuda.memory_allocated()
+    out = nt.attention(q, k, v)
+    lse_bytes = 1 * 2 * 64 * 4
+    # only the output and its lse were allocated: q, k, v were read where they are
+    assert torch.cuda.memory_allocated() - before <= out.nbytes + lse_bytes + 1024
+    testing.assert_accurate(np_(out), np_(q), np_(k), np_(v))
+
+
+@pytest.mark.gpu
+def test_cuda_torch_compile_inductor():
+    q, k, v = tensors((2, 4, 128, 64), (2, 4, 128, 64), torch.float16, device="cuda", grad=True)
+
+    def layer(q, k, v):
+        return (nt.scaled_dot_product_attention(q, k, v, is_causal=True) * 2).float().sum()
+
+    compiled = torch.compile(layer, fullgraph=True)
+    got = torch.autograd.grad(compiled(q, k, v), (q, k, v))
+    want = torch.autograd.grad(layer(q, k, v), (q, k, v))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-3)
+
+
+def test_torch_func_grad_is_refused_with_a_reason():
+    q, k, v = tensors((1, 2, 9, 8), (1, 2, 11, 8), torch.float64)
+    with pytest.raises(NotImplementedError, match="torch.func.grad"):
+        torch.func.grad(lambda q: nt.attention(q, k, v).sum())(q)
+
+
+def test_double_backward_raises_instead_of_giving_constant_gradients():
+    q, k, v = tensors((1, 1, 5, 4), (1, 1, 5, 4), torch.float64, grad=True)
+    for out in (nt.attention(q, k, v),
+                torch.ops.numflash.attention(q, k, v, "none", 0.5, "bhsd", "auto", "auto",
+                                             "auto", False)[0]):
+        with pytest.raises(NotImplementedError, match="double backward"):
+            torch.autograd.grad(out.sum(), q, create_graph=True)
+
+
+def test_no_grad_and_grad_calls_give_the_same_result():
+    """Three routes run the same forward: no-grad calls run it directly, grad calls through an
+    autograd.Function, traced calls through the torch operator."""
+    q, k, v = tensors((2, 2, 21, 8), (2, 2, 21, 8), grad=True)
+    with torch.no_grad():
+        plain = nt.attention(q, k, v, causal=True)
+    tracked = nt.attention(q, k, v, causal=True)
+    op, _ = torch.ops.numflash.attention(q, k, v, "top_left", 8 ** -0.5, "bhsd", "auto", "auto",
+                                         "auto", False)
+    assert not plain.requires_grad and tracked.requires_grad and op.requires_grad
+    assert torch.equal(plain, tracked.detach()) and torch.equal(plain, op.detach())

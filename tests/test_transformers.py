@@ -1,0 +1,158 @@
+"""numflash.transformers: a small random-initialized Llama-style model (built from a config, no
+weights downloaded) run with numflash against the same model with transformers' "sdpa": logits,
+a left-padded batch, greedy generation with the KV cache, output_attentions and a training step;
+and the refusals that keep unsupported mask patterns from being dropped silently."""
+import copy
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="torch is optional: pip install torch==2.13.0")
+transformers = pytest.importorskip("transformers", reason="transformers is optional")
+
+import numflash.transformers as ntf  # noqa: E402
+
+NAME = ntf.register()
+
+
+def llama(impl, dtype, kv_heads=2, seed=0, **extra):
+    cfg = transformers.LlamaConfig(vocab_size=101, hidden_size=64, intermediate_size=96,
+                                   num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=kv_heads, max_position_embeddings=256,
+                                   attention_dropout=0.0, **extra)
+    torch.manual_seed(seed)
+    # from_config keeps the config object: each model gets its own copy, or both would share
+    # one attn_implementation
+    model = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(cfg),
+                                                          attn_implementation=impl, dtype=dtype)
+    return model.eval()
+
+
+def pair(dtype, kv_heads=2, **extra):
+    ref = llama("sdpa", dtype, kv_heads, **extra)
+    ours = llama(NAME, dtype, kv_heads, **extra)
+    ours.load_state_dict(ref.state_dict())
+    assert ours.config._attn_implementation == NAME and ref.config._attn_implementation == "sdpa"
+    return ref, ours
+
+
+def batch(n=70):
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 101, (3, n), generator=g)
+    mask = torch.ones(3, n, dtype=torch.long)
+    mask[1, :9] = 0   # left padding
+    mask[2, :40] = 0
+    return ids, mask
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-12), (torch.float32, 2e-5)])
+@pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa"])
+def test_logits_of_a_left_padded_batch_match_sdpa(dtype, tol, kv_heads):
+    ref, ours = pair(dtype, kv_heads)
+    ids, mask = batch()
+    with torch.no_grad():
+        want = ref(ids, attention_mask=mask).logits
+        got = ours(ids, attention_mask=mask).logits
+        plain = ours(ids).logits
+    kept = mask.bool()
+    assert (got - want)[kept].abs().max().item() <= tol
+    # the padding mask was applied: without it the padded rows' logits differ
+    assert (plain - want)[1:][kept[1:]].abs().max().item() > 1e3 * tol
+
+
+def test_greedy_generation_with_the_kv_cache_gives_the_same_tokens():
+    ref, ours = pair(torch.float64)
+    ids, mask = batch(24)
+    want = ref.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False)
+    got = ours.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False)
+    assert got.shape == (3, 40) and torch.equal(got, want)
+
+
+def test_greedy_generation_float32():
+    """float32: the same tokens, or the first difference is a near-tie in sdpa's own logits."""
+    ref, ours = pair(torch.float32)
+    ids, mask = batch(24)
+    want = ref.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False,
+                        output_logits=True, return_dict_in_generate=True)
+    got = ours.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False)
+    for row in range(3):
+        diff = (got[row, 24:] != want.sequences[row, 24:]).nonzero()
+        if diff.numel():
+            step = int(diff[0])
+            top2 = want.logits[step][row].topk(2).values
+            assert (top2[0] - top2[1]).item() < 1e-4, f"row {row} differs at step {step}"
+
+
+def test_output_attentions_are_the_exact_probabilities():
+    ref, ours = pair(torch.float64)
+    eager = llama("eager", torch.float64)
+    eager.load_state_dict(ref.state_dict())
+    ids, mask = batch(33)
+    with torch.no_grad():
+        got_plain = ours(ids, output_attentions=True).attentions
+        want_plain = eager(ids, output_attentions=True).attentions
+        got = ours(ids, attention_mask=mask, output_attentions=True).attentions
+        want = eager(ids, attention_mask=mask, output_attentions=True).attentions
+    assert len(got_plain) == len(got) == 2
+    for g, w in zip(got_plain, want_plain):  # eager takes its softmax in float32
+        assert g.shape == w.shape == (3, 4, 33, 33)
+        assert (g - w).abs().max().item() < 1e-6
+    # Padded: eager's fully masked padding rows are NaN and poison its next layer, so only the
+    # first layer compares; every layer's kept rows sum to 1 with nothing on padding keys.
+    kept = mask.bool()
+    rows = kept[:, None, :].expand(3, 4, 33)
+    assert (got[0] - want[0])[rows].abs().max().item() < 1e-6
+    for g in got:
+        torch.testing.assert_close(g.sum(-1)[rows], torch.ones(int(rows.sum()), dtype=g.dtype))
+        assert g.masked_select(~kept[:, None, None, :]).abs().max().item() == 0
+
+
+def test_a_training_step_gives_the_same_parameter_gradients():
+    ref, ours = pair(torch.float64)
+    ref.train(), ours.train()
+    ids, _ = batch(50)
+    losses = []
+    for model in (ref, ours):
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        losses.append(loss.item())
+    assert abs(losses[0] - losses[1]) < 1e-12
+    for (name, a), b in zip(ref.named_parameters(), ours.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-9, atol=1e-12, msg=name)
+
+
+def test_right_padding_with_a_causal_model_is_refused():
+    _, ours = pair(torch.float64)
+    ids, mask = batch(20)
+    mask = mask.flip(1)
+    with pytest.raises(NotImplementedError, match="left padding only"):
+        ours(ids, attention_mask=mask)
+
+
+def test_a_sliding_window_model_is_refused_not_run_without_its_window():
+    cfg = transformers.MistralConfig(vocab_size=101, hidden_size=64, intermediate_size=96,
+                                     num_hidden_layers=1, num_attention_heads=4,
+                                     num_key_value_heads=2, sliding_window=8)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=NAME)
+    with pytest.raises(NotImplementedError, match="sliding"):
+        model(torch.randint(0, 101, (1, 20)))
+
+
+def test_a_name_with_flash_in_it_is_refused():
+    with pytest.raises(ValueError, match="flash"):
+        ntf.register("numflash")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, tol", [(torch.float16, 2e-2), (torch.bfloat16, 6e-2),
+                                        (torch.float32, 2e-4)])
+def test_cuda_model_matches_sdpa(dtype, tol):
+    ref, ours = (m.to("cuda") for m in pair(dtype, head_dim=64))  # the kernels test_torch uses
+    ids, mask = (t.to("cuda") for t in batch())
+    with torch.no_grad():
+        want = ref(ids, attention_mask=mask).logits.float()
+        got = ours(ids, attention_mask=mask).logits.float()
+    assert (got - want)[mask.bool()].abs().max().item() <= tol
+    ours.train()
+    loss = ours(ids, labels=ids).loss
+    loss.backward()
+    assert torch.isfinite(loss) and all(torch.isfinite(p.grad).all() for p in ours.parameters())
