@@ -8,8 +8,9 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, layout="bhsd", backe
               algorithm="auto", return_lse=False, out=None, precision="auto"):
     """Exact attention softmax(softmax_scale * q k^T + mask) v with O(N) memory.
 
-    q: (B, H, Nq, d), k: (B, H, Nk, d), v: (B, H, Nk, dv) for ``layout="bhsd"``;
-    (B, N, H, d) each for ``layout="bshd"``. NumPy arrays run on the CPU, CuPy arrays (or any
+    q: (B, H, Nq, d), k: (B, Hk, Nk, d), v: (B, Hk, Nk, dv) for ``layout="bhsd"``;
+    (B, N, H, d) each for ``layout="bshd"``. Hk = H, or a divisor of H (grouped-query
+    attention: query head h reads key/value head h // (H // Hk), in place). NumPy arrays run on the CPU, CuPy arrays (or any
     ``__cuda_array_interface__`` object) on the GPU. Strided inputs are read in place. torch
     tensors (CPU or CUDA) give torch tensors back, differentiably (:mod:`numflash.torch`).
 

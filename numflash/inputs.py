@@ -88,6 +88,11 @@ class Problem:
         return B, H, Nq, self.k.shape[2], d, self.v.shape[3]
 
     @property
+    def kv_group(self):
+        """Query heads per key/value head (1 without grouped-query attention)."""
+        return self.q.shape[1] // self.k.shape[1] if self.k.shape[1] else 1
+
+    @property
     def on_device(self):
         return self.kind == "cupy"
 
@@ -189,9 +194,15 @@ def _check_qkv(q, k, v, causal, softmax_scale, layout, precision):
 
     q4, k4, v4 = _dims(layout, q), _dims(layout, k), _dims(layout, v)
     (B, H, Nq, d), (Bk, Hk, Nk, dk), (Bv, Hv, Nv, dv) = q4.shape, k4.shape, v4.shape
-    if (Bk, Hk) != (B, H) or (Bv, Hv) != (B, H):
-        raise ValueError(f"q, k and v must agree on batch and heads (B, H): q has {(B, H)}, "
-                         f"k has {(Bk, Hk)}, v has {(Bv, Hv)}")
+    if Bk != B or Bv != B:
+        raise ValueError(f"q, k and v must have the same batch size B: q has {B}, k has {Bk}, "
+                         f"v has {Bv}")
+    if Hv != Hk:
+        raise ValueError(f"k and v must have the same number of heads; got k {Hk}, v {Hv}")
+    if (Hk == 0 and H != 0) or (Hk and H % Hk):
+        raise ValueError(f"q's heads must be a multiple of k's and v's (grouped-query attention: "
+                         f"query head h reads key/value head h // (H // Hk)); got q {H} heads, "
+                         f"k and v {Hk}")
     if Nv != Nk:
         raise ValueError(f"k and v must have the same sequence length; got k N={Nk}, v N={Nv}")
     if dk != d:

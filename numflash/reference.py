@@ -57,6 +57,7 @@ def naive(q, k, v, *, scale, causal=False, causal_offset=0, dtype=np.float64, qu
     """
     dtype = np.dtype(dtype).type  # accept np.float32, "float32" or np.dtype("float32")
     q, k, v = (np.asarray(a, dtype=dtype) for a in (q, k, v))
+    k, v = _shared_heads(q, k), _shared_heads(q, v)
     s = _scores(q, k, scale=scale, causal=causal, causal_offset=causal_offset, dtype=dtype,
                 query_positions=query_positions)
     p, l, m_safe = _exp_and_sums(s, dtype)
@@ -77,6 +78,8 @@ def naive_backward(do, q, k, v, *, scale, causal=False, causal_offset=0, dtype=n
     """
     dtype = np.dtype(dtype).type
     do, q, k, v = (np.asarray(a, dtype=dtype) for a in (do, q, k, v))
+    kv_heads = k.shape[1]
+    k, v = _shared_heads(q, k), _shared_heads(q, v)
     s = _scores(q, k, scale=scale, causal=causal, causal_offset=causal_offset, dtype=dtype,
                 query_positions=None)
     p, l, _ = _exp_and_sums(s, dtype)
@@ -89,7 +92,22 @@ def naive_backward(do, q, k, v, *, scale, causal=False, causal_offset=0, dtype=n
     ds = p * (dp - delta) * dtype(scale)
     dq = np.matmul(ds, k)
     dk = np.matmul(np.swapaxes(ds, -1, -2), q)
+    dk, dv = _group_sum(dk, kv_heads), _group_sum(dv, kv_heads)
     return dq.astype(dtype), dk.astype(dtype), dv.astype(dtype)
+
+
+def _shared_heads(q, kv):
+    """Grouped-query attention: each key/value head repeated for the query heads it serves."""
+    group = q.shape[1] // kv.shape[1] if kv.shape[1] else 1
+    return kv if group == 1 else np.repeat(kv, group, axis=1)
+
+
+def _group_sum(g, kv_heads):
+    """The gradient of a repeated key/value head: the sum over the query heads it served."""
+    B, H = g.shape[:2]
+    if kv_heads in (0, H):
+        return g
+    return g.reshape(B, kv_heads, H // kv_heads, *g.shape[2:]).sum(axis=2)
 
 
 def attention_backward(do, q, k, v, o=None, lse=None, *, causal=False, softmax_scale=None,

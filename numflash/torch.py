@@ -309,31 +309,36 @@ _attention_op.register_vmap(_vmap_rule(_attention_op))
 
 
 class _AttentionFunction(torch.autograd.Function):
-    """The same forward, backward and vmap rule as the operator, without the operator's dispatch
-    (~18 us a call on the CPU where it was measured, 30 more with autograd), for eager calls;
-    traced code (torch.compile) takes the operator."""
+    """The operator's forward and backward without the operator's dispatch, for eager calls that
+    record a graph. Old-style (ctx first, no setup_context): with a setup_context, torch binds
+    the forward's signature with inspect on every call. Measured on this project's 2-core CPU
+    with a stand-in forward: 11 us a call, against 44 us for the setup_context form and 55 us
+    for the custom operator's own autograd."""
 
     @staticmethod
-    def forward(q, k, v, causal, scale, layout, backend, algorithm, precision, deterministic):
-        return _forward_impl(q, k, v, causal, scale, layout, backend, algorithm, precision)
-
-    setup_context = staticmethod(_setup_context)
+    def forward(ctx, q, k, v, *options):
+        out, lse = _forward_impl(q, k, v, *options[:-1])
+        _setup_context(ctx, (q, k, v, *options), (out, lse))
+        return out, lse
 
     @staticmethod
     def backward(ctx, d_out, d_lse):
         return _gradients(_backward_impl, ctx, d_out)
 
-    @staticmethod
-    def vmap(info, in_dims, *args):
-        return _vmap_rule(_AttentionFunction.apply)(info, in_dims, *args)
-
 
 def _run_forward(q, k, v, *options):
-    """The cheapest way to run the forward for how it is being called."""
+    """The cheapest route for how the forward is called: traced (torch.compile) or under a
+    torch.func transform, the operator; recording a graph, _AttentionFunction; else the body."""
     if torch.compiler.is_compiling():
         return _attention_op(q, k, v, *options)
-    if torch._C._are_functorch_transforms_active() or (torch.is_grad_enabled() and (
-            q.requires_grad or k.requires_grad or v.requires_grad)):
+    if torch._C._are_functorch_transforms_active():
+        try:
+            return _attention_op(q, k, v, *options)
+        except RuntimeError as e:  # torch.func.grad & co. over a custom_op's autograd
+            if "functorch transforms" in str(e):
+                raise NotImplementedError(_FUNC_GRAD_REASON) from e
+            raise
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return _AttentionFunction.apply(q, k, v, *options)
     return _forward_impl(q, k, v, *options[:-1])
 
@@ -405,6 +410,8 @@ def attention_probabilities(q, k, lse, *, causal=False, softmax_scale=None, layo
     if layout == "bshd":
         q, k = q.transpose(1, 2), k.transpose(1, 2)
     nq, nk = q.shape[2], k.shape[2]
+    if k.shape[1] != q.shape[1]:  # grouped-query attention; this pass is O(Nq Nk) anyway
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
     scale = _scale(softmax_scale, q.shape[-1])
     work = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
     s = torch.matmul(q.to(work), k.to(work).transpose(-1, -2)) * scale
@@ -430,12 +437,11 @@ def _sdpa_refusals(attn_mask, dropout_p, enable_gqa, query, key):
         raise NotImplementedError(f"numflash.torch.scaled_dot_product_attention: dropout_p="
                                   f"{dropout_p} is not supported (numflash has no dropout); pass "
                                   f"dropout_p=0.0")
-    if query.dim() >= 3 and key.dim() >= 3 and query.shape[-3] != key.shape[-3]:
-        what = "enable_gqa=True" if enable_gqa else "different head counts"
-        raise NotImplementedError(f"numflash.torch.scaled_dot_product_attention: {what} "
-                                  f"(query has {query.shape[-3]} heads, key {key.shape[-3]}): "
-                                  f"grouped-query attention is not supported yet; repeat key and "
-                                  f"value along dim -3 with repeat_interleave")
+    if (not enable_gqa and query.dim() >= 3 and key.dim() >= 3
+            and query.shape[-3] != key.shape[-3]):
+        raise ValueError(f"numflash.torch.scaled_dot_product_attention: query has "
+                         f"{query.shape[-3]} heads and key {key.shape[-3]}: pass enable_gqa=True "
+                         f"for grouped-query attention (as torch's SDPA asks)")
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
@@ -443,13 +449,17 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     """torch.nn.functional.scaled_dot_product_attention's signature and semantics on numflash.
 
     query (..., L, E), key (..., S, E), value (..., S, Ev) with the same leading dimensions
-    (usually (N, H)); ``is_causal`` is top-left aligned, as in torch. Differentiable. Not yet
-    supported, and refused with NotImplementedError naming the option: ``attn_mask``,
-    ``dropout_p > 0`` and grouped-query attention (``enable_gqa`` with fewer key heads).
+    (usually (N, H)); ``is_causal`` is top-left aligned, as in torch; ``enable_gqa=True`` lets
+    key and value have fewer heads (a divisor of query's), read in place. Differentiable. Not yet
+    supported, and refused with NotImplementedError naming the option: ``attn_mask`` and
+    ``dropout_p > 0``.
     """
     if (attn_mask is None and not dropout_p and type(query) is torch.Tensor and query.dim() == 4
-            and type(key) is torch.Tensor and key.dim() == 4 and query.shape[1] == key.shape[1]):
-        return attention(query, key, value, causal=bool(is_causal), softmax_scale=scale)
+            and type(key) is torch.Tensor and key.dim() == 4 and type(value) is torch.Tensor
+            and (enable_gqa or query.shape[1] == key.shape[1])):  # the common call, straight in
+        return _run_forward(query, key, value, "top_left" if is_causal else "none",
+                            _scale(scale, query.shape[3]), "bhsd", "auto", "auto", "auto",
+                            False)[0]
     _check_tensors(query=query, key=key, value=value)
     _sdpa_refusals(attn_mask, dropout_p, enable_gqa, query, key)
     for name, t in (("query", query), ("key", key), ("value", value)):
@@ -458,7 +468,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
                              f"{tuple(t.shape)}")
     lead = query.shape[:-2]
     for name, t in (("key", key), ("value", value)):
-        if t.shape[:-2] != lead:
+        if t.shape[:-3] != lead[:-1] or (not enable_gqa and t.shape[:-2] != lead):
             raise ValueError(f"{name}'s leading dimensions {tuple(t.shape[:-2])} must equal "
                              f"query's {tuple(lead)} (numflash does not broadcast them)")
     q4, k4, v4 = (_as_4d(t) for t in (query, key, value))
@@ -485,9 +495,9 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     fp64, any head dim, Turing GPUs and CPUs.
 
     ``return_attn_probs=True`` returns (out, softmax_lse, probs) with softmax_lse (B, H, Nq) and
-    the exact probabilities (B, H, Nq, Nk) (:func:`attention_probabilities`). Not yet supported,
-    and refused with NotImplementedError naming the option: ``dropout_p > 0``, a sliding window,
-    ``softcap``, ``alibi_slopes`` and fewer key heads than query heads (GQA/MQA).
+    the exact probabilities (B, H, Nq, Nk) (:func:`attention_probabilities`). k and v may have
+    fewer heads than q (GQA / MQA). Not yet supported, and refused with NotImplementedError
+    naming the option: ``dropout_p > 0``, a sliding window, ``softcap`` and ``alibi_slopes``.
     """
     _check_tensors(q=q, k=k, v=v)
     if dropout_p:
@@ -501,10 +511,6 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
                                   f"pass softcap=0.0")
     if alibi_slopes is not None:
         raise NotImplementedError("flash_attn_func: alibi_slopes is not supported yet")
-    if q.dim() == 4 and k.dim() == 4 and q.shape[2] != k.shape[2]:
-        raise NotImplementedError(f"flash_attn_func: q has {q.shape[2]} heads and k "
-                                  f"{k.shape[2]}: grouped-query / multi-query attention is not "
-                                  f"supported yet; repeat k and v along dim 2")
     causal_mode = "bottom_right" if causal else False
     out, lse = attention(q, k, v, causal=causal_mode, softmax_scale=softmax_scale, layout="bshd",
                          return_lse=True, deterministic=deterministic)

@@ -13,9 +13,10 @@ the most compact mask it can use, the (B, kv_len) key-padding vector (None witho
 refuses mask patterns numflash cannot run yet (sliding windows, chunked or packed-sequence masks),
 never dropping them.
 
-A padded batch runs one numflash call per sequence on its unpadded keys: left padding with a
-causal mask is bottom-right-aligned causal attention on the kept keys, exactly. Query rows that
-are padding themselves see no key and give zeros.
+A padded batch runs one numflash call per sequence on its kept keys [s, e) and on the query rows
+at those positions: with a causal mask that slice is bottom-right-aligned causal attention,
+exactly, whether the padding is on the left, the right or both. Query rows at padding positions
+give zeros.
 """
 import torch
 
@@ -53,19 +54,15 @@ def key_padding_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0,
     return mask
 
 
-def _kept_keys(mask_row, kv_length, causal):
+def _kept_keys(mask_row):
     """(start, end) of the one run of kept keys in a padding-mask row."""
     kept = torch.nonzero(mask_row).flatten()
     if kept.numel() == 0:
         return 0, 0
     start, end = int(kept[0]), int(kept[-1]) + 1
     if end - start != kept.numel():
-        raise NotImplementedError("numflash's transformers attention takes padding on one side of "
-                                  "each sequence; this attention mask has holes inside a sequence")
-    if causal and end != kv_length:
-        raise NotImplementedError("numflash's transformers attention with a causal model takes "
-                                  "left padding only (tokenizer.padding_side = 'left'); this batch "
-                                  "is padded on the right")
+        raise NotImplementedError("numflash's transformers attention takes padding at the ends "
+                                  "of each sequence; this attention mask has holes inside one")
     return start, end
 
 
@@ -90,32 +87,33 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
                                   "register it with numflash.transformers.register(), which also "
                                   "registers its mask function")
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-    nq, nk = query.shape[2], key.shape[2]
-    groups = query.shape[1] // key.shape[1]
-    if groups > 1:
-        if nq == 1:  # decode: the group's query heads are rows of one problem (a view)
-            return _decode_grouped(query, key, value, attention_mask, scaling, groups, kwargs)
-        # Grouped-query attention is not in numflash's kernels yet: K and V are repeated.
-        key = key.repeat_interleave(groups, dim=1)
-        value = value.repeat_interleave(groups, dim=1)
+    nq, nk = query.shape[2], key.shape[2]  # key and value: Hk heads, read in place (GQA)
     mode = "bottom_right" if causal and nq > 1 else False  # a lone new query sees every key
     if attention_mask is None:
         out, lse = _nt.attention(query, key, value, causal=mode, softmax_scale=scaling,
                                  return_lse=True)
-        lse_parts = [(lse, key, 0, nk)]
+        lse_parts = [(lse, key, 0, nk, 0, nq)]
     else:
         outs, lse_parts = [], []
+        first = nk - nq  # the key position of query row 0 (the queries are the last positions)
         for b in range(query.shape[0]):
-            start, end = _kept_keys(attention_mask[b], nk, bool(mode))
+            start, end = _kept_keys(attention_mask[b])
+            # the query rows at kept positions: [start, end) in key positions
+            r0, r1 = max(0, start - first), max(0, min(nq, end - first))
+            o = query.new_zeros(1, query.shape[1], nq, value.shape[3])
+            lse = torch.full((1, query.shape[1], nq), float("-inf"), device=query.device,
+                             dtype=torch.float64 if query.dtype == torch.float64 else torch.float32)
             kb, vb = key[b:b + 1, :, start:end], value[b:b + 1, :, start:end]
-            if end == start:  # a sequence of padding only
-                o = query.new_zeros(1, query.shape[1], nq, value.shape[3])
-                lse = torch.full((1, query.shape[1], nq), float("-inf"), device=query.device)
-            else:
-                o, lse = _nt.attention(query[b:b + 1], kb, vb, causal=mode, softmax_scale=scaling,
-                                       return_lse=True)
+            if r1 > r0:
+                rows_out, rows_lse = _nt.attention(query[b:b + 1, :, r0:r1], kb, vb, causal=mode,
+                                                   softmax_scale=scaling, return_lse=True)
+                if r1 - r0 == nq:
+                    o, lse = rows_out, rows_lse
+                else:  # padding rows stay zero; torch.cat keeps the gradient path
+                    o = torch.cat([o[:, :, :r0], rows_out, o[:, :, r1:]], dim=2)
+                    lse = torch.cat([lse[:, :, :r0], rows_lse, lse[:, :, r1:]], dim=2)
             outs.append(o)
-            lse_parts.append((lse, kb, start, end))
+            lse_parts.append((lse, kb, start, end, r0, r1))
         out = torch.cat(outs)
     weights = None
     if kwargs.get("output_attentions"):
@@ -123,30 +121,16 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     return out.transpose(1, 2), weights
 
 
-def _decode_grouped(query, key, value, attention_mask, scaling, groups, kwargs):
-    """One new token per sequence with grouped-query attention: (B, H, 1, d) viewed as
-    (B, Hk, groups, d), so each key head attends for its group of query heads at once."""
-    b, h, _, d = query.shape
-    grouped = query.reshape(b, h // groups, groups, d)
-    module = type("_Decode", (), {"training": False, "is_causal": False})()
-    out, weights = attention_forward(module, grouped, key, value, attention_mask, scaling=scaling,
-                                     is_causal=False, **kwargs)
-    # out: (B, groups, Hk, dv) -> (B, 1, H, dv); weights: (B, Hk, groups, Nk) -> (B, H, 1, Nk)
-    out = out.transpose(1, 2).reshape(b, h, 1, -1).transpose(1, 2)
-    if weights is not None:
-        weights = weights.reshape(b, h, 1, -1)
-    return out, weights
-
-
 def _probabilities(query, lse_parts, mode, scaling, nk):
-    """The (B, H, Nq, Nk) probabilities, zero on padding keys."""
+    """The (B, H, Nq, Nk) probabilities, zero on padding keys and padding query rows; each
+    sequence's block comes from the same slice its attention ran on (the causal alignment)."""
     rows = []
-    for b, (lse, keys, start, end) in enumerate(lse_parts):
+    for b, (lse, keys, start, end, r0, r1) in enumerate(lse_parts):
         qb = query if len(lse_parts) == 1 else query[b:b + 1]
         p = qb.new_zeros(qb.shape[0], qb.shape[1], qb.shape[2], nk)
-        if end > start:
-            p[..., start:end] = _nt.attention_probabilities(qb, keys, lse, causal=mode,
-                                                            softmax_scale=scaling)
+        if end > start and r1 > r0:
+            p[:, :, r0:r1, start:end] = _nt.attention_probabilities(
+                qb[:, :, r0:r1], keys, lse[:, :, r0:r1], causal=mode, softmax_scale=scaling)
         rows.append(p)
     return torch.cat(rows)
 

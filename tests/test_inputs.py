@@ -54,8 +54,10 @@ def test_wrong_rank_message_states_layout_order(rng, layout):
 
 @pytest.mark.parametrize("layout", ["bhsd", "bshd"])
 @pytest.mark.parametrize("which,axis,pattern", [
-    ("k", "B", r"k has \(2, 2\)"), ("v", "B", r"v has \(2, 2\)"),
-    ("k", "H", r"k has \(1, 3\)"), ("v", "H", r"v has \(1, 3\)"),
+    ("k", "B", r"same batch size B: q has 1, k has 2, v has 1"),
+    ("v", "B", r"same batch size B: q has 1, k has 1, v has 2"),
+    ("k", "H", r"k and v must have the same number of heads; got k 3, v 2"),
+    ("v", "H", r"k and v must have the same number of heads; got k 2, v 3"),
     ("v", "N", r"k and v must have the same sequence length.*v N=8"),
     ("k", "N", r"k and v must have the same sequence length.*k N=8"),
     ("k", "d", r"q and k must have the same head dim d.*k d=5"),

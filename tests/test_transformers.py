@@ -120,11 +120,29 @@ def test_a_training_step_gives_the_same_parameter_gradients():
         torch.testing.assert_close(b.grad, a.grad, rtol=1e-9, atol=1e-12, msg=name)
 
 
-def test_right_padding_with_a_causal_model_is_refused():
+@pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-12), (torch.float32, 2e-5)])
+def test_right_and_both_sided_padding_match_sdpa(dtype, tol):
+    ref, ours = pair(dtype)
+    eager = llama("eager", dtype)
+    eager.load_state_dict(ref.state_dict())
+    ids, mask = batch(40)
+    mask = mask.flip(1)               # rows 1 and 2 padded on the right
+    mask[0, :5], mask[0, -3:] = 0, 0  # row 0 on both sides
+    kept = mask.bool()
+    with torch.no_grad():
+        want = ref(ids, attention_mask=mask).logits
+        got = ours(ids, attention_mask=mask, output_attentions=True)
+        probs = eager(ids, attention_mask=mask, output_attentions=True).attentions[0]
+    assert (got.logits - want)[kept].abs().max().item() <= tol
+    rows = kept[:, None, :].expand(3, 4, 40)
+    assert (got.attentions[0] - probs)[rows].abs().max().item() < 1e-6
+
+
+def test_holes_inside_a_sequence_are_refused():
     _, ours = pair(torch.float64)
     ids, mask = batch(20)
-    mask = mask.flip(1)
-    with pytest.raises(NotImplementedError, match="left padding only"):
+    mask[0, 5] = 0
+    with pytest.raises(NotImplementedError, match="holes inside one"):
         ours(ids, attention_mask=mask)
 
 

@@ -1,10 +1,11 @@
 """The CPU backward: FlashAttention-2's gradient loop, compiled with numba.njit.
 
 It shares the forward's tile loads, exp2 and single-threaded BLAS (cpu/tiled.py). D = rowsum(dO * O)
-is computed first; then each parallel task owns one (batch, head) and a set of key blocks. For a key
-block it walks the query blocks that can see it, recomputes P = exp(scale * q k^T - lse) tile by
-tile (nothing of size Nq x Nk exists), and accumulates dK and dV for the block in registers of the
-task; dQ contributions go to the task's own float accumulator.
+is computed first; then each parallel task owns one (batch, key/value head) and a set of key blocks. For a key
+block it walks the query blocks that can see it (of every query head that reads the key/value
+head, under grouped-query attention), recomputes P = exp(scale * q k^T - lse) tile by tile
+(nothing of size Nq x Nk exists), and accumulates dK and dV for the block in the task's own
+buffers; dQ contributions go to the task's own float accumulator.
 
 dQ without atomics or races: when there are fewer (batch, head) pairs than threads, the key blocks
 of one head are dealt round-robin to a few splits, each with its own dQ accumulator, and the
@@ -45,23 +46,28 @@ def _masked_products(p, ds, qr, dor, kc, t_v, t_k, t_q, i0, j0, cols, causal, ca
 
 
 @njit(fastmath=FASTMATH, cache=True)
-def _key_block_gradients(q, k, v, do, lse2, delta, dq_acc, dk, dv, b, h, j0, cols, c2, scale,
-                         causal, causal_offset, block_q, lut, kj, vj, qi, doi, s_buf, dp_buf,
-                         dk_acc, dv_acc, t_k, t_v, t_q):
-    """dK and dV for keys j0:j0+cols of (b, h), and their dQ contributions into dq_acc[b, h]."""
+def _key_block_gradients(q, k, v, do, lse2, delta, dq_acc, dk, dv, b, hk, group, j0, cols, c2,
+                         scale, causal, causal_offset, block_q, lut, kj, vj, qi, doi, s_buf,
+                         dp_buf, dk_acc, dv_acc, t_k, t_v, t_q):
+    """dK and dV for keys j0:j0+cols of key/value head (b, hk), summed over the `group` query
+    heads that read it (grouped-query attention), and their dQ contributions into dq_acc."""
     Nq = q.shape[2]
     d = q.shape[3]
     dvd = v.shape[3]
     zero = dk.dtype.type(0)
-    _load_block(k, b, h, j0, cols, lut, kj)
-    _load_block(v, b, h, j0, cols, lut, vj)
+    _load_block(k, b, hk, j0, cols, lut, kj)
+    _load_block(v, b, hk, j0, cols, lut, vj)
     kc, vc = kj[:cols], vj[:cols]
     kv_finite = all_finite(kc) and all_finite(vc)
     dk_acc[:cols] = zero
     dv_acc[:cols] = zero
     # Query rows before the first that sees key j0 contribute nothing (causal tile skipping).
     i_first = max(0, j0 - causal_offset) if causal else 0
-    for i0 in range((i_first // block_q) * block_q, Nq, block_q):
+    first = (i_first // block_q) * block_q
+    blocks = max(0, (Nq - first + block_q - 1) // block_q)
+    for step in range(group * blocks):  # each query block of each query head of the group
+        h = hk * group + step % group
+        i0 = first + (step // group) * block_q
         rows = min(block_q, Nq - i0)
         _load_block(q, b, h, i0, rows, lut, qi)
         _load_block(do, b, h, i0, rows, lut, doi)
@@ -103,9 +109,9 @@ def _key_block_gradients(q, k, v, do, lse2, delta, dq_acc, dk, dv, b, h, j0, col
                 dq_acc[b, h, i0 + r, x] += t_q[r, x]
     for c in range(cols):
         for x in range(d):
-            dk[b, h, j0 + c, x] = dk_acc[c, x]
+            dk[b, hk, j0 + c, x] = dk_acc[c, x]
         for x in range(dvd):
-            dv[b, h, j0 + c, x] = dv_acc[c, x]
+            dv[b, hk, j0 + c, x] = dv_acc[c, x]
 
 
 @njit(parallel=True, fastmath=FASTMATH, cache=True)
@@ -117,15 +123,17 @@ def tiled_backward(q, k, v, do, lse2, delta, dq_parts, dk, dv, c2, scale, causal
     lse2 = lse * log2(e) and delta = rowsum(dO * O): (B, H, Nq) in the compute dtype.
     """
     splits, B, H, Nq, d = dq_parts.shape
+    Hk = k.shape[1]
+    group = H // Hk  # grouped-query attention: key/value head hk serves query heads hk*group...
     Nk = k.shape[2]
     dvd = v.shape[3]
     nkb = (Nk + block_k - 1) // block_k
     dt = dk.dtype
-    for task in prange(B * H * splits):
+    for task in prange(B * Hk * splits):
         bh = task // splits
         split = task % splits
-        b = bh // H
-        h = bh % H
+        b = bh // Hk
+        hk = bh % Hk
         kj = np.empty((block_k, d), dt)
         vj = np.empty((block_k, dvd), dt)
         qi = np.empty((block_q, d), dt)
@@ -141,20 +149,21 @@ def tiled_backward(q, k, v, do, lse2, delta, dq_parts, dk, dv, c2, scale, causal
         # them out keeps the splits even.
         for jb in range(split, nkb, splits):
             j0 = jb * block_k
-            _key_block_gradients(q, k, v, do, lse2, delta, dq_parts[split], dk, dv, b, h, j0,
-                                 min(block_k, Nk - j0), c2, scale, causal, causal_offset,
+            _key_block_gradients(q, k, v, do, lse2, delta, dq_parts[split], dk, dv, b, hk, group,
+                                 j0, min(block_k, Nk - j0), c2, scale, causal, causal_offset,
                                  block_q, lut, kj, vj, qi, doi, s_buf, dp_buf, dk_acc, dv_acc,
                                  t_k, t_v, t_q)
 
 
 def config(problem, device):
     B, H, Nq, Nk, d, dv = problem.shape
+    heads = problem.k.shape[1]  # tasks own key/value heads
     threads = numba.get_num_threads()
     block_k = BLOCK_K
-    while block_k > MIN_BLOCK_K and B * H * -(-Nk // block_k) < 4 * threads:
+    while block_k > MIN_BLOCK_K and B * heads * -(-Nk // block_k) < 4 * threads:
         block_k //= 2
     nkb = -(-Nk // block_k)
-    splits = max(1, min(nkb, -(-4 * threads // max(1, B * H))))
+    splits = max(1, min(nkb, -(-4 * threads // max(1, B * heads))))
     return {"block_q": BLOCK_Q, "block_k": block_k, "splits": splits}
 
 

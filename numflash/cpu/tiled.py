@@ -190,9 +190,10 @@ def _online_softmax(s, c2, p, m, l, alpha, zero):
 
 
 @njit(fastmath=FASTMATH, cache=True)
-def _attend_block(q, k, v, out, lse, b, h, i0, rows, kend, causal, causal_offset, block_k, c2,
+def _attend_block(q, k, v, out, lse, b, h, hk, i0, rows, kend, causal, causal_offset, block_k, c2,
                   lut):
-    """Rows i0:i0+rows of out[b, h] and lse[b, h] from keys 0:kend: one parallel task."""
+    """Rows i0:i0+rows of out[b, h] and lse[b, h] from keys 0:kend of key/value head hk: one
+    parallel task."""
     d = q.shape[3]
     dv = v.shape[3]
     dt = out.dtype
@@ -212,8 +213,8 @@ def _attend_block(q, k, v, out, lse, b, h, i0, rows, kend, causal, causal_offset
 
     for j0 in range(0, kend, block_k):
         cols = min(block_k, kend - j0)
-        _load_block(k, b, h, j0, cols, lut, kj)
-        _load_block(v, b, h, j0, cols, lut, vj)
+        _load_block(k, b, hk, j0, cols, lut, kj)
+        _load_block(v, b, hk, j0, cols, lut, vj)
         s = s_buf[:rows * cols].reshape((rows, cols))  # contiguous, so np.dot can write it
         p = p_buf[:rows * cols].reshape((rows, cols))
         np.dot(qi, kj[:cols].T, s)
@@ -259,6 +260,7 @@ def tiled_forward(q, k, v, out, lse, c2, causal, causal_offset, block_q, block_k
     """
     B, H, Nq, d = q.shape
     Nk = k.shape[2]
+    group = H // k.shape[1]  # grouped-query attention: query head h reads key/value head h // group
     nqb = (Nq + block_q - 1) // block_q
     # Causal tasks differ in size (a query block sees keys up to its diagonal): run() sets
     # numba's chunk size to 1 so tasks are handed out one at a time, and they go largest first,
@@ -273,8 +275,8 @@ def tiled_forward(q, k, v, out, lse, c2, causal, causal_offset, block_q, block_k
         kend = Nk
         if causal:
             kend = min(Nk, max(0, i0 + rows + causal_offset))
-        _attend_block(q, k, v, out, lse, b, h, i0, rows, kend, causal, causal_offset, block_k,
-                      c2, lut)
+        _attend_block(q, k, v, out, lse, b, h, h // group, i0, rows, kend, causal, causal_offset,
+                      block_k, c2, lut)
 
 
 _HALF_TABLE = None

@@ -165,7 +165,8 @@ def make_kernel(D, DV, BR, BC, TM, TN, acc, PF, SP):
         smem = cuda.shared.array(0, ACC, alignment=SMEM_ALIGN)
         scratch = smem[S_OFF:]
 
-        qbh, kbh, vbh = q[b, h], k[b, h], v[b, h]  # 2-D views: two index products, not four
+        hk = h // u(H // k.shape[1])  # grouped-query attention: the key/value head h reads
+        qbh, kbh, vbh = q[b, h], k[b, hk], v[b, hk]  # 2-D views: two index products, not four
         qreg = cuda.local.array(Q_REGS, ACC)
         stage_q(qbh, i0, Nq, d, qreg, smem, zero, tid)  # Qt[c][r] = q[i0 + r, c]
 

@@ -65,7 +65,8 @@ def make_kernel(D, DV, BC, ROWS, QS, acc):
         col0 = u(cuda.blockIdx.z) * uDV   # this block's output columns: col0 .. col0 + DV
         i = block_first + tid
         smem = cuda.shared.array(0, ACC, alignment=SMEM_ALIGN)
-        kbh, vbh = k[b, h], v[b, h, :, col0:]
+        hk = h // u(H // k.shape[1])  # grouped-query attention: the key/value head h reads
+        kbh, vbh = k[b, hk], v[b, hk, :, col0:]
         cols = dv - col0 if dv > col0 else zero
         regs = cuda.local.array(STAGE_REGS, ACC)
 

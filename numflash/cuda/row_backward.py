@@ -73,19 +73,20 @@ def make_key_kernel(D, DV, CW, BQ, ROWS, acc):
     stage_q, stage_do, STAGE_REGS, load_own_row, load_own_v = _pass_pieces(BQ, D, DV, ROWS, acc)
 
     def key_gradients(q, k, v, do, lse, delta, dk, dv, scale, causal, causal_offset):
-        H = q.shape[1]
+        H = q.shape[1]  # dk, dv: (B, H, Nk, .), each query head's share (see run())
         Nq, d, Nk, dvd = u(q.shape[2]), u(q.shape[3]), u(k.shape[2]), u(v.shape[3])
         sc = ACC(scale)
         tid = u(cuda.threadIdx.x)
         b = u(cuda.blockIdx.x // H)
         h = u(cuda.blockIdx.x % H)
+        hk = h // u(H // k.shape[1])  # grouped-query attention: the key/value head h reads
         j_first = u(cuda.blockIdx.y) * uROWS
         j = j_first + tid
         col0 = u(cuda.blockIdx.z) * uCW        # this block's columns of [dK | dV]
         smem = cuda.shared.array(0, ACC, alignment=SMEM_ALIGN)
         regs = cuda.local.array(STAGE_REGS, ACC)
-        load_own_row(k, b, h, j, Nk, d, smem, KT, tid)
-        load_own_v(v, b, h, j, Nk, dvd, smem, VT, tid)
+        load_own_row(k, b, hk, j, Nk, d, smem, KT, tid)
+        load_own_v(v, b, hk, j, Nk, dvd, smem, VT, tid)
         acc_g = cuda.local.array(CW, ACC)
         for c in range(uCW):
             acc_g[c] = 0
@@ -166,7 +167,8 @@ def make_query_kernel(D, DV, CW, BC, ROWS, acc):
             acc_g[c] = 0
         row_keys = u(key_end(i, Nk, causal, causal_offset)) if i < Nq and m != NEG_INF else zero
         block_keys = u(key_end(min(Nq, block_first + uROWS) - u(1), Nk, causal, causal_offset))
-        kbh, vbh = k[b, h], v[b, h]
+        hk = h // u(H // k.shape[1])  # grouped-query attention: the key/value head h reads
+        kbh, vbh = k[b, hk], v[b, hk]
         for j0 in range(zero, block_keys, uBC):
             cuda.syncthreads()
             stage_k(kbh, j0, Nk, d, regs, smem, KS, tid)
@@ -241,14 +243,24 @@ def run(problem, cfg, device):
     delta = (do.astype(acc) * p.o.astype(acc)).sum(axis=-1)
     lse = p.lse if p.lse.dtype == acc else p.lse.astype(acc)
     grads = [g if g.dtype == acc else xp.empty(g.shape, acc) for g in (p.dq, p.dk, p.dv)]
+    # Grouped-query attention: the key pass writes each query head's share of dK and dV, and the
+    # group's shares are summed here in a fixed order. Summing them inside the kernel (one
+    # accumulator over group x Nq rows) failed the float32 accuracy rule on the H100 (dK error
+    # 1.7e-5 against a bound of 8.1e-6 at H 8, Hk 2, Nq 1000); one share per head is as
+    # accurate as without GQA, for (group - 1) x (Nk x (d + dv)) words more memory.
+    group = p.kv_group
+    shares = grads[1:] if group == 1 else [xp.empty((B, H, Nk, g.shape[3]), acc)
+                                           for g in grads[1:]]
     D, DV, ROWS, TILE = cfg["D"], cfg["DV"], cfg["ROWS"], cfg["TILE"]
     opts = (float(p.scale), int(p.causal), int(p.causal_offset))
     key_kernel = launch.get_kernel(NAME + ".backward_keys", make_key_kernel,
                                    {"D": D, "DV": DV, "CW": cfg["CW_KEY"], "BQ": TILE,
                                     "ROWS": ROWS, "acc": cfg["acc"]})
     key_kernel((B * H, -(-Nk // ROWS), -(-(D + DV) // cfg["CW_KEY"])), (ROWS,),
-               shared_bytes(cfg), (q, k, v, do, lse, delta, grads[1], grads[2], *opts),
-               device)
+               shared_bytes(cfg), (q, k, v, do, lse, delta, shares[0], shares[1], *opts), device)
+    if group > 1:
+        for g, share in zip(grads[1:], shares):
+            g[...] = share.reshape(B, H // group, group, Nk, g.shape[3]).sum(axis=2)
     query_kernel = launch.get_kernel(NAME + ".backward_queries", make_query_kernel,
                                      {"D": D, "DV": DV, "CW": cfg["CW_QUERY"], "BC": TILE,
                                       "ROWS": ROWS, "acc": cfg["acc"]})
