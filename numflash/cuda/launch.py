@@ -217,6 +217,46 @@ def compile_to_cubin(pyfunc, argtypes, cc, fastmath=FASTMATH):
     return bytes(cubin.code), entry, ptx, resources
 
 
+_unwritable_warned = set()
+
+
+def _warn_unwritable(directory, error):
+    """Once per directory and process: compiled kernels cannot be kept."""
+    if str(directory) in _unwritable_warned:
+        return
+    _unwritable_warned.add(str(directory))
+    import warnings
+    warnings.warn(f"numflash: cannot write the kernel cache in {directory} "
+                  f"({error.strerror or error}); every new process will compile its kernels "
+                  f"again. Set NUMFLASH_CACHE_DIR to a writable directory.", RuntimeWarning,
+                  stacklevel=4)
+
+
+def _read_entry(cubin_path, meta_path):
+    """(cubin, meta) of a valid cache entry; None if there is none, or it is damaged (warned)."""
+    try:
+        meta_text, cubin = meta_path.read_text(), cubin_path.read_bytes()
+    except (FileNotFoundError, NotADirectoryError):  # no entry (or no cache directory)
+        return None
+    except OSError as e:  # unreadable: permissions, a directory in its place, an I/O error
+        why = f"cannot be read ({e.strerror or e})"
+    else:
+        try:
+            meta = json.loads(meta_text)
+            ok = isinstance(meta, dict) and isinstance(meta.get("entry"), str) and \
+                meta.get("sha256") == hashlib.sha256(cubin).hexdigest()
+        except ValueError:
+            ok = False
+        if ok:
+            meta["from_disk"] = True
+            return cubin, meta
+        why = "is damaged (its cubin does not match the checksum its metadata records)"
+    import warnings
+    warnings.warn(f"numflash: the kernel cache entry {cubin_path.name} {why}; compiling it again",
+                  RuntimeWarning, stacklevel=3)
+    return None
+
+
 class Kernel:
     """One kernel variant: a Python kernel function made by a factory for one config.
 
@@ -249,16 +289,21 @@ class Kernel:
         return hashlib.sha256(text.encode()).hexdigest()[:32]
 
     def build(self, argtypes, cc):
-        """(cubin, meta) for these argument types and architecture, from disk if cached."""
+        """(cubin, meta) for these argument types and architecture, from disk if cached.
+
+        A cache entry is used only if its metadata parses and its cubin has the SHA-256 the
+        metadata records: a truncated, corrupt or half-written entry (a full disk, a crash, a
+        hand edit) is compiled again and rewritten, with a warning, never loaded.
+        """
         key = self.cache_key(argtypes, cc)
         d = cache_dir()
         cubin_path, meta_path = d / f"{self.name}-{key}.cubin", d / f"{self.name}-{key}.json"
-        if cubin_path.exists() and meta_path.exists():
-            meta = json.loads(meta_path.read_text())
-            meta["from_disk"] = True
-            return cubin_path.read_bytes(), meta
+        cached = _read_entry(cubin_path, meta_path)
+        if cached is not None:
+            return cached
         cubin, entry, _, resources = compile_to_cubin(self.pyfunc, argtypes, cc, self.fastmath)
-        meta = {"entry": entry, "resources": resources, "cc": list(cc), "config": self.config}
+        meta = {"entry": entry, "resources": resources, "cc": list(cc), "config": self.config,
+                "sha256": hashlib.sha256(cubin).hexdigest()}
         try:
             d.mkdir(parents=True, exist_ok=True)
             for path, data in ((cubin_path, cubin), (meta_path, json.dumps(meta).encode())):
@@ -266,8 +311,8 @@ class Kernel:
                 with os.fdopen(fd, "wb") as f:
                     f.write(data)
                 os.replace(tmp, path)
-        except OSError:
-            pass  # an unwritable cache only costs a recompile next process
+        except OSError as e:  # an unwritable cache only costs a recompile in the next process
+            _warn_unwritable(d, e)
         meta["from_disk"] = False
         return cubin, meta
 
