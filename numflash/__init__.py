@@ -4,8 +4,10 @@ import importlib
 from . import reference
 from .api import attention, attention_backward, explain
 from .io_model import io_model
+from .varlen import attention_varlen, attention_varlen_backward, merge_partials
 
-__all__ = ["attention", "attention_backward", "explain", "reference", "io_model"]
+__all__ = ["attention", "attention_backward", "explain", "attention_varlen",
+           "attention_varlen_backward", "merge_partials", "reference", "io_model"]
 __version__ = "0.1.0"
 
 # The framework layers import their framework: loaded on first use (numflash.torch, ...), so that

@@ -250,7 +250,7 @@ def _check_output(name, a, kind, dtype, device_id, shape, layout, inputs):
                          f"{tuple(a.shape)}")
     if np.dtype(a.dtype) != dtype:
         raise TypeError(f"{name} must have q's dtype {dtype}; got {a.dtype}")
-    if any(st == 0 and n > 1 for st, n in zip(a.strides, a.shape)):
+    if a.size and any(st == 0 and n > 1 for st, n in zip(a.strides, a.shape)):  # empty: no overlap
         raise ValueError(f"{name} has a zero stride (a broadcast view): its elements overlap")
     if kind == "numpy" and not a.flags.writeable:
         raise ValueError(f"{name} is read-only")

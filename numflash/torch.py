@@ -28,7 +28,7 @@ from . import api as _api
 from .cuda import fastpath as _fastpath
 
 __all__ = ["attention", "attention_backward", "scaled_dot_product_attention", "flash_attn_func",
-           "attention_probabilities"]
+           "flash_attn_varlen_func", "attention_probabilities"]
 
 _CAUSAL = {False: "none", None: "none", True: "top_left", "top_left": "top_left",
            "bottom_right": "bottom_right"}
@@ -487,6 +487,20 @@ def _as_4d(t):
     return t.reshape(-1, t.shape[-3], *t.shape[-2:])
 
 
+def _flash_attn_refusals(where, dropout_p, window_size, softcap, alibi_slopes):
+    if dropout_p:
+        raise NotImplementedError(f"{where}: dropout_p={dropout_p} is not supported (numflash "
+                                  f"has no dropout); pass dropout_p=0.0")
+    if tuple(window_size) != (-1, -1):
+        raise NotImplementedError(f"{where}: window_size={tuple(window_size)} (sliding window) is "
+                                  f"not supported yet; pass window_size=(-1, -1)")
+    if softcap:
+        raise NotImplementedError(f"{where}: softcap={softcap} is not supported yet; pass "
+                                  f"softcap=0.0")
+    if alibi_slopes is not None:
+        raise NotImplementedError(f"{where}: alibi_slopes is not supported yet")
+
+
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
                     window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
                     return_attn_probs=False):
@@ -500,17 +514,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     naming the option: ``dropout_p > 0``, a sliding window, ``softcap`` and ``alibi_slopes``.
     """
     _check_tensors(q=q, k=k, v=v)
-    if dropout_p:
-        raise NotImplementedError(f"flash_attn_func: dropout_p={dropout_p} is not supported "
-                                  f"(numflash has no dropout); pass dropout_p=0.0")
-    if tuple(window_size) != (-1, -1):
-        raise NotImplementedError(f"flash_attn_func: window_size={tuple(window_size)} (sliding "
-                                  f"window) is not supported yet; pass window_size=(-1, -1)")
-    if softcap:
-        raise NotImplementedError(f"flash_attn_func: softcap={softcap} is not supported yet; "
-                                  f"pass softcap=0.0")
-    if alibi_slopes is not None:
-        raise NotImplementedError("flash_attn_func: alibi_slopes is not supported yet")
+    _flash_attn_refusals("flash_attn_func", dropout_p, window_size, softcap, alibi_slopes)
     causal_mode = "bottom_right" if causal else False
     out, lse = attention(q, k, v, causal=causal_mode, softmax_scale=softmax_scale, layout="bshd",
                          return_lse=True, deterministic=deterministic)
@@ -518,4 +522,39 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
         probs = attention_probabilities(q, k, lse, causal=causal_mode,
                                         softmax_scale=softmax_scale, layout="bshd")
         return out, lse, probs
+    return out
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None,
+                           max_seqlen_k=None, dropout_p=0.0, softmax_scale=None, causal=False,
+                           window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                           deterministic=False, return_attn_probs=False):
+    """flash-attn's ``flash_attn_varlen_func`` on numflash: packed q (total_q, H, d), k and v
+    (total_k, Hk, d), cumulative lengths ``cu_seqlens_q/k`` (int32 tensors or lists, B + 1
+    entries), causal aligned to the bottom right of each sequence; differentiable. One
+    :func:`attention` call per sequence on views of the packed tensors (numflash.varlen).
+
+    ``return_attn_probs=True`` returns (out, softmax_lse (H, total_q), None): the per-sequence
+    probabilities have no dense packed form. Refuses what :func:`flash_attn_func` refuses.
+    """
+    from .varlen import _check_packed
+    _check_tensors(q=q, k=k, v=v)
+    _flash_attn_refusals("flash_attn_varlen_func", dropout_p, window_size, softcap, alibi_slopes)
+    lengths = [c.tolist() if isinstance(c, torch.Tensor) else c
+               for c in (cu_seqlens_q, cu_seqlens_k)]
+    cq, ck = _check_packed(q, k, v, *lengths, max_seqlen_q, max_seqlen_k)
+    mode = "bottom_right" if causal else False
+    outs, lses = [], []
+    for b in range(cq.size - 1):
+        sq, eq, sk, ek = int(cq[b]), int(cq[b + 1]), int(ck[b]), int(ck[b + 1])
+        out, lse = attention(q[None, sq:eq], k[None, sk:ek], v[None, sk:ek], causal=mode,
+                             softmax_scale=softmax_scale, layout="bshd", return_lse=True,
+                             deterministic=deterministic)
+        outs.append(out[0])
+        lses.append(lse[0])
+    out = torch.cat(outs) if outs else q.new_empty((0, q.shape[1], v.shape[2]))
+    if return_attn_probs:
+        lse = torch.cat(lses, dim=1) if lses else q.new_empty((q.shape[1], 0),
+                                                             dtype=_lse_dtype(q.dtype))
+        return out, lse, None
     return out

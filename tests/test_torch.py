@@ -342,3 +342,10 @@ def test_no_grad_and_grad_calls_give_the_same_result():
                                          "auto", False)
     assert not plain.requires_grad and tracked.requires_grad and op.requires_grad
     assert torch.equal(plain, tracked.detach()) and torch.equal(plain, op.detach())
+
+
+def test_empty_sequences_through_out_views():
+    """An empty tensor's NumPy view has zero strides; it holds nothing, so it cannot overlap."""
+    q = torch.randn(1, 0, 2, 8)
+    out = numflash.attention(q, torch.randn(1, 3, 2, 8), torch.randn(1, 3, 2, 8), layout="bshd")
+    assert out.shape == (1, 0, 2, 8)

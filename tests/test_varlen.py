@@ -1,0 +1,167 @@
+"""attention_varlen / attention_varlen_backward against per-sequence reference calls (lengths 0,
+1, odd and long; GQA; causal both ways; CPU and the CUDA kernels in the simulator), merge_partials
+against one call over all keys, and the checks on cu_seqlens."""
+import numpy as np
+import pytest
+
+import numflash
+from numflash import reference, testing
+
+
+def packed(rng, lens_q, lens_k, H=4, Hk=2, d=24, dv=16, dtype=np.float64):
+    cq = np.concatenate([[0], np.cumsum(lens_q)]).astype(np.int32)
+    ck = np.concatenate([[0], np.cumsum(lens_k)]).astype(np.int32)
+    q = rng.standard_normal((cq[-1], H, d)).astype(dtype)
+    k = rng.standard_normal((ck[-1], Hk, d)).astype(dtype)
+    v = rng.standard_normal((ck[-1], Hk, dv)).astype(dtype)
+    do = rng.standard_normal((cq[-1], H, dv)).astype(dtype)
+    return q, k, v, do, cq, ck
+
+
+LENGTHS = [([5, 0, 1, 97, 33], [7, 4, 1, 97, 60]),   # empty, single, odd, Nq != Nk both ways
+           ([300], [300]), ([1, 1, 1], [0, 3, 1])]
+
+
+@pytest.mark.parametrize("lengths", LENGTHS, ids=["mixed", "one-long", "tiny"])
+@pytest.mark.parametrize("causal", [False, True, "bottom_right"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_cpu_matches_each_sequence_alone(rng, lengths, causal, dtype):
+    q, k, v, do, cq, ck = packed(rng, *lengths, dtype=dtype)
+    out, lse = numflash.attention_varlen(q, k, v, cq, ck, max(lengths[0]), max(lengths[1]),
+                                         causal=causal, return_lse=True)
+    assert out.shape == (q.shape[0], 4, 16) and lse.shape == (4, q.shape[0])
+    grads = numflash.attention_varlen_backward(do, q, k, v, out, lse, cq, ck, causal=causal)
+    for b in range(len(cq) - 1):
+        s, e, sk, ek = cq[b], cq[b + 1], ck[b], ck[b + 1]
+        seq = [a[None, lo:hi] for a, lo, hi in ((q, s, e), (k, sk, ek), (v, sk, ek))]
+        if e > s:
+            testing.assert_accurate(out[None, s:e], *seq, lse=lse[None, :, s:e], causal=causal,
+                                    layout="bshd")
+            testing.assert_gradients_accurate([grads[0][None, s:e], grads[1][None, sk:ek],
+                                               grads[2][None, sk:ek]], do[None, s:e], *seq,
+                                              causal=causal, layout="bshd")
+        else:  # keys of a sequence without queries get no gradient
+            assert not grads[1][sk:ek].any() and not grads[2][sk:ek].any()
+
+
+@pytest.mark.simulator
+def test_simulated_cuda_kernels(rng):
+    q, k, v, do, cq, ck = packed(rng, [9, 0, 20], [13, 2, 17], d=8, dv=8)
+    for algorithm in ("block", "row"):
+        out, lse = numflash.attention_varlen(q, k, v, cq, ck, causal="bottom_right",
+                                             backend="cuda", algorithm=algorithm,
+                                             return_lse=True)
+        ref, ref_lse = numflash.attention_varlen(q, k, v, cq, ck, causal="bottom_right",
+                                                 backend="cpu", return_lse=True)
+        np.testing.assert_allclose(out, ref, rtol=0, atol=1e-12)
+        np.testing.assert_allclose(lse, ref_lse, rtol=0, atol=1e-12)
+    got = numflash.attention_varlen_backward(do, q, k, v, out, lse, cq, ck, causal="bottom_right",
+                                             backend="cuda")
+    want = numflash.attention_varlen_backward(do, q, k, v, out, lse, cq, ck,
+                                              causal="bottom_right", backend="cpu")
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-11)
+
+
+def test_out_and_gradient_buffers_are_written_in_place(rng):
+    q, k, v, do, cq, ck = packed(rng, [4, 6], [5, 3])
+    out = np.full((10, 4, 16), np.nan)
+    res = numflash.attention_varlen(q, k, v, cq, ck, out=out)
+    assert res is out and np.isfinite(out).all()
+    _, lse = numflash.attention_varlen(q, k, v, cq, ck, return_lse=True)
+    bufs = [np.full(a.shape, np.nan) for a in (q, k, v)]
+    got = numflash.attention_varlen_backward(do, q, k, v, out, lse, cq, ck, dq=bufs[0],
+                                             dk=bufs[1], dv=bufs[2])
+    assert all(a is b for a, b in zip(got, bufs)) and all(np.isfinite(b).all() for b in bufs)
+
+
+@pytest.mark.parametrize("cu, match", [
+    ([0, 5, 3, 10], r"must be non-decreasing; it goes from 5 to 3 at entry 1"),
+    ([1, 5, 10], "must start at 0"),
+    ([0, 5, 9], "must end at the packed length 10; it ends at 9"),
+    ([[0, 10]], r"must be 1-D with B \+ 1 entries"),
+    (np.array([0.0, 10.0]), "must hold integers"),
+    ("0,10", "must be a 1-D integer array"),
+])
+def test_bad_cu_seqlens_name_the_argument(rng, cu, match):
+    q, k, v, _, _, ck = packed(rng, [4, 6], [5, 5])
+    with pytest.raises((ValueError, TypeError), match="cu_seqlens_q " + match):
+        numflash.attention_varlen(q, k, v, cu, [0, 5, 10])
+
+
+def test_other_bad_inputs(rng):
+    q, k, v, _, cq, ck = packed(rng, [4, 6], [5, 5])
+    with pytest.raises(ValueError, match="cu_seqlens_k has 1 sequences, cu_seqlens_q has 2"):
+        numflash.attention_varlen(q, k, v, cq, [0, 10])
+    with pytest.raises(ValueError, match=r"max_seqlen_q=5 is shorter than the longest "
+                                         r"sequence \(6\)"):
+        numflash.attention_varlen(q, k, v, cq, ck, 5, 5)
+    with pytest.raises(ValueError, match="q must be 3-D"):
+        numflash.attention_varlen(q[None], k, v, cq, ck)
+    with pytest.raises(ValueError, match="k and v must have the same packed length"):
+        numflash.attention_varlen(q, k, v[:9], cq, ck)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_merge_partials_equals_one_call_over_all_keys(rng, dtype):
+    q = rng.standard_normal((2, 3, 40, 16)).astype(dtype)
+    k = rng.standard_normal((2, 3, 90, 16)).astype(dtype)
+    v = rng.standard_normal((2, 3, 90, 8)).astype(dtype)
+    cuts = [0, 10, 11, 55, 90]
+    # causal over the full key range (bottom right): the later parts see no key for early rows
+    parts = []
+    for a, b in zip(cuts[:-1], cuts[1:]):
+        offset = 90 - 40 - a  # query i sees keys j <= i + 50, i.e. j - a <= i + offset
+        sq = reference.naive(q.astype(np.float64), k[:, :, a:b].astype(np.float64),
+                             v[:, :, a:b].astype(np.float64), scale=0.25, causal=True,
+                             causal_offset=offset)
+        parts.append((sq[0].astype(dtype), sq[1].astype(np.float64 if dtype == np.float64
+                                                        else np.float32)))
+    out, lse = numflash.merge_partials([p[0] for p in parts], [p[1] for p in parts])
+    assert out.dtype == dtype
+    testing.assert_accurate(out, q, k, v, lse=lse, causal="bottom_right", softmax_scale=0.25)
+
+
+def test_merge_partials_rows_without_keys_and_nan(rng):
+    o = rng.standard_normal((1, 1, 3, 4))
+    lse_a = np.array([[[-np.inf, 0.5, np.nan]]])
+    lse_b = np.array([[[-np.inf, -np.inf, 0.1]]])
+    out, lse = numflash.merge_partials([o, 2 * o], [lse_a, lse_b])
+    assert (out[0, 0, 0] == 0).all() and lse[0, 0, 0] == -np.inf   # no key anywhere
+    np.testing.assert_allclose(out[0, 0, 1], o[0, 0, 1])          # only part a has keys
+    assert lse[0, 0, 1] == 0.5
+    assert np.isnan(out[0, 0, 2]).all() and np.isnan(lse[0, 0, 2])  # a NaN part poisons its row
+
+
+def test_merge_partials_bad_input(rng):
+    o = rng.standard_normal((1, 1, 3, 4))
+    lse = np.zeros((1, 1, 3))
+    with pytest.raises(ValueError, match="as many outs as lses"):
+        numflash.merge_partials([o, o], [lse])
+    with pytest.raises(ValueError, match=r"lses\[1\] must have shape \(1, 1, 3\)"):
+        numflash.merge_partials([o, o], [lse, lse[..., :2]])
+    with pytest.raises(ValueError, match=r"outs\[1\] has shape"):
+        numflash.merge_partials([o, o.astype(np.float32)], [lse, lse])
+    with pytest.raises(TypeError, match="all be NumPy arrays"):
+        numflash.merge_partials([o, [1]], [lse, lse])
+
+
+def test_torch_flash_attn_varlen_func_is_differentiable(rng):
+    torch = pytest.importorskip("torch")
+    import numflash.torch as nt
+    q, k, v, do, cq, ck = packed(rng, [5, 0, 31], [7, 3, 20])
+    tq, tk, tv = (torch.tensor(a, requires_grad=True) for a in (q, k, v))
+    out, lse, probs = nt.flash_attn_varlen_func(tq, tk, tv, torch.tensor(cq), torch.tensor(ck),
+                                                31, 20, causal=True, return_attn_probs=True)
+    assert probs is None and lse.shape == (4, 36)
+    want, want_lse = numflash.attention_varlen(q, k, v, cq, ck, causal="bottom_right",
+                                               return_lse=True)
+    np.testing.assert_allclose(out.detach().numpy(), want, rtol=0, atol=1e-13)
+    np.testing.assert_allclose(lse.numpy(), want_lse, rtol=0, atol=1e-13)
+    grads = torch.autograd.grad(out, (tq, tk, tv), torch.tensor(do))
+    ref = numflash.attention_varlen_backward(do, q, k, v, want, want_lse, cq, ck,
+                                             causal="bottom_right")
+    for g, r in zip(grads, ref):
+        np.testing.assert_allclose(g.numpy(), r, rtol=0, atol=1e-12)
+    with pytest.raises(NotImplementedError, match="flash_attn_varlen_func: softcap"):
+        nt.flash_attn_varlen_func(tq, tk, tv, cq, ck, softcap=5.0)
