@@ -5,7 +5,9 @@ numflash's CPU path runs on them; the results come back through DLPack. Under ``
 ``vmap``, which maps it one call at a time) the same host function runs through
 ``jax.pure_callback``: XLA hands it host buffers and takes the results back. GPU jax arrays are
 not run by numflash's CUDA kernels from JAX: that needs an XLA FFI custom call, which numflash does
-not ship; a GPU jax array passed here raises.
+not ship. A concrete GPU jax array passed here raises; under ``jax.jit`` the arrays are tracers
+whose device is not known here, and GPU data would be staged through the host by the callback
+(numflash's CPU path).
 
 Gradients use numflash's backward (:func:`numflash.attention_backward`), so ``jax.grad`` and
 ``jax.vjp`` of :func:`attention` run in O(N) memory, eagerly and under ``jax.jit``.

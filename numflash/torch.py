@@ -20,6 +20,7 @@ Repeated CUDA calls replay the recorded kernel launch with the tensors' data poi
 numflash.cuda.fastpath does for CuPy), so a call costs one torch allocation and one launch.
 """
 import math
+import numbers
 import threading
 
 import torch
@@ -47,10 +48,13 @@ def _causal_name(causal):
 def _scale(softmax_scale, d):
     if softmax_scale is None:
         return 1.0 / math.sqrt(d) if d > 0 else 1.0  # d == 0 is refused by numflash's checks
-    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
         raise TypeError(f"softmax_scale must be a real number or None; got "
                         f"{type(softmax_scale).__name__}")
-    scale = float(softmax_scale)
+    try:
+        scale = float(softmax_scale)
+    except OverflowError:  # an int too large for a float
+        scale = math.inf
     if not math.isfinite(scale) or scale <= 0:
         raise ValueError(f"softmax_scale must be finite and > 0; got {softmax_scale!r}")
     return scale
@@ -401,12 +405,14 @@ def attention_backward(do, q, k, v, o, lse, *, causal=False, softmax_scale=None,
     return tuple(grads)
 
 
-def attention_probabilities(q, k, lse, *, causal=False, softmax_scale=None, layout="bhsd"):
-    """The exact attention probabilities P = exp(scale q k^T - lse) as a (B, H, Nq, Nk) tensor,
-    from the lse that :func:`attention` returned: a second pass, O(Nq Nk) memory by nature (for
-    ``output_attentions`` / ``return_attn_probs``; the attention itself never builds it).
-    Masked positions and rows that see no key are 0. Computed in float32 for 16-bit inputs and
-    returned in q's dtype; differentiable through q and k (not through lse)."""
+def attention_probabilities(q, k, *, causal=False, softmax_scale=None, layout="bhsd"):
+    """The exact attention probabilities softmax(scale q k^T + mask) as a (B, H, Nq, Nk) tensor:
+    a second pass, O(Nq Nk) memory by nature (for ``output_attentions`` / ``return_attn_probs``;
+    the attention itself never builds it). Masked positions and rows that see no key are 0; a NaN
+    score makes its row NaN. Computed in float32 for 16-bit inputs and returned in q's dtype;
+    differentiable through q and k (torch's softmax, so the gradient is exact)."""
+    if layout not in ("bhsd", "bshd"):
+        raise ValueError(f"layout must be 'bhsd' or 'bshd'; got {layout!r}")
     if layout == "bshd":
         q, k = q.transpose(1, 2), k.transpose(1, 2)
     nq, nk = q.shape[2], k.shape[2]
@@ -415,15 +421,14 @@ def attention_probabilities(q, k, lse, *, causal=False, softmax_scale=None, layo
     scale = _scale(softmax_scale, q.shape[-1])
     work = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
     s = torch.matmul(q.to(work), k.to(work).transpose(-1, -2)) * scale
-    lse = lse.detach().to(work)
-    finite = torch.isfinite(lse)[..., None]
-    p = torch.where(finite, torch.exp(s - torch.where(finite, lse[..., None], 0)), 0)
+    visible = torch.ones(nq, nk, dtype=torch.bool, device=q.device)
     name = _causal_name(causal)
     if name != "none":
         offset = 0 if name == "top_left" else nk - nq
-        rows = torch.arange(nq, device=q.device)[:, None]
-        cols = torch.arange(nk, device=q.device)[None, :]
-        p = torch.where(cols <= rows + offset, p, 0)
+        visible = torch.arange(nk, device=q.device)[None, :] <= (
+            torch.arange(nq, device=q.device)[:, None] + offset)
+    p = torch.softmax(s.masked_fill(~visible, float("-inf")), dim=-1)
+    p = torch.where(visible.any(dim=-1)[:, None], p, 0)  # a row with no key: 0, not NaN
     return p.to(q.dtype)
 
 
@@ -480,8 +485,8 @@ def _as_4d(t):
     """(..., N, E) as (B, H, N, E): a view when the leading dimensions allow one."""
     if t.dim() == 4:
         return t
-    if t.dim() == 3:
-        return t.unsqueeze(1)
+    if t.dim() == 3:  # (H, N, E): dim -3 is heads, as torch reads it for enable_gqa
+        return t.unsqueeze(0)
     if t.dim() == 2:
         return t[None, None]
     return t.reshape(-1, t.shape[-3], *t.shape[-2:])
@@ -519,7 +524,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     out, lse = attention(q, k, v, causal=causal_mode, softmax_scale=softmax_scale, layout="bshd",
                          return_lse=True, deterministic=deterministic)
     if return_attn_probs:
-        probs = attention_probabilities(q, k, lse, causal=causal_mode,
+        probs = attention_probabilities(q, k, causal=causal_mode,
                                         softmax_scale=softmax_scale, layout="bshd")
         return out, lse, probs
     return out
@@ -542,7 +547,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=Non
     _flash_attn_refusals("flash_attn_varlen_func", dropout_p, window_size, softcap, alibi_slopes)
     lengths = [c.tolist() if isinstance(c, torch.Tensor) else c
                for c in (cu_seqlens_q, cu_seqlens_k)]
-    cq, ck = _check_packed(q, k, v, *lengths, max_seqlen_q, max_seqlen_k)
+    cq, ck = _check_packed(q, k, v, *lengths, max_seqlen_q, max_seqlen_k, torch_ok=True)
     mode = "bottom_right" if causal else False
     outs, lses = [], []
     for b in range(cq.size - 1):

@@ -43,6 +43,12 @@ def key_padding_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0,
             f"padding; this model asked for the mask pattern {name} (a sliding window, chunked "
             f"attention, packed sequences or a custom mask), which numflash cannot run yet: use "
             f"attn_implementation='sdpa' for this model")
+    filled = int(q_offset) + q_length  # cache positions that hold keys
+    if kv_length > filled:
+        raise NotImplementedError(
+            f"numflash's transformers attention got a key length of {kv_length} for {filled} "
+            f"filled positions: a fixed-size (static) KV cache, whose unfilled slots and query "
+            f"positions it cannot place yet; use the default dynamic cache")
     if attention_mask is None:
         return None
     if attention_mask.dim() != 2:
@@ -95,11 +101,13 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
         lse_parts = [(lse, key, 0, nk, 0, nq)]
     else:
         outs, lse_parts = [], []
-        first = nk - nq  # the key position of query row 0 (the queries are the last positions)
+        first = nk - nq  # self-attention: query row i is key position first + i
         for b in range(query.shape[0]):
             start, end = _kept_keys(attention_mask[b])
-            # the query rows at kept positions: [start, end) in key positions
-            r0, r1 = max(0, start - first), max(0, min(nq, end - first))
+            if mode:  # causal: only the query rows at kept positions, [start, end)
+                r0, r1 = max(0, start - first), max(0, min(nq, end - first))
+            else:  # bidirectional (an encoder, cross-attention): every row sees the kept keys
+                r0, r1 = 0, nq
             o = query.new_zeros(1, query.shape[1], nq, value.shape[3])
             lse = torch.full((1, query.shape[1], nq), float("-inf"), device=query.device,
                              dtype=torch.float64 if query.dtype == torch.float64 else torch.float32)
@@ -130,7 +138,7 @@ def _probabilities(query, lse_parts, mode, scaling, nk):
         p = qb.new_zeros(qb.shape[0], qb.shape[1], qb.shape[2], nk)
         if end > start and r1 > r0:
             p[:, :, r0:r1, start:end] = _nt.attention_probabilities(
-                qb[:, :, r0:r1], keys, lse[:, :, r0:r1], causal=mode, softmax_scale=scaling)
+                qb[:, :, r0:r1], keys, causal=mode, softmax_scale=scaling)
         rows.append(p)
     return torch.cat(rows)
 

@@ -48,8 +48,12 @@ def _host_lengths(name, cu, total, batch=None):
     return cu
 
 
-def _check_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+def _check_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                  torch_ok=False):
     for name, a in (("q", q), ("k", k), ("v", v)):
+        if not torch_ok and type(a).__module__.startswith("torch"):
+            raise TypeError(f"{name} is a torch tensor: use numflash.torch.flash_attn_varlen_func "
+                            f"(differentiable) for torch tensors")
         if getattr(a, "ndim", None) != 3:
             raise ValueError(f"{name} must be 3-D (total, heads, head dim) for attention_varlen; "
                              f"got shape {tuple(getattr(a, 'shape', ()))}")
@@ -119,15 +123,26 @@ def attention_varlen_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, m
         raise ValueError(f"lse must have shape (H, total_q) = {(q.shape[1], q.shape[0])} (what "
                          f"attention_varlen(..., return_lse=True) returns); got "
                          f"{tuple(lse.shape)}")
+    out_shape = (q.shape[0], q.shape[1], v.shape[2])
+    for name, a in (("do", do), ("o", o)):
+        if tuple(a.shape) != out_shape:
+            raise ValueError(f"{name} must have the output's shape (total_q, H, dv) = {out_shape}; "
+                             f"got {tuple(a.shape)}")
+    inputs = (("q", q), ("k", k), ("v", v), ("do", do), ("o", o), ("lse", lse))
     grads = []
     for name, given, src in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
-        if given is not None and tuple(given.shape) != tuple(src.shape):
+        if given is None:  # keys no query sees get zero gradients: start from zeros
+            grads.append(xp.zeros(src.shape, src.dtype))
+            continue
+        if tuple(given.shape) != tuple(src.shape):
             raise ValueError(f"{name} must have the shape of {name[1]} {tuple(src.shape)}; got "
                              f"{tuple(given.shape)}")
-        # keys no query sees get zero gradients: start from zeros
-        grads.append(xp.zeros(src.shape, src.dtype) if given is None else given)
-        if given is not None:
-            given[...] = 0
+        for other, a in inputs + tuple(zip(("dq", "dk"), grads)):
+            if xp.may_share_memory(given, a):  # checked before anything is written
+                raise ValueError(f"{name} overlaps {other}: pass a separate output array")
+        grads.append(given)
+    for g in grads:
+        g[...] = 0
     for b in range(cq.size - 1):
         sq, eq, sk, ek = int(cq[b]), int(cq[b + 1]), int(ck[b]), int(ck[b + 1])
         if eq == sq or ek == sk:

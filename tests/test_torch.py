@@ -349,3 +349,34 @@ def test_empty_sequences_through_out_views():
     q = torch.randn(1, 0, 2, 8)
     out = numflash.attention(q, torch.randn(1, 3, 2, 8), torch.randn(1, 3, 2, 8), layout="bshd")
     assert out.shape == (1, 0, 2, 8)
+
+
+def test_attention_probabilities_have_exact_gradients():
+    q, k, _ = tensors((1, 2, 5, 4), (1, 2, 7, 4), torch.float64, grad=True)
+    for causal in (False, "bottom_right"):
+        p = nt.attention_probabilities(q, k, causal=causal, softmax_scale=0.7)
+        s = (q @ k.transpose(-1, -2)) * 0.7
+        if causal:
+            s = s.masked_fill(torch.ones(5, 7, dtype=torch.bool).tril(2).logical_not(),
+                              float("-inf"))
+        want = torch.softmax(s, -1)
+        torch.testing.assert_close(p, want, rtol=0, atol=1e-15)
+        got = torch.autograd.grad(p[..., 0].sum(), (q, k))
+        ref = torch.autograd.grad(want[..., 0].sum(), (q, k))
+        for a, b in zip(got, ref):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-14)
+    # a masked score far above the row's: no overflow into the gradient
+    q1 = torch.ones(1, 1, 1, 1, dtype=torch.float64, requires_grad=True)
+    k1 = torch.tensor([-100.0, 100.0], dtype=torch.float64).reshape(1, 1, 2, 1)
+    p = nt.attention_probabilities(q1, k1, causal=True, softmax_scale=1.0)
+    (g,) = torch.autograd.grad(p.sum(), q1)
+    assert torch.isfinite(g).all() and p[0, 0, 0, 0] == 1
+
+
+def test_scales_of_any_real_type_and_sdpa_3d_gqa():
+    q, k, v = tensors((4, 9, 8), (2, 9, 8), torch.float64)
+    out = nt.scaled_dot_product_attention(q, k, v, scale=np.float32(0.5), enable_gqa=True)
+    ref = F.scaled_dot_product_attention(q, k, v, scale=0.5, enable_gqa=True)
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match="softmax_scale must be finite"):
+        nt.attention(q[None], k[None], v[None], softmax_scale=10 ** 400)

@@ -174,3 +174,29 @@ def test_cuda_model_matches_sdpa(dtype, tol):
     loss = ours(ids, labels=ids).loss
     loss.backward()
     assert torch.isfinite(loss) and all(torch.isfinite(p.grad).all() for p in ours.parameters())
+
+
+def test_a_static_cache_is_refused_not_run_on_its_empty_slots():
+    _, ours = pair(torch.float64)
+    ids, _ = batch(6)
+    cache = transformers.StaticCache(config=ours.config, max_cache_len=16)
+    with pytest.raises(NotImplementedError, match="static"):
+        ours(ids, past_key_values=cache)
+
+
+def test_bidirectional_attention_with_padding_sees_every_kept_key():
+    """An encoder or cross-attention (no causal mask, Nq != Nk): every query row attends to all
+    kept keys, whatever side the padding is on."""
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 4, 3, 8, dtype=torch.float64, generator=g)
+    k, v = (torch.randn(2, 2, 6, 8, dtype=torch.float64, generator=g) for _ in range(2))
+    mask = torch.ones(2, 6, dtype=torch.bool)
+    mask[1, 4:] = False
+    module = type("Encoder", (), {"training": False, "is_causal": False})()
+    out, probs = ntf.attention_forward(module, q, k, v, mask, scaling=0.3, is_causal=False,
+                                       output_attentions=True)
+    s = (q @ k.repeat_interleave(2, 1).transpose(-1, -2)) * 0.3
+    p = torch.softmax(s.masked_fill(~mask[:, None, None, :], float("-inf")), -1)
+    torch.testing.assert_close(out, (p @ v.repeat_interleave(2, 1)).transpose(1, 2), rtol=0,
+                               atol=1e-14)
+    torch.testing.assert_close(probs, p, rtol=0, atol=1e-14)

@@ -165,3 +165,21 @@ def test_torch_flash_attn_varlen_func_is_differentiable(rng):
         np.testing.assert_allclose(g.numpy(), r, rtol=0, atol=1e-12)
     with pytest.raises(NotImplementedError, match="flash_attn_varlen_func: softcap"):
         nt.flash_attn_varlen_func(tq, tk, tv, cq, ck, softcap=5.0)
+
+
+def test_backward_checks_come_before_any_write(rng):
+    q, k, v, do, cq, ck = packed(rng, [4, 6], [5, 5])
+    out, lse = numflash.attention_varlen(q, k, v, cq, ck, return_lse=True)
+    q_before = q.copy()
+    with pytest.raises(ValueError, match="dq overlaps q"):
+        numflash.attention_varlen_backward(do, q, k, v, out, lse, cq, ck, dq=q)
+    np.testing.assert_array_equal(q, q_before)  # nothing was zeroed
+    with pytest.raises(ValueError, match=r"do must have the output's shape"):
+        numflash.attention_varlen_backward(do[:9], q, k, v, out, lse, cq, ck)
+
+
+def test_torch_tensors_are_pointed_to_the_torch_entry_point(rng):
+    torch = pytest.importorskip("torch")
+    q, k, v, _, cq, ck = packed(rng, [4, 6], [5, 5])
+    with pytest.raises(TypeError, match="flash_attn_varlen_func"):
+        numflash.attention_varlen(torch.tensor(q), k, v, cq, ck)
