@@ -158,6 +158,22 @@ def check_precision(precision, dtype=None):
     return precision
 
 
+def softmax_scale_value(softmax_scale, d):
+    """The scale as a float: 1/sqrt(d) for None, else a finite real number > 0 (checked)."""
+    if softmax_scale is None:
+        return 1.0 / math.sqrt(d) if d > 0 else 1.0  # d = 0 is refused by the shape checks
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
+        raise TypeError(f"softmax_scale must be a real number or None; got "
+                        f"{type(softmax_scale).__name__}")
+    try:
+        scale = float(softmax_scale)
+    except OverflowError:  # an int too large for a float
+        scale = math.inf
+    if not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"softmax_scale must be finite and > 0; got {softmax_scale!r}")
+    return scale
+
+
 def _check_qkv(q, k, v, causal, softmax_scale, layout, precision):
     """The checks the forward and the backward share. Returns (kind, dtype, (q4, k4, v4), scale,
     is_causal, causal_offset) with q4, k4, v4 the (B, H, N, d) views of the (CuPy) arrays."""
@@ -212,18 +228,7 @@ def _check_qkv(q, k, v, causal, softmax_scale, layout, precision):
     if dv == 0:
         raise ValueError("head dim of v is 0; attention needs dv >= 1")
 
-    if softmax_scale is None:
-        scale = 1.0 / math.sqrt(d)
-    else:
-        if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
-            raise TypeError(f"softmax_scale must be a real number or None; got "
-                            f"{type(softmax_scale).__name__}")
-        try:
-            scale = float(softmax_scale)
-        except OverflowError:  # an int too large for a float
-            scale = math.inf
-        if not math.isfinite(scale) or scale <= 0:
-            raise ValueError(f"softmax_scale must be finite and > 0; got {softmax_scale!r}")
+    scale = softmax_scale_value(softmax_scale, d)
 
     if not (isinstance(causal, (bool, str)) or causal is None) or (
             isinstance(causal, str) and causal not in CAUSAL_MODES):
@@ -303,7 +308,7 @@ def normalize_backward(do, q, k, v, o, lse, *, causal=False, softmax_scale=None,
     kind, dtype, (q4, k4, v4), scale, is_causal, offset = _check_qkv(
         q, k, v, causal, softmax_scale, layout, precision)
     B, H, Nq, d = q4.shape
-    Nk, dv_ = k4.shape[2], v4.shape[3]
+    dv_ = v4.shape[3]
     dev = _device_id(q4, kind)
     extra = {}
     for name, a in (("do", do), ("o", o), ("lse", lse)):

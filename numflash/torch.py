@@ -17,16 +17,16 @@ The layers, innermost first (as flash-attn stacks extension -> custom op -> auto
   :func:`numflash.attention` hands torch tensors to.
 
 Repeated CUDA calls replay the recorded kernel launch with the tensors' data pointers (as
-numflash.cuda.fastpath does for CuPy), so a call costs one torch allocation and one launch.
+numflash.cuda.fastpath does for CuPy), so a call costs two torch allocations (out, lse) and one
+launch.
 """
-import math
-import numbers
 import threading
 
 import torch
 
 from . import api as _api
 from .cuda import fastpath as _fastpath
+from .inputs import softmax_scale_value
 
 __all__ = ["attention", "attention_backward", "scaled_dot_product_attention", "flash_attn_func",
            "flash_attn_varlen_func", "attention_probabilities"]
@@ -45,19 +45,7 @@ def _causal_name(causal):
                          f"{causal!r}") from None
 
 
-def _scale(softmax_scale, d):
-    if softmax_scale is None:
-        return 1.0 / math.sqrt(d) if d > 0 else 1.0  # d == 0 is refused by numflash's checks
-    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
-        raise TypeError(f"softmax_scale must be a real number or None; got "
-                        f"{type(softmax_scale).__name__}")
-    try:
-        scale = float(softmax_scale)
-    except OverflowError:  # an int too large for a float
-        scale = math.inf
-    if not math.isfinite(scale) or scale <= 0:
-        raise ValueError(f"softmax_scale must be finite and > 0; got {softmax_scale!r}")
-    return scale
+_scale = softmax_scale_value  # one rule for every entry point (numflash.inputs)
 
 
 def _lse_dtype(dtype):

@@ -203,17 +203,22 @@ def test_bad_tensors_get_errors_naming_the_argument():
         nt.attention(q, torch.randn(1, 2, 4, 5), q)
 
 
+def assert_compiled_matches_eager(layer, q, k, v, tol, **compile_options):
+    """torch.compile(layer, fullgraph=True): no graph break, and the gradients eager gives."""
+    compiled = torch.compile(layer, fullgraph=True, **compile_options)
+    got = torch.autograd.grad(compiled(q, k, v), (q, k, v))
+    want = torch.autograd.grad(layer(q, k, v), (q, k, v))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=tol, atol=tol)
+
+
 def test_torch_compile_fullgraph_forward_and_backward():
     q, k, v = tensors((2, 3, 33, 16), (2, 3, 33, 16), grad=True)
 
     def layer(q, k, v):
         return nt.scaled_dot_product_attention(q * 2, k, v, is_causal=True).relu().sum()
 
-    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
-    got = torch.autograd.grad(compiled(q, k, v), (q, k, v))
-    want = torch.autograd.grad(layer(q, k, v), (q, k, v))
-    for a, b in zip(got, want):
-        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert_compiled_matches_eager(layer, q, k, v, 0, backend="aot_eager")
 
 
 def test_torch_compile_inductor_fullgraph():
@@ -223,11 +228,7 @@ def test_torch_compile_inductor_fullgraph():
         return (nt.flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                    causal=True) * 3).sum()
 
-    compiled = torch.compile(layer, fullgraph=True)
-    got = torch.autograd.grad(compiled(q, k, v), (q, k, v))
-    want = torch.autograd.grad(layer(q, k, v), (q, k, v))
-    for a, b in zip(got, want):
-        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    assert_compiled_matches_eager(layer, q, k, v, 1e-6)
 
 
 def test_vmap_folds_the_mapped_dimension_into_the_batch():
@@ -309,11 +310,7 @@ def test_cuda_torch_compile_inductor():
     def layer(q, k, v):
         return (nt.scaled_dot_product_attention(q, k, v, is_causal=True) * 2).float().sum()
 
-    compiled = torch.compile(layer, fullgraph=True)
-    got = torch.autograd.grad(compiled(q, k, v), (q, k, v))
-    want = torch.autograd.grad(layer(q, k, v), (q, k, v))
-    for a, b in zip(got, want):
-        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-3)
+    assert_compiled_matches_eager(layer, q, k, v, 1e-3)
 
 
 def test_torch_func_grad_is_refused_with_a_reason():
