@@ -121,6 +121,11 @@ def explain(q, k, v, *, causal=False, softmax_scale=None, layout="bhsd", backend
     ``str(plan)`` names the kernel and its tile config and, for every kernel not chosen, why.
     Raises the same errors as :func:`attention` would.
     """
+    if _is_torch(q):  # the plan for the tensors' memory, seen as NumPy / CuPy arrays
+        from . import torch as _torch
+        _torch._check_tensors(q=q, k=k, v=v)
+        q, k, v = _torch._views(q, k, v)
+        out = None if out is None else _torch._views(out)[0]
     problem = normalize(q, k, v, causal=causal, softmax_scale=softmax_scale, layout=layout,
                         return_lse=return_lse, out=out, precision=precision)
     if backward:

@@ -377,3 +377,11 @@ def test_scales_of_any_real_type_and_sdpa_3d_gqa():
     torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
     with pytest.raises(ValueError, match="softmax_scale must be finite"):
         nt.attention(q[None], k[None], v[None], softmax_scale=10 ** 400)
+
+
+def test_explain_takes_torch_tensors():
+    q, k, v = tensors((1, 2, 9, 8), (1, 2, 9, 8))
+    assert str(numflash.explain(q, k, v)).startswith("numflash plan: cpu.tiled")
+    assert "backward plan: cpu.tiled" in str(numflash.explain(q, k, v, backward=True))
+    with pytest.raises(TypeError, match="bfloat16 CPU tensor"):
+        numflash.explain(q.bfloat16(), k.bfloat16(), v.bfloat16())
