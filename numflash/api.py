@@ -10,9 +10,10 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, layout="bhsd", backe
 
     q: (B, H, Nq, d), k: (B, Hk, Nk, d), v: (B, Hk, Nk, dv) for ``layout="bhsd"``;
     (B, N, H, d) each for ``layout="bshd"``. Hk = H, or a divisor of H (grouped-query
-    attention: query head h reads key/value head h // (H // Hk), in place). NumPy arrays run on the CPU, CuPy arrays (or any
-    ``__cuda_array_interface__`` object) on the GPU. Strided inputs are read in place. torch
-    tensors (CPU or CUDA) give torch tensors back, differentiably (:mod:`numflash.torch`).
+    attention: query head h reads key/value head h // (H // Hk), in place). NumPy arrays run on
+    the CPU, CuPy arrays (or any ``__cuda_array_interface__`` object) on the GPU. Strided inputs
+    are read in place. torch tensors (CPU or CUDA) give torch tensors back, differentiably
+    (:mod:`numflash.torch`).
 
     causal: False, True / "top_left" (query i sees keys j <= i), or "bottom_right"
         (query i sees keys j <= i + Nk - Nq). A row that sees no key gives zeros and lse = -inf.

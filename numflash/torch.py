@@ -153,8 +153,8 @@ class _Replay:
         device = q.device
         out = torch.empty(self.out_shape, dtype=self.dtype, device=device)
         lse = torch.empty(self.lse_shape, dtype=self.lse_dtype, device=device)
-        self.recipe.launch(_current_stream(device.index), (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
-                                    lse.data_ptr()))
+        self.recipe.launch(_current_stream(device.index), (
+            q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr()))
         return out, lse
 
 
@@ -167,7 +167,7 @@ def _replay_key(q, k, v, options):
         return None
     return (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype,
             v.dtype, q.device, k.device, v.device, q.data_ptr() % 16, k.data_ptr() % 16,
-            v.data_ptr() % 16, torch.cuda.current_device(), options)
+            v.data_ptr() % 16, options)
 
 
 def _forward_impl(q, k, v, causal, scale, layout, backend, algorithm, precision):

@@ -1,11 +1,11 @@
 """The CPU backward: FlashAttention-2's gradient loop, compiled with numba.njit.
 
 It shares the forward's tile loads, exp2 and single-threaded BLAS (cpu/tiled.py). D = rowsum(dO * O)
-is computed first; then each parallel task owns one (batch, key/value head) and a set of key blocks. For a key
-block it walks the query blocks that can see it (of every query head that reads the key/value
-head, under grouped-query attention), recomputes P = exp(scale * q k^T - lse) tile by tile
-(nothing of size Nq x Nk exists), and accumulates dK and dV for the block in the task's own
-buffers; dQ contributions go to the task's own float accumulator.
+is computed first; then each parallel task owns one (batch, key/value head) and a set of key
+blocks. For a key block it walks the query blocks that can see it (of every query head that reads
+the key/value head, under grouped-query attention), recomputes P = exp(scale * q k^T - lse) tile
+by tile (nothing of size Nq x Nk exists), and accumulates dK and dV for the block in the task's
+own buffers, one BLAS product per tile; dQ contributions go to the task's own float accumulator.
 
 dQ without atomics or races: when there are fewer (batch, head) pairs than threads, the key blocks
 of one head are dealt round-robin to a few splits, each with its own dQ accumulator, and the
