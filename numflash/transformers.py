@@ -43,8 +43,9 @@ def key_padding_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0,
             f"padding; this model asked for the mask pattern {name} (a sliding window, chunked "
             f"attention, packed sequences or a custom mask), which numflash cannot run yet: use "
             f"attn_implementation='sdpa' for this model")
-    filled = int(q_offset) + q_length  # cache positions that hold keys
-    if kv_length > filled:
+    causal = _mask_functions().get(mask_function, True)  # None: transformers' default, causal
+    filled = int(q_offset) + q_length  # cache positions that hold keys (self-attention)
+    if causal and kv_length > filled:  # (cross-attention, bidirectional, has its own kv_length)
         raise NotImplementedError(
             f"numflash's transformers attention got a key length of {kv_length} for {filled} "
             f"filled positions: a fixed-size (static) KV cache, whose unfilled slots and query "

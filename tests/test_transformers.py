@@ -200,3 +200,17 @@ def test_bidirectional_attention_with_padding_sees_every_kept_key():
     torch.testing.assert_close(out, (p @ v.repeat_interleave(2, 1)).transpose(1, 2), rtol=0,
                                atol=1e-14)
     torch.testing.assert_close(probs, p, rtol=0, atol=1e-14)
+
+
+def test_cross_attention_masks_are_not_taken_for_a_static_cache():
+    """A bidirectional (cross-attention) mask has the encoder's key length, longer than the
+    decoder's queries: only a causal mask with unfilled key slots is a static cache."""
+    from transformers import masking_utils
+    mask = torch.ones(2, 6, dtype=torch.bool)
+    mask[1, 4:] = False
+    got = ntf.key_padding_mask(2, 3, 6, mask_function=masking_utils.bidirectional_mask_function,
+                               attention_mask=mask)
+    assert torch.equal(got, mask)
+    with pytest.raises(NotImplementedError, match="static"):
+        ntf.key_padding_mask(2, 3, 6, mask_function=masking_utils.causal_mask_function,
+                             attention_mask=mask)
