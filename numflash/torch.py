@@ -181,35 +181,36 @@ def _forward_impl(q, k, v, causal, scale, layout, backend, algorithm, precision)
             return replay(q, k, v)
     _check_tensors(q=q, k=k, v=v)
     out = torch.empty(_out_shape(q, v, layout), dtype=q.dtype, device=q.device)
+    lse, launches = _forward_into(out, q, k, v, causal, scale, layout, backend, algorithm,
+                                  precision)
+    recipe = None if key is None else _fastpath.replayable(
+        launches, [t.data_ptr() for t in (q, k, v, out, lse)])
+    if recipe is not None:
+        with _replay_lock:
+            if len(_replays) >= _MAX_REPLAYS:
+                _replays.clear()
+            _replays[key] = _Replay(recipe, tuple(out.shape), tuple(lse.shape), q.dtype)
+    return out, lse
+
+
+def _forward_into(out, q, k, v, causal, scale, layout, backend, algorithm, precision):
+    """numflash.attention on views of the tensors, writing ``out``: (the lse as a tensor, the
+    launches it made)."""
     with _on_torch_stream(q):
         qa, ka, va, outa = _views(q, k, v, out)
         with _fastpath.recording() as launches:
             _, lse = _api.attention(qa, ka, va, causal=_CAUSAL_ARG[causal], softmax_scale=scale,
                                     layout=layout, backend=backend, algorithm=algorithm,
                                     return_lse=True, out=outa, precision=precision)
-    lse = torch.from_numpy(lse) if not on_cuda else torch.from_dlpack(lse)
-    if on_cuda and key is not None and len(launches) == 1:
-        _remember(key, launches[0], (q, k, v, out, lse), out.shape, lse.shape, q.dtype)
-    return out, lse
-
-
-def _remember(key, recipe, tensors, out_shape, lse_shape, dtype):
-    """Keep a launch for replay when its first five pointers are q, k, v, out, lse and its other
-    array arguments live as long as the process (numflash.cuda.fastpath.keep)."""
-    if recipe.pointers[:5] != tuple(t.data_ptr() for t in tensors):
-        return
-    if any(p not in _fastpath._kept for p in recipe.pointers[5:]):
-        return
-    with _replay_lock:
-        if len(_replays) >= _MAX_REPLAYS:
-            _replays.clear()
-        _replays[key] = _Replay(recipe, tuple(out_shape), tuple(lse_shape), dtype)
+    return (torch.from_numpy(lse) if q.device.type == "cpu" else torch.from_dlpack(lse)), launches
 
 
 def _backward_impl(do, q, k, v, o, lse, causal, scale, layout, backend, algorithm, precision,
-                   deterministic):
+                   deterministic, grads=None):
+    """(dq, dk, dv): into ``grads`` when given (checked by numflash), else new tensors."""
     _check_tensors(do=do, q=q, k=k, v=v, o=o, lse=lse)
-    grads = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v)]
+    if grads is None:
+        grads = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v)]
     with _on_torch_stream(q):
         arrays = _views(do, q, k, v, o, lse, *grads)
         _api.attention_backward(*arrays[:6], causal=_CAUSAL_ARG[causal], softmax_scale=scale,
@@ -358,15 +359,8 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, layout="bhsd", backe
             raise ValueError("out= writes into a tensor and cannot be differentiated: leave "
                              "out=None, or call under torch.no_grad()")
         _check_tensors(q=q, out=out)
-        with _on_torch_stream(q):
-            qa, ka, va, outa = _views(q, k, v, out)
-            res = _api.attention(qa, ka, va, causal=causal, softmax_scale=softmax_scale,
-                                 layout=layout, backend=backend, algorithm=algorithm,
-                                 return_lse=return_lse, out=outa, precision=precision)
-        if not return_lse:
-            return out
-        lse = res[1]
-        return out, torch.from_numpy(lse) if q.device.type == "cpu" else torch.from_dlpack(lse)
+        lse, _ = _forward_into(out, q, k, v, name, scale, layout, backend, algorithm, precision)
+        return (out, lse) if return_lse else out
     o, lse = _run_forward(q, k, v, name, scale, layout, backend, algorithm, precision,
                           bool(deterministic))
     return (o, lse) if return_lse else o
@@ -377,20 +371,14 @@ def attention_backward(do, q, k, v, o, lse, *, causal=False, softmax_scale=None,
                        dq=None, dk=None, dv=None):
     """:func:`numflash.attention_backward` for torch tensors: returns (dq, dk, dv) tensors."""
     _check_tensors(do=do, q=q, k=k, v=v, o=o, lse=lse)
+    options = (_causal_name(causal), _scale(softmax_scale, q.shape[-1] if q.dim() == 4 else 0),
+               layout, backend, algorithm, precision, bool(deterministic))
     if dq is None and dk is None and dv is None:
-        scale = _scale(softmax_scale, q.shape[-1] if q.dim() == 4 else 0)
-        return _attention_backward_op(do, q, k, v, o, lse, _causal_name(causal), scale, layout,
-                                      backend, algorithm, precision, bool(deterministic))
+        return _attention_backward_op(do, q, k, v, o, lse, *options)
     grads = [g if g is not None else torch.empty(t.shape, dtype=t.dtype, device=t.device)
              for g, t in ((dq, q), (dk, k), (dv, v))]
     _check_tensors(q=q, dq=grads[0], dk=grads[1], dv=grads[2])
-    with _on_torch_stream(q):
-        arrays = _views(do, q, k, v, o, lse, *grads)
-        _api.attention_backward(*arrays[:6], causal=causal, softmax_scale=softmax_scale,
-                                layout=layout, backend=backend, algorithm=algorithm,
-                                precision=precision, deterministic=deterministic,
-                                dq=arrays[6], dk=arrays[7], dv=arrays[8])
-    return tuple(grads)
+    return _backward_impl(do, q, k, v, o, lse, *options, grads=grads)
 
 
 def attention_probabilities(q, k, *, causal=False, softmax_scale=None, layout="bhsd"):

@@ -242,3 +242,17 @@ def test_row_kernel_large_head_dims(rng, dtype, d, dv, q_shared, chunks):
                                       return_lse=True)
         rep = check(out, q, k, v, lse=lse, causal=causal)
         assert rep.ok, str(rep)
+
+
+def test_a_launch_is_replayable_only_on_its_own_pointers_and_kept_arrays():
+    """fastpath.replayable, shared by the CuPy replay and numflash.torch's: one launch, whose first
+    array arguments are the call's q, k, v, out, lse, and whose others live for the process."""
+    from types import SimpleNamespace
+    from numflash.cuda import fastpath
+    kept = fastpath.keep(SimpleNamespace(data=SimpleNamespace(ptr=999)))
+    ours = (10, 20, 30, 40, 50)
+    launch = SimpleNamespace(pointers=ours + (kept.data.ptr,))
+    assert fastpath.replayable([launch], ours) is launch
+    assert fastpath.replayable([launch, launch], ours) is None            # two launches
+    assert fastpath.replayable([launch], (10, 20, 31, 40, 50)) is None    # another array
+    assert fastpath.replayable([SimpleNamespace(pointers=ours + (7,))], ours) is None  # not kept

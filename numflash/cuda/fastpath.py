@@ -121,15 +121,25 @@ def lookup(key):
     return _replays.get(key) if key is not None else None
 
 
-def remember(key, launches, problem, lse):
-    """Keep the call's launch for replay if it was one launch whose first five array arguments
-    are q, k, v, out and lse, and whose other array arguments were marked with keep(). Returns
-    the Replay, or None if the call cannot be one."""
-    if key is None or len(launches) != 1:
+def replayable(launches, pointers):
+    """The recorded launch if a call can be replayed by patching ``pointers`` (q, k, v, out, lse):
+    it was one launch, its first array arguments are those, and its other array arguments were
+    marked with keep(). None otherwise."""
+    if len(launches) != 1:
         return None
     recipe = launches[0]
-    expected = tuple(a.data.ptr for a in (problem.q, problem.k, problem.v, problem.out, lse))
-    if recipe.pointers[:5] != expected or any(p not in _kept for p in recipe.pointers[5:]):
+    n = len(pointers)
+    if recipe.pointers[:n] != tuple(pointers) or any(p not in _kept for p in recipe.pointers[n:]):
+        return None
+    return recipe
+
+
+def remember(key, launches, problem, lse):
+    """Keep the call's launch for replay if :func:`replayable`. Returns the Replay, or None if
+    the call cannot be one."""
+    recipe = None if key is None else replayable(launches, [
+        a.data.ptr for a in (problem.q, problem.k, problem.v, problem.out, lse)])
+    if recipe is None:
         return None
     if len(_replays) >= _MAX_REPLAYS:
         _replays.clear()
