@@ -10,9 +10,9 @@ __all__ = ["attention", "attention_backward", "explain", "attention_varlen",
            "attention_varlen_backward", "merge_partials", "reference", "io_model"]
 __version__ = "0.1.0"
 
-# The framework layers import their framework: loaded on first use (numflash.torch, ...), so that
-# numflash itself imports without torch, transformers or JAX.
-_FRAMEWORK_MODULES = ("torch", "transformers", "jax")
+# The framework layers import their framework: loaded on first use (numflash.torch,
+# numflash.distributed, ...), so that numflash itself imports without torch, transformers or JAX.
+_FRAMEWORK_MODULES = ("torch", "transformers", "jax", "distributed")
 
 
 def __getattr__(name):

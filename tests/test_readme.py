@@ -56,3 +56,59 @@ def test_readme_jax_example_runs():
     ref = numflash.reference.attention(q, k, v)
     assert np.abs(np.asarray(ns["o"]) - ref).max() < 1e-5
     assert ns["g"].shape == q.shape
+
+
+_RING_SCRIPT = r'''
+import os, sys, json
+import torch, torch.multiprocessing as mp
+
+def run(rank, world, init, block, out):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=init, RANK=str(rank),
+                      WORLD_SIZE=str(world))
+    g = torch.Generator().manual_seed(0)
+    q_all, k_all, v_all, do_all = (torch.randn(1, 2, 16, 8, generator=g) for _ in range(4))
+    q_all, k_all, v_all = (t.requires_grad_() for t in (q_all, k_all, v_all))
+    ns = dict(q_all=q_all, k_all=k_all, v_all=v_all, do_all=do_all)
+    exec(compile(block.replace('"nccl"', '"gloo"'), "README.md", "exec"), ns)
+    import numflash.torch as nt
+    from numflash import distributed as nd
+    whole = nt.attention(q_all.detach(), k_all.detach(), v_all.detach(), causal=True)
+    want = nd.shard(whole, rank, world, seq_dim=2)
+    err = float((ns["out"].detach() - want).abs().max())
+    ok = q_all.grad is not None and ns["positions"].numel() == 8
+    with open(out + str(rank), "w") as f:
+        json.dump(dict(err=err, ok=ok), f)
+    import torch.distributed as dist
+    dist.destroy_process_group()
+
+if __name__ == "__main__":
+    block, out, port = open(sys.argv[1]).read(), sys.argv[2], sys.argv[3]
+    mp.spawn(run, args=(2, port, block, out), nprocs=2)
+'''
+
+
+def test_readme_ring_example_runs(tmp_path):
+    """The ring attention example, on two CPU processes (gloo in place of nccl)."""
+    import json
+    import os
+    import socket
+    import subprocess
+    import sys
+    import pytest
+    pytest.importorskip("torch")
+    (tmp_path / "block.py").write_text(_block("nd.ring_attention"))
+    (tmp_path / "run.py").write_text(_RING_SCRIPT)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    root = str(README.parent)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [root] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+    proc = subprocess.run([sys.executable, str(tmp_path / "run.py"), str(tmp_path / "block.py"),
+                           str(tmp_path / "result"), port], capture_output=True, text=True,
+                          timeout=300, env=env)
+    for rank in range(2):
+        path = tmp_path / f"result{rank}"
+        assert path.exists(), proc.stderr[-3000:]
+        r = json.loads(path.read_text())
+        assert r["ok"] and r["err"] < 1e-5, r
