@@ -28,23 +28,41 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, layout="bhsd", retur
 
 
 def _scores(q, k, *, scale, causal, causal_offset, dtype, query_positions):
-    """scale * q k^T in ``dtype`` with masked-out positions at -inf."""
-    s = np.matmul(q, np.swapaxes(k, -1, -2)) * dtype(scale)
+    """(scale * q k^T in ``dtype`` with masked-out positions at -inf, the (Nq, Nk) mask of the
+    pairs that see each other). A pair is masked by the mask alone: a -inf score that the data
+    make (an inf in q or k) is still a visible pair."""
+    with np.errstate(invalid="ignore", over="ignore"):
+        s = np.matmul(q, np.swapaxes(k, -1, -2)) * dtype(scale)
     nq, nk = q.shape[-2], k.shape[-2]
+    visible = np.ones((nq, nk), bool)
     if causal:
         rows = np.arange(nq) if query_positions is None else np.asarray(query_positions)
         visible = np.arange(nk)[None, :] <= rows[:, None] + causal_offset
         s = np.where(visible, s, -np.inf)
-    return s
+    return s, visible
 
 
 def _exp_and_sums(s, dtype):
-    """(p, l, m): p = exp(s - m) with m the row max (0 where a row has no finite max), l = row sums."""
+    """(p, l, m): p = exp(s - m) with m the row max (0 where a row sees no key or has a NaN
+    score), l = row sums. A +inf score stays the max, so exp(inf - inf) makes its row NaN (l and
+    the lse too), as a NaN score does and as every kernel's online softmax gives."""
     nk = s.shape[-1]
     m = s.max(axis=-1, keepdims=True) if nk else np.full(s.shape[:-1] + (1,), -np.inf, dtype)
-    m_safe = np.where(np.isfinite(m), m, 0).astype(dtype)
-    p = np.exp(s - m_safe)
+    m_safe = np.where(np.isneginf(m) | np.isnan(m), 0, m).astype(dtype)
+    with np.errstate(invalid="ignore"):
+        p = np.exp(s - m_safe)
     return p, p.sum(axis=-1, keepdims=True), m_safe
+
+
+def _visible_matmul(a, b, visible):
+    """a @ b summing only over the pairs ``visible`` marks (shape (.., I, J), the pairs of a's
+    last two axes): a masked pair contributes nothing, even where b holds inf or NaN (0 * NaN
+    would be NaN), as the kernels sum. Plain matmul when every value is finite."""
+    if np.isfinite(a).all() and np.isfinite(b).all():
+        return np.matmul(a, b)
+    with np.errstate(invalid="ignore", over="ignore"):
+        terms = a[..., :, :, None] * b[..., None, :, :]  # (.., I, J, X): small test sizes only
+        return np.where(visible[..., None], terms, 0).sum(axis=-2)
 
 
 def naive(q, k, v, *, scale, causal=False, causal_offset=0, dtype=np.float64, query_positions=None):
@@ -58,11 +76,11 @@ def naive(q, k, v, *, scale, causal=False, causal_offset=0, dtype=np.float64, qu
     dtype = np.dtype(dtype).type  # accept np.float32, "float32" or np.dtype("float32")
     q, k, v = (np.asarray(a, dtype=dtype) for a in (q, k, v))
     k, v = _shared_heads(q, k), _shared_heads(q, v)
-    s = _scores(q, k, scale=scale, causal=causal, causal_offset=causal_offset, dtype=dtype,
-                query_positions=query_positions)
+    s, visible = _scores(q, k, scale=scale, causal=causal, causal_offset=causal_offset,
+                         dtype=dtype, query_positions=query_positions)
     p, l, m_safe = _exp_and_sums(s, dtype)
     with np.errstate(divide="ignore", invalid="ignore"):
-        o = np.matmul(p, v) / np.where(l > 0, l, 1).astype(dtype)
+        o = _visible_matmul(p, v, visible) / np.where(l > 0, l, 1).astype(dtype)
         # -inf only for a row that sees no key; a NaN score gives a NaN l, hence a NaN lse
         lse = np.where(l == 0, -np.inf, np.log(np.where(l == 0, 1, l)) + m_safe)[..., 0]
     return o.astype(dtype), lse
@@ -80,18 +98,23 @@ def naive_backward(do, q, k, v, *, scale, causal=False, causal_offset=0, dtype=n
     do, q, k, v = (np.asarray(a, dtype=dtype) for a in (do, q, k, v))
     kv_heads = k.shape[1]
     k, v = _shared_heads(q, k), _shared_heads(q, v)
-    s = _scores(q, k, scale=scale, causal=causal, causal_offset=causal_offset, dtype=dtype,
-                query_positions=None)
+    s, visible = _scores(q, k, scale=scale, causal=causal, causal_offset=causal_offset,
+                         dtype=dtype, query_positions=None)
     p, l, _ = _exp_and_sums(s, dtype)
     with np.errstate(divide="ignore", invalid="ignore"):
         p = p / np.where(l == 0, 1, l).astype(dtype)  # a NaN row sum poisons the whole row
-    o = np.matmul(p, v) if o is None else np.asarray(o, dtype=dtype)
-    dv = np.matmul(np.swapaxes(p, -1, -2), do)
-    dp = np.matmul(do, np.swapaxes(v, -1, -2))
-    delta = (do * o).sum(axis=-1, keepdims=True)
-    ds = p * (dp - delta) * dtype(scale)
-    dq = np.matmul(ds, k)
-    dk = np.matmul(np.swapaxes(ds, -1, -2), q)
+    # Every product sums over the (row, key) pairs that see each other only, as the kernels do:
+    # a non-finite dO, q or v where nothing reads it reaches no gradient through P = 0.
+    vis = visible & ~(l == 0)  # a row whose every score is -inf sees nothing, as in the kernels
+    vis_t = np.swapaxes(vis, -1, -2)
+    o = _visible_matmul(p, v, vis) if o is None else np.asarray(o, dtype=dtype)
+    dv = _visible_matmul(np.swapaxes(p, -1, -2), do, vis_t)
+    with np.errstate(invalid="ignore"):
+        dp = np.where(vis, np.matmul(do, np.swapaxes(v, -1, -2)), 0)
+        delta = (do * o).sum(axis=-1, keepdims=True)
+        ds = np.where(vis, p * (dp - delta) * dtype(scale), 0)
+    dq = _visible_matmul(ds, k, vis)
+    dk = _visible_matmul(np.swapaxes(ds, -1, -2), q, vis_t)
     dk, dv = _group_sum(dk, kv_heads), _group_sum(dv, kv_heads)
     return dq.astype(dtype), dk.astype(dtype), dv.astype(dtype)
 

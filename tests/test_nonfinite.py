@@ -117,3 +117,37 @@ def test_nan_value_reaches_exactly_the_rows_that_see_its_key(rng):
     o = numflash.attention(q, k, v, causal=True)
     assert np.isfinite(o[0, 0, :5]).all()                 # rows 0-4 never see key 5
     assert np.isnan(o[0, 0, 5:, 0]).all() and np.isfinite(o[0, 0, :, 1:]).all()
+
+
+@pytest.mark.parametrize("case", MASKED_CASES, ids=[c[0] for c in MASKED_CASES])
+def test_the_reference_sums_over_visible_pairs_only(rng, case):
+    """The float64 reference follows the same rule as the kernels: an unread non-finite value
+    reaches no output or gradient (its products skip masked pairs instead of adding 0 * NaN)."""
+    _, Nq, Nk, causal, which, at = case
+    arrays = {"q": rng.standard_normal((1, 1, Nq, 4)), "k": rng.standard_normal((1, 1, Nk, 4)),
+              "v": rng.standard_normal((1, 1, Nk, 4)), "do": rng.standard_normal((1, 1, Nq, 4))}
+    arrays[which][at] = np.inf if which == "v" else np.nan
+    q, k, v, do = arrays["q"], arrays["k"], arrays["v"], arrays["do"]
+    o, lse = reference.attention(q, k, v, causal=causal, return_lse=True)
+    grads = reference.attention_backward(do, q, k, v, causal=causal)
+    cpu = numflash.attention(q, k, v, causal=causal)
+    for name, a in zip(("out", "dq", "dk", "dv"), (o, *grads)):
+        assert np.isfinite(a).all(), f"the reference's {name} picked up the unread value"
+    np.testing.assert_allclose(cpu, o, rtol=1e-12, atol=1e-12)
+
+
+def test_an_infinite_score_poisons_its_row_in_the_reference_and_the_kernels(rng):
+    """+inf in k makes the scores of the rows that see it +inf: exp(inf - inf) is NaN, so those
+    rows' output and lse are NaN everywhere (not lse = +inf), and the other rows are untouched."""
+    q, k, v = (rng.standard_normal((1, 1, 6, 4)) for _ in range(3))
+    k[0, 0, 2, 0] = np.inf
+    q[0, 0, :, 0] = np.abs(q[0, 0, :, 0]) + 0.1   # every row's score with key 2 is +inf
+    for causal in (False, True):
+        ref_o, ref_lse = reference.attention(q, k, v, causal=causal, return_lse=True)
+        o, lse = numflash.attention(q, k, v, causal=causal, return_lse=True)
+        poisoned = np.arange(6) >= (2 if causal else 0)
+        for got_o, got_lse in ((ref_o, ref_lse), (o, lse)):
+            assert np.isnan(got_lse[0, 0, poisoned]).all(), got_lse
+            assert np.isnan(got_o[0, 0, poisoned]).all()
+            assert np.isfinite(got_lse[0, 0, ~poisoned]).all()
+            assert np.isfinite(got_o[0, 0, ~poisoned]).all()
