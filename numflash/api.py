@@ -1,11 +1,33 @@
 """Public entry points: check inputs -> choose a plan -> run it. No kernel code lives here."""
+from . import mods as _mods
 from . import plan as _plan
 from .cuda import fastpath as _fastpath
 from .inputs import normalize, normalize_backward
 
+MOD_OPTIONS = ("score_mod", "mask_mod", "mod_args", "score_mod_grad", "window_size", "softcap",
+               "alibi_slopes", "attn_bias", "attn_mask")
+
+
+def _with_mods(problem, options):
+    """Attach the call's modifications (numflash.mods) to its problem; checks each option."""
+    if options:
+        problem.mods = _mods.build(problem.shape, problem.kind, problem.causal_offset, **options)
+    return problem
+
+
+def _mod_options(score_mod, mask_mod, mod_args, score_mod_grad, window_size, softcap,
+                 alibi_slopes, attn_bias, attn_mask):
+    """The modification options that were given (not left at their defaults)."""
+    given = dict(score_mod=score_mod, mask_mod=mask_mod, mod_args=mod_args,
+                 score_mod_grad=score_mod_grad, window_size=window_size, softcap=softcap,
+                 alibi_slopes=alibi_slopes, attn_bias=attn_bias, attn_mask=attn_mask)
+    return {k: v for k, v in given.items() if v is not None and not (k == "mod_args" and v == ())}
+
 
 def attention(q, k, v, *, causal=False, softmax_scale=None, layout="bhsd", backend="auto",
-              algorithm="auto", return_lse=False, out=None, precision="auto"):
+              algorithm="auto", return_lse=False, out=None, precision="auto", score_mod=None,
+              mask_mod=None, mod_args=(), score_mod_grad=None, window_size=None, softcap=None,
+              alibi_slopes=None, attn_bias=None, attn_mask=None):
     """Exact attention softmax(softmax_scale * q k^T + mask) v with O(N) memory.
 
     q: (B, H, Nq, d), k: (B, Hk, Nk, d), v: (B, Hk, Nk, dv) for ``layout="bhsd"``;
@@ -34,12 +56,25 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, layout="bhsd", backe
         needs CuPy arrays on a GPU of compute capability >= 8.0; any other dtype or backend with
         "tf32" raises ValueError. Other dtypes ignore "auto" / "ieee".
 
+    Modifications (:mod:`numflash.mods`; the CPU path takes them, the CUDA kernels not yet):
+    score_mod(score, b, h, q_idx, kv_idx, *mod_args) -> score, applied to the scaled score;
+    mask_mod(b, h, q_idx, kv_idx, *mod_args) -> bool (True = the pair takes part); mod_args: a
+    tuple of arrays and scalars both read; score_mod_grad: d score_mod / d score, same signature
+    (the backward needs it). Built-ins: window_size=(left, right) (-1 = unbounded; distances
+    from the causal alignment's diagonal, top-left unless causal="bottom_right"); softcap
+    (cap * tanh(score / cap)); alibi_slopes ((H,) or (B, H): score - slope * |i + offset - j|);
+    attn_bias (float, broadcastable to (B, H, Nq, Nk), added; never expanded in memory);
+    attn_mask (bool, broadcastable, True = take part). A row that nothing is left in gives zeros
+    and lse = -inf.
+
     Returns the output in q's dtype, array kind and layout; ``(out, lse)`` if ``return_lse``.
     A forced backend or algorithm that cannot run the inputs raises ValueError saying why;
     :func:`explain` shows the choice without running it.
     """
+    mod_options = _mod_options(score_mod, mask_mod, mod_args, score_mod_grad, window_size,
+                               softcap, alibi_slopes, attn_bias, attn_mask)
     key = None
-    if out is None:  # a repeated CuPy call replays its recorded launch (cuda/fastpath.py)
+    if out is None and not mod_options:  # a repeated CuPy call replays its recorded launch
         key = _fastpath.signature(q, k, v, _fastpath.call_options(
             causal, softmax_scale, layout, backend, algorithm, return_lse, precision))
         replay = _fastpath.lookup(key)
@@ -47,11 +82,15 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, layout="bhsd", backe
             return replay(q, k, v)
     if _is_torch(q):
         from . import torch as _torch
+        if mod_options:
+            raise NotImplementedError("score/mask modifications on torch tensors are not "
+                                      "wired yet: pass NumPy arrays (t.numpy()) for now")
         return _torch.attention(q, k, v, causal=causal, softmax_scale=softmax_scale,
                                 layout=layout, backend=backend, algorithm=algorithm,
                                 return_lse=return_lse, out=out, precision=precision)
-    problem = normalize(q, k, v, causal=causal, softmax_scale=softmax_scale, layout=layout,
-                        return_lse=return_lse, out=out, precision=precision)
+    problem = _with_mods(normalize(q, k, v, causal=causal, softmax_scale=softmax_scale,
+                                   layout=layout, return_lse=return_lse, out=out,
+                                   precision=precision), mod_options)
     plan = _plan.choose(problem, backend, algorithm)
     B, H, Nq, Nk, d, dv = problem.shape
     if B * H * Nq == 0:
@@ -71,7 +110,9 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, layout="bhsd", backe
 
 def attention_backward(do, q, k, v, o, lse, *, causal=False, softmax_scale=None, layout="bhsd",
                        backend="auto", algorithm="auto", precision="auto", deterministic=False,
-                       dq=None, dk=None, dv=None):
+                       dq=None, dk=None, dv=None, score_mod=None, mask_mod=None, mod_args=(),
+                       score_mod_grad=None, window_size=None, softcap=None, alibi_slopes=None,
+                       attn_bias=None, attn_mask=None):
     """Gradients (dq, dk, dv) of :func:`attention` for the output gradient ``do``, in O(N) memory.
 
     ``o`` and ``lse`` are what ``attention(q, k, v, ..., return_lse=True)`` returned for the same
@@ -85,18 +126,30 @@ def attention_backward(do, q, k, v, o, lse, *, causal=False, softmax_scale=None,
 
     Returns (dq, dk, dv) with the dtypes, array kind and layout of q, k, v. A row that sees no
     key contributes nothing: its dq is zero. :func:`explain` with ``backward=True`` names the
-    kernel that would run.
+    kernel that would run. Modifications: those the forward had; a score_mod needs its
+    derivative (``score_mod_grad``; the built-ins carry theirs). No gradient flows to mod_args,
+    attn_bias or alibi_slopes yet.
     """
+    mod_options = _mod_options(score_mod, mask_mod, mod_args, score_mod_grad, window_size,
+                               softcap, alibi_slopes, attn_bias, attn_mask)
     if _is_torch(q):
+        if mod_options:
+            raise NotImplementedError("score/mask modifications on torch tensors are not "
+                                      "wired yet: pass NumPy arrays (t.numpy()) for now")
         from . import torch as _torch
         return _torch.attention_backward(do, q, k, v, o, lse, causal=causal,
                                          softmax_scale=softmax_scale, layout=layout,
                                          backend=backend, algorithm=algorithm,
                                          precision=precision, deterministic=deterministic,
                                          dq=dq, dk=dk, dv=dv)
-    problem = normalize_backward(do, q, k, v, o, lse, causal=causal, softmax_scale=softmax_scale,
-                                 layout=layout, precision=precision, deterministic=deterministic,
-                                 dq=dq, dk=dk, dv=dv)
+    problem = _with_mods(normalize_backward(
+        do, q, k, v, o, lse, causal=causal, softmax_scale=softmax_scale, layout=layout,
+        precision=precision, deterministic=deterministic, dq=dq, dk=dk, dv=dv), mod_options)
+    if problem.mods is not None and not problem.mods.has_grad:
+        raise ValueError(f"the backward needs the derivative of every score_mod: "
+                         f"{', '.join(problem.mods.missing_grad())} has none; pass "
+                         f"score_mod_grad=f with f(score, b, h, q_idx, kv_idx, *mod_args) = "
+                         f"d score_mod / d score")
     plan = _plan.choose(problem, backend, algorithm)
     B, H, Nq, Nk = problem.shape[:4]
     if Nq == 0 or Nk == 0:  # no query sees a key: every gradient is zero
@@ -115,7 +168,9 @@ def _is_torch(x):
 
 def explain(q, k, v, *, causal=False, softmax_scale=None, layout="bhsd", backend="auto",
             algorithm="auto", return_lse=False, out=None, precision="auto", backward=False,
-            deterministic=False):
+            deterministic=False, score_mod=None, mask_mod=None, mod_args=(),
+            score_mod_grad=None, window_size=None, softcap=None, alibi_slopes=None,
+            attn_bias=None, attn_mask=None):
     """The :class:`numflash.plan.Plan` that :func:`attention` would run for these arguments
     (with ``backward=True``: that :func:`attention_backward` would run for these q, k, v).
 
@@ -127,8 +182,11 @@ def explain(q, k, v, *, causal=False, softmax_scale=None, layout="bhsd", backend
         _torch._check_tensors(q=q, k=k, v=v)
         q, k, v = _torch._views(q, k, v)
         out = None if out is None else _torch._views(out)[0]
-    problem = normalize(q, k, v, causal=causal, softmax_scale=softmax_scale, layout=layout,
-                        return_lse=return_lse, out=out, precision=precision)
+    problem = _with_mods(normalize(q, k, v, causal=causal, softmax_scale=softmax_scale,
+                                   layout=layout, return_lse=return_lse, out=out,
+                                   precision=precision),
+                         _mod_options(score_mod, mask_mod, mod_args, score_mod_grad,
+                                      window_size, softcap, alibi_slopes, attn_bias, attn_mask))
     if backward:
         problem.direction, problem.deterministic = "backward", bool(deterministic)
     return _plan.choose(problem, backend, algorithm)

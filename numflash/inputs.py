@@ -81,6 +81,7 @@ class Problem:
     dk: object = None
     dv: object = None
     deterministic: bool = False
+    mods: object = None  # numflash.mods.Mods: score / mask modifications, or None
 
     @property
     def shape(self):

@@ -28,10 +28,15 @@ class KernelSpec:
     tf32: bool = False               # float32 on tensor cores: 3xTF32, or one tf32 mma per
     #                                  product with precision="tf32"; not precision="ieee"
     direction: str = "forward"       # "backward": run() fills problem.dq, dk, dv
+    mods: bool = False               # takes score / mask modifications (numflash.mods)
 
     def why_not(self, problem, device):
         """None if this kernel can run the problem on the device, else the reason in words."""
         dt = problem.dtype_name
+        mods = getattr(problem, "mods", None)
+        if mods is not None and not self.mods:
+            return (f"{self.name} does not take score/mask modifications yet ({mods}); the CPU "
+                    f"path (cpu.tiled, NumPy arrays) does")
         precision = getattr(problem, "precision", "auto")
         if precision == "tf32" and not self.tf32:
             return (f"{self.name} computes in exact {dt}; precision='tf32' runs on cuda.mma only "
@@ -63,7 +68,7 @@ KERNELS = (
                        "sm_8x) on float64 mma.sync; float32 (d <= 128, cc 8.0 / 9.0) as 3xTF32 "
                        "on m16n8k8 tf32, or one tf32 mma per product with precision='tf32'"),
     KernelSpec("cpu.tiled", "cpu", "block", "numflash.cpu.tiled",
-               dtypes=("float16", "float32", "float64"),
+               dtypes=("float16", "float32", "float64"), mods=True,
                summary="numba.njit block-tiled online softmax, parallel over (batch, head, query block)"),
     KernelSpec("cuda.block", "cuda", "block", "numflash.cuda.block",
                dtypes=("float16", "float32", "float64"), max_head_dim=256,
@@ -76,7 +81,7 @@ KERNELS = (
 
 BACKWARD_KERNELS = (
     KernelSpec("cpu.tiled", "cpu", "block", "numflash.cpu.backward",
-               dtypes=("float16", "float32", "float64"), direction="backward",
+               dtypes=("float16", "float32", "float64"), direction="backward", mods=True,
                summary="numba.njit FlashAttention-2 backward: parallel over (batch, head, key-block "
                        "split), P recomputed from lse tile by tile, dQ per split summed in a "
                        "fixed order (always deterministic)"),
@@ -111,6 +116,7 @@ class Plan:
     config: dict = field(default_factory=dict)
     rejected: dict = field(default_factory=dict)  # kernel name -> reason in words
     direction: str = "forward"
+    mods: str = ""  # the modifications compiled into the kernel, in words
 
     def __str__(self):
         cfg = ", ".join(f"{k}={v}" for k, v in self.config.items())
@@ -118,6 +124,9 @@ class Plan:
         lines = [f"numflash{what} plan: {self.kernel} (backend={self.backend!r}, "
                  f"algorithm={self.algorithm!r}) on {self.device.name}",
                  f"  config: {cfg or '-'}"]
+        if self.mods:
+            lines.append(f"  modifications: {self.mods} (compiled into the kernel on first use "
+                         f"in a process, a few seconds, not cached on disk; one core for now)")
         for name, why in self.rejected.items():
             lines.append(f"  not {name}: {why}")
         return "\n".join(lines)
@@ -245,6 +254,8 @@ def _choose(problem, backend, algorithm):
                             if specs.get(n) is not None and specs[n].backend == backend)
         raise ValueError(f"no numflash kernel can run {asked} for these inputs: {reasons}")
 
+    mods = getattr(problem, "mods", None)
     return Plan(backend=backend, algorithm=chosen.algorithm, kernel=chosen.name, device=device,
-                config=config, rejected=rejected, direction=direction)
+                config=config, rejected=rejected, direction=direction,
+                mods="" if mods is None else str(mods))
 

@@ -8,7 +8,7 @@ from .inputs import lse_dtype, normalize
 
 
 def attention(q, k, v, *, causal=False, softmax_scale=None, layout="bhsd", return_lse=False, out=None,
-              backend="auto", algorithm="auto", precision="auto"):
+              backend="auto", algorithm="auto", precision="auto", **mod_options):
     """Naive float64 attention with the same signature as :func:`numflash.attention`.
 
     Works on NumPy arrays and on device arrays (copied to the host). The result is float64 NumPy
@@ -18,7 +18,8 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, layout="bhsd", retur
     p = normalize(q, k, v, causal=causal, softmax_scale=softmax_scale, layout=layout,
                   return_lse=return_lse, out=out)
     o, lse = naive(p.host(p.q), p.host(p.k), p.host(p.v), scale=p.scale, causal=p.causal,
-                   causal_offset=p.causal_offset, dtype=np.float64)
+                   causal_offset=p.causal_offset, dtype=np.float64,
+                   mods=mods_of(p, mod_options))
     if out is not None:
         p.write_out(o)
         o = out
@@ -27,10 +28,39 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, layout="bhsd", retur
     return (o, lse.astype(lse_dtype(p.dtype))) if return_lse else o
 
 
-def _scores(q, k, *, scale, causal, causal_offset, dtype, query_positions):
+def mods_of(problem, mod_options):
+    """The numflash.mods.Mods that :func:`numflash.attention` builds for these options."""
+    if not mod_options:
+        return None
+    from . import mods
+    return mods.build(problem.shape, "numpy", problem.causal_offset, **mod_options)
+
+
+def _apply_mods(s, visible, mods, rows, want_grad):
+    """The scores after the modifications, pair by pair in plain Python (float64): a pair a mask
+    refuses becomes -inf and not visible; score_mods apply in order. Also the derivative of the
+    composed score_mod at each visible pair, when asked."""
+    s = np.array(s, copy=True)
+    vis = np.array(np.broadcast_to(visible, s.shape), copy=True)
+    grad = np.zeros(s.shape) if want_grad else None
+    for b, h, i, j in zip(*np.nonzero(vis)):
+        pos = int(rows[i])
+        if not mods.visible(b, h, pos, j):
+            vis[b, h, i, j], s[b, h, i, j] = False, -np.inf
+            continue
+        x = float(s[b, h, i, j])
+        if want_grad:
+            grad[b, h, i, j] = mods.grad(x, b, h, pos, j)
+        s[b, h, i, j] = mods.score(x, b, h, pos, j)
+    return s, vis, grad
+
+
+def _scores(q, k, *, scale, causal, causal_offset, dtype, query_positions, mods=None,
+            want_grad=False):
     """(scale * q k^T in ``dtype`` with masked-out positions at -inf, the (Nq, Nk) mask of the
-    pairs that see each other). A pair is masked by the mask alone: a -inf score that the data
-    make (an inf in q or k) is still a visible pair."""
+    pairs that see each other, (B, H, Nq, Nk) with modifications). A pair is masked by the masks
+    alone: a -inf score that the data make (an inf in q or k) is still a visible pair. With
+    ``want_grad`` a third value: the score_mods' derivative (None without modifications)."""
     with np.errstate(invalid="ignore", over="ignore"):
         s = np.matmul(q, np.swapaxes(k, -1, -2)) * dtype(scale)
     nq, nk = q.shape[-2], k.shape[-2]
@@ -39,7 +69,12 @@ def _scores(q, k, *, scale, causal, causal_offset, dtype, query_positions):
         rows = np.arange(nq) if query_positions is None else np.asarray(query_positions)
         visible = np.arange(nk)[None, :] <= rows[:, None] + causal_offset
         s = np.where(visible, s, -np.inf)
-    return s, visible
+    grad = None
+    if mods is not None:
+        rows = np.arange(nq) if query_positions is None else np.asarray(query_positions)
+        s, visible, grad = _apply_mods(s, visible, mods, rows, want_grad)
+        s = s.astype(dtype)
+    return (s, visible, grad) if want_grad else (s, visible)
 
 
 def _exp_and_sums(s, dtype):
@@ -65,7 +100,8 @@ def _visible_matmul(a, b, visible):
         return np.where(visible[..., None], terms, 0).sum(axis=-2)
 
 
-def naive(q, k, v, *, scale, causal=False, causal_offset=0, dtype=np.float64, query_positions=None):
+def naive(q, k, v, *, scale, causal=False, causal_offset=0, dtype=np.float64, query_positions=None,
+          mods=None):
     """softmax(scale * q k^T + mask) v in ``dtype`` on (B, H, N, d) NumPy arrays; returns (o, lse).
 
     Rows that see no key give zeros and lse = -inf; a NaN score makes its row's output and lse NaN. ``dtype`` lets the accuracy tests compute the
@@ -77,7 +113,7 @@ def naive(q, k, v, *, scale, causal=False, causal_offset=0, dtype=np.float64, qu
     q, k, v = (np.asarray(a, dtype=dtype) for a in (q, k, v))
     k, v = _shared_heads(q, k), _shared_heads(q, v)
     s, visible = _scores(q, k, scale=scale, causal=causal, causal_offset=causal_offset,
-                         dtype=dtype, query_positions=query_positions)
+                         dtype=dtype, query_positions=query_positions, mods=mods)
     p, l, m_safe = _exp_and_sums(s, dtype)
     with np.errstate(divide="ignore", invalid="ignore"):
         o = _visible_matmul(p, v, visible) / np.where(l > 0, l, 1).astype(dtype)
@@ -86,7 +122,8 @@ def naive(q, k, v, *, scale, causal=False, causal_offset=0, dtype=np.float64, qu
     return o.astype(dtype), lse
 
 
-def naive_backward(do, q, k, v, *, scale, causal=False, causal_offset=0, dtype=np.float64, o=None):
+def naive_backward(do, q, k, v, *, scale, causal=False, causal_offset=0, dtype=np.float64, o=None,
+                   mods=None):
     """Gradients (dq, dk, dv) of naive attention for the output gradient ``do``, in ``dtype``.
 
     The textbook backward: P = softmax(S), dV = P^T dO, dP = dO V^T, D = rowsum(dO * O),
@@ -98,8 +135,8 @@ def naive_backward(do, q, k, v, *, scale, causal=False, causal_offset=0, dtype=n
     do, q, k, v = (np.asarray(a, dtype=dtype) for a in (do, q, k, v))
     kv_heads = k.shape[1]
     k, v = _shared_heads(q, k), _shared_heads(q, v)
-    s, visible = _scores(q, k, scale=scale, causal=causal, causal_offset=causal_offset,
-                         dtype=dtype, query_positions=None)
+    s, visible, grad = _scores(q, k, scale=scale, causal=causal, causal_offset=causal_offset,
+                               dtype=dtype, query_positions=None, mods=mods, want_grad=True)
     p, l, _ = _exp_and_sums(s, dtype)
     with np.errstate(divide="ignore", invalid="ignore"):
         p = p / np.where(l == 0, 1, l).astype(dtype)  # a NaN row sum poisons the whole row
@@ -112,7 +149,10 @@ def naive_backward(do, q, k, v, *, scale, causal=False, causal_offset=0, dtype=n
     with np.errstate(invalid="ignore"):
         dp = np.where(vis, np.matmul(do, np.swapaxes(v, -1, -2)), 0)
         delta = (do * o).sum(axis=-1, keepdims=True)
-        ds = np.where(vis, p * (dp - delta) * dtype(scale), 0)
+        ds = p * (dp - delta) * dtype(scale)
+        if grad is not None:  # the chain rule through the score_mods
+            ds = ds * grad.astype(dtype)
+        ds = np.where(vis, ds, 0)
     dq = _visible_matmul(ds, k, vis)
     dk = _visible_matmul(np.swapaxes(ds, -1, -2), q, vis_t)
     dk, dv = _group_sum(dk, kv_heads), _group_sum(dv, kv_heads)
@@ -135,7 +175,7 @@ def _group_sum(g, kv_heads):
 
 def attention_backward(do, q, k, v, o=None, lse=None, *, causal=False, softmax_scale=None,
                        layout="bhsd", backend="auto", algorithm="auto", precision="auto",
-                       deterministic=False, dq=None, dk=None, dv=None):
+                       deterministic=False, dq=None, dk=None, dv=None, **mod_options):
     """Float64 naive gradients with the signature of :func:`numflash.attention_backward`.
 
     Returns float64 NumPy (dq, dk, dv) in ``layout``. ``o`` and ``lse`` may be omitted (the
@@ -145,5 +185,6 @@ def attention_backward(do, q, k, v, o=None, lse=None, *, causal=False, softmax_s
     p = normalize(q, k, v, causal=causal, softmax_scale=softmax_scale, layout=layout)
     d4 = do if layout == "bhsd" else do.transpose(0, 2, 1, 3)
     grads = naive_backward(p.host(d4), p.host(p.q), p.host(p.k), p.host(p.v), scale=p.scale,
-                           causal=p.causal, causal_offset=p.causal_offset)
+                           causal=p.causal, causal_offset=p.causal_offset,
+                           mods=mods_of(p, mod_options))
     return tuple(g if layout == "bhsd" else g.transpose(0, 2, 1, 3) for g in grads)

@@ -48,6 +48,12 @@ FAST_CASES = {  # sweep -> the case ids that stay in the fast tier
                                            "D32-DV32-NW4-BC64-HOLDQ1-DTf16-VEC1-DBG0-sm80"},
     "test_row_kernel_large_head_dims": {"float32-16-256-0-2", "float32-200-40-1-1"},
     "test_tensor_core_word_kernel_emulated": {"f64-float64"},  # GQA; 3xtf32 emulates for 22 s
+    # each built-in modification once (bottom-right causal, Nq != Nk), and all of them together
+    # in every causal mode; the other causal modes per built-in are extended
+    "test_each_builtin_forward_and_backward": {
+        f"{name}-bottom_right" for name in ("window", "window-left-only", "softcap", "alibi",
+                                            "alibi-per-batch", "bias", "key-padding", "mask",
+                                            "all")} | {"all-False", "all-True"},
 }
 
 

@@ -112,3 +112,14 @@ def test_readme_ring_example_runs(tmp_path):
         assert path.exists(), proc.stderr[-3000:]
         r = json.loads(path.read_text())
         assert r["ok"] and r["err"] < 1e-5, r
+
+
+def test_readme_modifications_example_runs():
+    import numpy as np
+    from numflash import testing
+    ns = {}
+    exec(compile(_block("score_mod=rel_bias"), "README.md", "exec"), ns)
+    assert ns["dq"].shape == ns["q"].shape and np.isfinite(ns["dq"]).all()
+    q, k, v = ns["q"][:1], ns["k"][:1], ns["v"][:1]   # the last call: the document mask
+    assert testing.check(ns["o"], q, k, v, causal=True, mask_mod=ns["doc_mask"],
+                         mod_args=ns["args"]).ok

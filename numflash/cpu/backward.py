@@ -17,8 +17,9 @@ import numba
 import numpy as np
 from numba import njit, prange
 
+from ..mods import compile_errors
 from .tiled import FASTMATH, LOG2E, _exp2, _load_block, _SingleThreadedBlas, all_finite, \
-    half_table, visible_keys
+    half_table, uncached, visible_keys
 
 NAME = "cpu.tiled"
 BLOCK_Q = 256
@@ -27,8 +28,8 @@ MIN_BLOCK_K = 32
 
 
 @njit(fastmath=FASTMATH, cache=True)
-def _masked_products(p, ds, qr, dor, kc, t_v, t_k, t_q, i0, j0, cols, causal, causal_offset,
-                     lse2_rows, zero):
+def _masked_products(p, ds, qr, dor, kc, t_v, t_k, t_q, b, h, i0, j0, cols, causal, causal_offset,
+                     lse2_rows, zero, mod_visible, mod_args):
     """t_v = P^T dO, t_k = dS^T Q, t_q = dS K over visible (row, key) pairs only."""
     rows = qr.shape[0]
     t_v[:cols] = zero
@@ -38,6 +39,8 @@ def _masked_products(p, ds, qr, dor, kc, t_v, t_k, t_q, i0, j0, cols, causal, ca
         if lse2_rows[r] == -np.inf:  # the row sees no key
             continue
         for c in range(visible_keys(i0 + r, j0, cols, causal, causal_offset)):
+            if mod_visible is not None and not mod_visible(b, h, i0 + r, j0 + c, mod_args):
+                continue
             for x in range(dor.shape[1]):
                 t_v[c, x] += p[r, c] * dor[r, x]
             for x in range(qr.shape[1]):
@@ -48,9 +51,14 @@ def _masked_products(p, ds, qr, dor, kc, t_v, t_k, t_q, i0, j0, cols, causal, ca
 @njit(fastmath=FASTMATH, cache=True)
 def _key_block_gradients(q, k, v, do, lse2, delta, dq_acc, dk, dv, b, hk, group, j0, cols, c2,
                          scale, causal, causal_offset, block_q, lut, kj, vj, qi, doi, s_buf,
-                         dp_buf, dk_acc, dv_acc, t_k, t_v, t_q):
+                         dp_buf, dk_acc, dv_acc, t_k, t_v, t_q, g_buf, mod, mod_visible,
+                         mod_args):
     """dK and dV for keys j0:j0+cols of key/value head (b, hk), summed over the `group` query
-    heads that read it (grouped-query attention), and their dQ contributions into dq_acc."""
+    heads that read it (grouped-query attention), and their dQ contributions into dq_acc.
+
+    ``mod`` (None, or numflash.mods' compiled apply_backward): each tile of raw scores becomes
+    the modified scaled scores (then c2 = log2(e)) and g_buf the score_mod's derivative, which
+    dS picks up by the chain rule."""
     Nq = q.shape[2]
     d = q.shape[3]
     dvd = v.shape[3]
@@ -76,6 +84,10 @@ def _key_block_gradients(q, k, v, do, lse2, delta, dq_acc, dk, dv, b, hk, group,
         dp = dp_buf[:rows * cols].reshape((rows, cols))
         np.dot(qr, kc.T, s)
         np.dot(dor, vc.T, dp)
+        g = s  # the score_mod's derivative, with a modification (a stand-in without)
+        if mod is not None:  # compiled away without a modification
+            g = g_buf[:rows * cols].reshape((rows, cols))
+            mod(s, g, b, h, i0, j0, scale, mod_args)
         # P = exp(scale s - lse) = 2**(c2 s - lse2); dS = scale P (dP - D), in place over s.
         for r in range(rows):
             i = i0 + r
@@ -87,7 +99,13 @@ def _key_block_gradients(q, k, v, do, lse2, delta, dq_acc, dk, dv, b, hk, group,
             for c in range(last):
                 p = _exp2(s[r, c] * c2 - m)
                 s[r, c] = p
-                dp[r, c] = p * (dp[r, c] - dr) * scale
+                if mod is None:
+                    dp[r, c] = p * (dp[r, c] - dr) * scale
+                elif mod_visible(b, h, i, j0 + c, mod_args):  # chain rule through score_mod
+                    dp[r, c] = p * (dp[r, c] - dr) * scale * g[r, c]
+                else:  # masked by a mask_mod: nothing flows (not even 0 * NaN)
+                    s[r, c] = zero
+                    dp[r, c] = zero
             for c in range(last, cols):
                 s[r, c] = zero
                 dp[r, c] = zero
@@ -97,8 +115,9 @@ def _key_block_gradients(q, k, v, do, lse2, delta, dq_acc, dk, dv, b, hk, group,
             np.dot(dp, kc, t_q[:rows])         # dS K
         else:  # non-finite inputs: sum over the (row, key) pairs that see each other only, so
             #    a NaN never reaches a gradient through a masked (zero) P or dS: 0 * NaN
-            _masked_products(s, dp, qr, dor, kc, t_v, t_k, t_q, i0, j0, cols, causal,
-                             causal_offset, lse2[b, h, i0:i0 + rows], zero)
+            _masked_products(s, dp, qr, dor, kc, t_v, t_k, t_q, b, h, i0, j0, cols, causal,
+                             causal_offset, lse2[b, h, i0:i0 + rows], zero, mod_visible,
+                             mod_args)
         for c in range(cols):
             for x in range(dvd):
                 dv_acc[c, x] += t_v[c, x]
@@ -116,11 +135,13 @@ def _key_block_gradients(q, k, v, do, lse2, delta, dq_acc, dk, dv, b, hk, group,
 
 @njit(parallel=True, fastmath=FASTMATH, cache=True)
 def tiled_backward(q, k, v, do, lse2, delta, dq_parts, dk, dv, c2, scale, causal, causal_offset,
-                   block_q, block_k, lut):
+                   block_q, block_k, lut, mod, mod_visible, mod_args):
     """dk, dv (compute dtype) and dq_parts[split] (zeroed; summed by the caller) for every head.
 
     q, k, v, do: (B, H, N, .) of any strides (float32, float64, or float16 bits as uint16);
     lse2 = lse * log2(e) and delta = rowsum(dO * O): (B, H, Nq) in the compute dtype.
+    With a modification (mod, mod_visible, mod_args from numflash.mods; None, None, () without)
+    c2 = log2(e): the kernel scales and modifies the scores itself.
     """
     splits, B, H, Nq, d = dq_parts.shape
     Hk = k.shape[1]
@@ -145,6 +166,7 @@ def tiled_backward(q, k, v, do, lse2, delta, dq_parts, dk, dv, c2, scale, causal
         t_k = np.empty((block_k, d), dt)
         t_v = np.empty((block_k, dvd), dt)
         t_q = np.empty((block_q, d), dt)
+        g_buf = np.empty(block_q * block_k if mod is not None else 0, dt)
         # Round-robin key blocks: under a causal mask later blocks have less work, so dealing
         # them out keeps the splits even.
         for jb in range(split, nkb, splits):
@@ -152,7 +174,19 @@ def tiled_backward(q, k, v, do, lse2, delta, dq_parts, dk, dv, c2, scale, causal
             _key_block_gradients(q, k, v, do, lse2, delta, dq_parts[split], dk, dv, b, hk, group,
                                  j0, min(block_k, Nk - j0), c2, scale, causal, causal_offset,
                                  block_q, lut, kj, vj, qi, doi, s_buf, dp_buf, dk_acc, dv_acc,
-                                 t_k, t_v, t_q)
+                                 t_k, t_v, t_q, g_buf, mod, mod_visible, mod_args)
+
+
+_MOD_KERNELS = {}
+
+
+def _backward_with_mods():
+    """The backward's non-cached copies for modifications (see tiled.uncached)."""
+    if "backward" not in _MOD_KERNELS:
+        products = uncached(_masked_products)
+        block = uncached(_key_block_gradients, _masked_products=products)
+        _MOD_KERNELS["backward"] = uncached(tiled_backward, _key_block_gradients=block)
+    return _MOD_KERNELS["backward"]
 
 
 def config(problem, device):
@@ -182,12 +216,16 @@ def run(problem, config, device=None):
     dq_parts = np.zeros((config["splits"], B, H, Nq, d), compute)
     dk = p.dk if p.dk.dtype == compute else np.empty(p.dk.shape, compute)
     dvo = p.dv if p.dv.dtype == compute else np.empty(p.dv.shape, compute)
+    kernel, c2, mod = tiled_backward, compute(p.scale * LOG2E), (None, None, ())
+    if p.mods is not None:  # scores are scaled and modified in the kernel
+        _, apply_backward, visible = p.mods.compiled()
+        kernel, c2, mod = _backward_with_mods(), compute(LOG2E), (apply_backward, visible,
+                                                                  p.mods.args)
     chunk = numba.set_parallel_chunksize(1)
     try:
-        with _SingleThreadedBlas():
-            tiled_backward(q, k, v, do, lse2, delta, dq_parts, dk, dvo, compute(p.scale * LOG2E),
-                           compute(p.scale), p.causal, p.causal_offset, config["block_q"],
-                           config["block_k"], lut)
+        with _SingleThreadedBlas(), compile_errors(p.mods):
+            kernel(q, k, v, do, lse2, delta, dq_parts, dk, dvo, c2, compute(p.scale), p.causal,
+                   p.causal_offset, config["block_q"], config["block_k"], lut, *mod)
     finally:
         numba.set_parallel_chunksize(chunk)
     dq = dq_parts[0]

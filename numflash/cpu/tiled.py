@@ -26,6 +26,8 @@ import numba
 from numba import njit, prange, types
 from numba.extending import intrinsic, overload
 
+from ..mods import compile_errors
+
 NAME = "cpu.tiled"
 # GEMMs with inner dimension d = 64 run at ~127 GFLOP/s on one core here at 512 x 512 blocks and
 # ~109 at 128 x 256 (big square GEMMs: ~153); the 1 MiB float32 S tile still fits the 2 MiB L2.
@@ -191,9 +193,10 @@ def _online_softmax(s, c2, p, m, l, alpha, zero):
 
 @njit(fastmath=FASTMATH, cache=True)
 def _attend_block(q, k, v, out, lse, b, h, hk, i0, rows, kend, causal, causal_offset, block_k, c2,
-                  lut):
+                  lut, scale, mod, mod_visible, mod_args):
     """Rows i0:i0+rows of out[b, h] and lse[b, h] from keys 0:kend of key/value head hk: one
-    parallel task."""
+    parallel task. ``mod`` (None, or numflash.mods' compiled apply_forward) turns each tile of
+    raw scores into modified scaled scores; the caller then passes c2 = log2(e)."""
     d = q.shape[3]
     dv = v.shape[3]
     dt = out.dtype
@@ -222,6 +225,8 @@ def _attend_block(q, k, v, out, lse, b, h, hk, i0, rows, kend, causal, causal_of
             for r in range(rows):
                 for c in range(visible_keys(i0 + r, j0, cols, causal, causal_offset), cols):
                     s[r, c] = -np.inf
+        if mod is not None:  # compiled away without a modification
+            mod(s, b, h, i0, j0, scale, mod_args)
         _online_softmax(s, c2, p, m, l, alpha, zero)
         if all_finite(vj[:cols]):
             np.dot(p, vj[:cols], pv)
@@ -229,6 +234,8 @@ def _attend_block(q, k, v, out, lse, b, h, hk, i0, rows, kend, causal, causal_of
             pv[:] = zero
             for r in range(rows):
                 for c in range(visible_keys(i0 + r, j0, cols, causal, causal_offset)):
+                    if mod is not None and not mod_visible(b, h, i0 + r, j0 + c, mod_args):
+                        continue
                     for x in range(pv.shape[1]):
                         pv[r, x] += p[r, c] * vj[c, x]
         # Rescale and add in one pass: the multiply rides along with the add for free.
@@ -250,12 +257,15 @@ def _attend_block(q, k, v, out, lse, b, h, hk, i0, rows, kend, causal, causal_of
 
 
 @njit(parallel=True, fastmath=FASTMATH, cache=True)
-def tiled_forward(q, k, v, out, lse, c2, causal, causal_offset, block_q, block_k, lut):
+def tiled_forward(q, k, v, out, lse, c2, causal, causal_offset, block_q, block_k, lut, scale,
+                  mod, mod_visible, mod_args):
     """out[b, h] = softmax(scale q k^T [causal mask]) v; lse[b, h] = log of each row's denominator.
 
     q, k, v: (B, H, N, d) arrays of any strides (float32, float64, or float16 bits as uint16);
     out: (B, H, Nq, dv) in the compute dtype (float64 for float64 inputs, float32 otherwise).
-    c2 = softmax_scale * log2(e) in the compute dtype: exp(scale * s) = exp2(c2 * s).
+    c2 = softmax_scale * log2(e) in the compute dtype: exp(scale * s) = exp2(c2 * s); with a
+    modification (mod, mod_visible, mod_args from numflash.mods; None, None, () without) the
+    scores are scaled and modified first and c2 = log2(e).
     Call with the BLAS single-threaded (see run()).
     """
     B, H, Nq, d = q.shape
@@ -276,7 +286,33 @@ def tiled_forward(q, k, v, out, lse, c2, causal, causal_offset, block_q, block_k
         if causal:
             kend = min(Nk, max(0, i0 + rows + causal_offset))
         _attend_block(q, k, v, out, lse, b, h, h // group, i0, rows, kend, causal, causal_offset,
-                      block_k, c2, lut)
+                      block_k, c2, lut, scale, mod, mod_visible, mod_args)
+
+
+def uncached(dispatcher, **rebind):
+    """A copy of a njit function that is not cached on disk, with some global names rebound (to
+    other copies). Kernels that take a modification get numba functions as arguments, and numba
+    writes a new disk-cache entry for such a signature in every process and never reuses it: the
+    modification path compiles these copies instead, once per process."""
+    import types as pytypes
+    py = dispatcher.py_func
+    names = dict(py.__globals__)
+    names.update(rebind)
+    clone = pytypes.FunctionType(py.__code__, names, py.__name__, py.__defaults__, py.__closure__)
+    options = {k: v for k, v in dispatcher.targetoptions.items()
+               if k in ("fastmath", "boundscheck", "error_model")}
+    # Not parallel: numba's parallel loops cannot take tuples or functions as arguments, which
+    # is what a modification is (so the modification path runs on one core for now).
+    return njit(**options)(clone)
+
+
+_MOD_KERNELS = {}
+
+
+def _forward_with_mods():
+    if "forward" not in _MOD_KERNELS:
+        _MOD_KERNELS["forward"] = uncached(tiled_forward, _attend_block=uncached(_attend_block))
+    return _MOD_KERNELS["forward"]
 
 
 _HALF_TABLE = None
@@ -358,11 +394,16 @@ def run(problem, config, device=None):
         q, k, v = q.view(np.uint16), k.view(np.uint16), v.view(np.uint16)
     out = p.out if p.out.dtype == compute else np.empty(p.out.shape, compute)
     lse = p.empty_lse()
+    kernel, c2, mod = tiled_forward, compute(p.scale * LOG2E), (None, None, ())
+    if p.mods is not None:  # scores are scaled and modified in the kernel, then exp2(log2(e) x)
+        apply_forward, _, visible = p.mods.compiled()
+        kernel, c2, mod = _forward_with_mods(), compute(LOG2E), (apply_forward, visible,
+                                                                 p.mods.args)
     chunk = numba.set_parallel_chunksize(1)  # returns the previous value
     try:
-        with _SingleThreadedBlas():
-            tiled_forward(q, k, v, out, lse, compute(p.scale * LOG2E), p.causal, p.causal_offset,
-                          config["block_q"], config["block_k"], lut)
+        with _SingleThreadedBlas(), compile_errors(p.mods):
+            kernel(q, k, v, out, lse, c2, p.causal, p.causal_offset, config["block_q"],
+                   config["block_k"], lut, compute(p.scale), *mod)
     finally:
         numba.set_parallel_chunksize(chunk)
     if out is not p.out:

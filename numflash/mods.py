@@ -1,0 +1,357 @@
+"""Score and mask modifications: FlexAttention's score_mod / mask_mod, and the built-ins made of them.
+
+A modification is a plain Python function that numba can compile:
+
+- ``mask_mod(b, h, q_idx, kv_idx, *mod_args) -> bool``: True = the pair takes part;
+- ``score_mod(score, b, h, q_idx, kv_idx, *mod_args) -> score``, applied to the scaled score
+  (softmax_scale * q.k) before the softmax; its derivative with respect to ``score``, with the same
+  signature, is ``score_mod_grad`` (the backward needs it; without it the backward refuses).
+
+``h`` is the query head; q_idx and kv_idx are positions in q and k. The built-in options of
+:func:`numflash.attention` (``window_size``, ``softcap``, ``alibi_slopes``, ``attn_bias``,
+``attn_mask``) are such functions with their own arguments, and :func:`document_mask` /
+:func:`prefix_lm_mask` build mask_mods for packed documents and prefix-LM. All the modifications of
+one call are composed into one :class:`Mods`: masks are and-ed, score_mods applied in order
+(softcap, then ALiBi, then the bias, then the user's), and the kernels call the composition for
+every (query, key) pair they compute; the reference (numflash.reference) calls the same functions
+in plain Python.
+
+Which kernels take modifications: the CPU path (cpu.tiled, forward and backward). The CUDA kernels
+refuse them with a reason (``numflash.explain`` shows it). A new modification compiles a new CPU
+kernel (a few seconds) once per process and combination of argument types; it is not cached on
+disk (numba cannot key a disk cache on a user's function).
+"""
+import math
+
+import numpy as np
+
+__all__ = ["Mods", "build", "document_mask", "prefix_lm_mask"]
+
+
+# ---- the built-ins, as modification functions ----
+
+def _window_mask(b, h, i, j, left, right, offset):
+    c = i + offset  # the key aligned with query i
+    return (left < 0 or j >= c - left) and (right < 0 or j <= c + right)
+
+
+def _softcap_score(x, b, h, i, j, cap):
+    return cap * math.tanh(x / cap)
+
+
+def _softcap_grad(x, b, h, i, j, cap):
+    t = math.tanh(x / cap)
+    return 1.0 - t * t
+
+
+def _alibi_score(x, b, h, i, j, slopes, offset):
+    return x - slopes[b, h] * abs(i + offset - j)
+
+
+def _unit_grad(x, b, h, i, j, *args):
+    return 1.0
+
+
+def _bias_score(x, b, h, i, j, bias):
+    return x + bias[b, h, i, j]
+
+
+def _bool_mask(b, h, i, j, mask):
+    return mask[b, h, i, j]
+
+
+def _document_mask(b, h, i, j, doc_q, doc_k):
+    return doc_q[b, i] == doc_k[b, j]
+
+
+def _prefix_lm_mask(b, h, i, j, prefix):
+    return j <= i or j < prefix[b]
+
+
+def document_mask(doc_ids_q, doc_ids_k=None):
+    """(mask_mod, mod_args) keeping each query to the keys of its own document.
+
+    doc_ids_q: (B, Nq) integer document id of every query position (packed sequences);
+    doc_ids_k: (B, Nk), by default the same. Combine with ``causal=True`` for causal packing.
+    """
+    q = np.asarray(doc_ids_q)
+    k = q if doc_ids_k is None else np.asarray(doc_ids_k)
+    for name, a in (("doc_ids_q", q), ("doc_ids_k", k)):
+        if a.ndim != 2 or a.dtype.kind not in "iu":
+            raise ValueError(f"{name} must be a (B, N) integer array; got shape {a.shape}, "
+                             f"dtype {a.dtype}")
+    return _document_mask, (q, k)
+
+
+def prefix_lm_mask(prefix_lengths):
+    """(mask_mod, mod_args) for prefix-LM: every query sees the first ``prefix_lengths[b]`` keys
+    (the prefix, bidirectionally) and the keys up to its own position (causally after it). Use
+    with ``causal=False``."""
+    p = np.asarray(prefix_lengths)
+    if p.ndim != 1 or p.dtype.kind not in "iu":
+        raise ValueError(f"prefix_lengths must be a (B,) integer array; got shape {p.shape}, "
+                         f"dtype {p.dtype}")
+    return _prefix_lm_mask, (p,)
+
+
+# ---- composition and compilation ----
+
+class Mods:
+    """The modifications of one call: masks (function, args) and score_mods (function, grad,
+    args), in the order they apply, and their names (for explain and errors)."""
+
+    def __init__(self, masks, scores, names):
+        self.masks = tuple(masks)      # ((fn, args), ...)
+        self.scores = tuple(scores)    # ((fn, grad or None, args), ...)
+        self.names = tuple(names)
+
+    @property
+    def args(self):
+        """Every function's arguments, in order: what the compiled composition reads."""
+        return tuple(a for _, a in self.masks) + tuple(a for _, _, a in self.scores)
+
+    @property
+    def has_grad(self):
+        return all(g is not None for _, g, _ in self.scores)
+
+    def missing_grad(self):
+        return [getattr(f, "__name__", repr(f)) for f, g, _ in self.scores if g is None]
+
+    def key(self):
+        return tuple(f for f, _ in self.masks) + tuple((f, g) for f, g, _ in self.scores)
+
+    def __str__(self):
+        return ", ".join(self.names)
+
+    # -- plain Python, for the reference --
+    def visible(self, b, h, i, j):
+        return all(f(b, h, i, j, *a) for f, a in self.masks)
+
+    def score(self, x, b, h, i, j):
+        for f, _, a in self.scores:
+            x = f(x, b, h, i, j, *a)
+        return x
+
+    def grad(self, x, b, h, i, j):
+        g = 1.0
+        for f, df, a in self.scores:
+            g *= df(x, b, h, i, j, *a)
+            x = f(x, b, h, i, j, *a)
+        return g
+
+    # -- compiled, for the kernels --
+    def compiled(self):
+        """(apply_forward, apply_backward, visible) njit functions of the composition."""
+        key = self.key()
+        hit = _COMPILED.get(key)
+        if hit is None:
+            hit = _COMPILED[key] = _compile(self)
+        return hit
+
+
+_COMPILED = {}
+
+
+def compile_errors(mods):
+    """A context that turns numba's typing errors, raised while a kernel is compiled with these
+    modifications, into a TypeError naming them (the kernel itself compiles without them);
+    nothing for None."""
+    import contextlib
+    from numba.core.errors import TypingError
+    if mods is None:
+        return contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def translate():
+        try:
+            yield
+        except TypingError as e:
+            first = next((ln for ln in str(e).splitlines() if ln.strip()), "")
+            raise TypeError(f"numba cannot compile the modifications ({mods}) into the CPU "
+                            f"kernel: {first} -- a mod must be a function numba can compile "
+                            f"(nopython mode) taking the documented arguments; see "
+                            f"numflash.mods") from e
+    return translate()
+
+
+def _jit(fn, what):
+    from numba import njit  # numba is imported when a kernel first needs it, not with numflash
+    if hasattr(fn, "py_func"):  # already a numba dispatcher
+        return fn
+    try:
+        return njit(fn)
+    except Exception as e:  # noqa: BLE001 - numba compiles lazily; this catches bad objects
+        raise TypeError(f"{what} {fn!r} cannot be compiled by numba: {e}") from e
+
+
+def _compile(mods):
+    """Generate, for the composition, numba functions over a tile of raw scores s = q.k:
+
+    apply_forward(s, b, h, i0, j0, scale, args): s <- the modified scaled scores, -inf where a
+        mask says no (a -inf already there, the causal mask's, stays);
+    apply_backward(s, g, ...): the same, and g <- d(modified)/d(scaled score) (0 where masked);
+    visible(b, h, i, j, args): whether the masks let the pair take part.
+    ``args`` is the tuple of every function's argument tuple, in :attr:`Mods.args` order.
+    """
+    from numba import njit
+    env = {"np": np, "math": math}
+    n_masks = len(mods.masks)
+    lines_vis = ["def visible(b, h, i, j, args):"]
+    cond = []
+    for n, (f, _) in enumerate(mods.masks):
+        env[f"m{n}"] = _jit(f, "mask_mod")
+        cond.append(f"m{n}(b, h, i, j, *args[{n}])")
+    lines_vis.append("    return " + (" and ".join(cond) if cond else "True"))
+    score_lines, grad_lines = [], []
+    for n, (f, g, _) in enumerate(mods.scores):
+        env[f"s{n}"] = _jit(f, "score_mod")
+        a = f"*args[{n_masks + n}]"
+        if g is not None:
+            env[f"g{n}"] = _jit(g, "score_mod_grad")
+            grad_lines.append(f"                gr *= g{n}(x, b, h, i, j, {a})")
+        grad_lines.append(f"                x = s{n}(x, b, h, i, j, {a})")
+        score_lines.append(f"                x = s{n}(x, b, h, i, j, {a})")
+    body = '''
+def apply_forward(s, b, h, i0, j0, scale, args):
+    for r in range(s.shape[0]):
+        i = i0 + r
+        for c in range(s.shape[1]):
+            if s[r, c] == -np.inf:
+                continue
+            j = j0 + c
+            if not visible(b, h, i, j, args):
+                s[r, c] = -np.inf
+            else:
+                x = s[r, c] * scale
+{score}
+                s[r, c] = x
+
+def apply_backward(s, g, b, h, i0, j0, scale, args):
+    for r in range(s.shape[0]):
+        i = i0 + r
+        for c in range(s.shape[1]):
+            g[r, c] = 0
+            if s[r, c] == -np.inf:
+                continue
+            j = j0 + c
+            if not visible(b, h, i, j, args):
+                s[r, c] = -np.inf
+            else:
+                x = s[r, c] * scale
+                gr = 1.0
+{grad}
+                s[r, c] = x
+                g[r, c] = gr
+'''.format(score="\n".join(score_lines) or "                pass",
+           grad="\n".join(grad_lines) or "                pass")
+    exec("\n".join(lines_vis), env)  # noqa: S102 - generated from the functions' names only
+    env["visible"] = njit(env["visible"])
+    exec(body, env)  # noqa: S102
+    return njit(env["apply_forward"]), njit(env["apply_backward"]), env["visible"]
+
+
+# ---- checking the options and building a call's Mods ----
+
+def _float_array(name, a, xp_kind):
+    if a is None:
+        return None
+    kind = type(a).__module__.split(".")[0]
+    if kind == "cupy" or hasattr(a, "__cuda_array_interface__"):
+        if xp_kind != "cupy":
+            raise TypeError(f"{name} is a device array but q is a NumPy array: pass {name} as a "
+                            f"NumPy array")
+        raise ValueError(f"{name}: modifications run on the CPU path only for now (the CUDA "
+                         f"kernels do not take them)")
+    a = np.asarray(a)
+    return a
+
+
+def _broadcast(name, a, shape, dims):
+    """a as a read-only zero-copy view of ``shape`` (numpy broadcasting rules), or a clear error."""
+    try:
+        return np.broadcast_to(a, shape)
+    except ValueError:
+        raise ValueError(f"{name} of shape {a.shape} does not broadcast to {dims} = {shape}") \
+            from None
+
+
+def build(problem_shape, kind, causal_offset, *, score_mod=None, mask_mod=None, mod_args=(),
+          score_mod_grad=None, window_size=None, softcap=None, alibi_slopes=None,
+          attn_bias=None, attn_mask=None):
+    """The :class:`Mods` of one call, or None when it has none (checked: each argument named in
+    its error)."""
+    B, H, Nq, Nk = problem_shape[:4]
+    masks, scores, names = [], [], []
+    full = (B, H, Nq, Nk)
+    if window_size is not None:
+        try:
+            left, right = (int(w) for w in window_size)
+        except (TypeError, ValueError):
+            raise ValueError(f"window_size must be (left, right) integers (-1 = unbounded); got "
+                             f"{window_size!r}") from None
+        if left < -1 or right < -1:
+            raise ValueError(f"window_size entries must be >= -1 (-1 = unbounded); got "
+                             f"{window_size!r}")
+        if (left, right) != (-1, -1):
+            masks.append((_window_mask, (left, right, causal_offset)))
+            names.append(f"window_size=({left}, {right})")
+    if attn_mask is not None:
+        m = _float_array("attn_mask", attn_mask, kind)
+        if m.dtype != np.bool_:
+            raise TypeError(f"attn_mask must be a boolean array (True = take part); got {m.dtype}")
+        masks.append((_bool_mask, (_broadcast("attn_mask", m, full, "(B, H, Nq, Nk)"),)))
+        names.append("attn_mask")
+    if mask_mod is not None:
+        if not callable(mask_mod):
+            raise TypeError(f"mask_mod must be a function; got {type(mask_mod).__name__}")
+        masks.append((mask_mod, _user_args(mod_args)))
+        names.append(f"mask_mod={getattr(mask_mod, '__name__', 'fn')}")
+    if softcap is not None and softcap != 0:
+        cap = float(softcap)
+        if not (math.isfinite(cap) and cap > 0):
+            raise ValueError(f"softcap must be a finite number > 0 (0 or None: off); got {softcap!r}")
+        scores.append((_softcap_score, _softcap_grad, (cap,)))
+        names.append(f"softcap={cap:g}")
+    if alibi_slopes is not None:
+        s = _float_array("alibi_slopes", alibi_slopes, kind)
+        if s.dtype.kind != "f" or s.shape not in ((H,), (B, H)):
+            raise ValueError(f"alibi_slopes must be a float array of shape (H,) = ({H},) or "
+                             f"(B, H) = ({B}, {H}); got shape {s.shape}, dtype {s.dtype}")
+        scores.append((_alibi_score, _unit_grad,
+                       (np.broadcast_to(s.astype(np.float64), (B, H)), causal_offset)))
+        names.append("alibi_slopes")
+    if attn_bias is not None:
+        bias = _float_array("attn_bias", attn_bias, kind)
+        if bias.dtype.kind != "f":
+            raise TypeError(f"attn_bias must be a float array; got {bias.dtype}")
+        scores.append((_bias_score, _unit_grad,
+                       (_broadcast("attn_bias", bias, full, "(B, H, Nq, Nk)"),)))
+        names.append("attn_bias")
+    if score_mod is not None:
+        if not callable(score_mod):
+            raise TypeError(f"score_mod must be a function; got {type(score_mod).__name__}")
+        if score_mod_grad is not None and not callable(score_mod_grad):
+            raise TypeError(f"score_mod_grad must be a function; got "
+                            f"{type(score_mod_grad).__name__}")
+        scores.append((score_mod, score_mod_grad, _user_args(mod_args)))
+        names.append(f"score_mod={getattr(score_mod, '__name__', 'fn')}")
+    elif score_mod_grad is not None:
+        raise ValueError("score_mod_grad was given without a score_mod")
+    if mod_args and score_mod is None and mask_mod is None:
+        raise ValueError("mod_args were given without a score_mod or mask_mod to read them")
+    if not masks and not scores:
+        return None
+    return Mods(masks, scores, names)
+
+
+def _user_args(mod_args):
+    if not isinstance(mod_args, tuple):
+        raise TypeError(f"mod_args must be a tuple (of arrays and scalars); got "
+                        f"{type(mod_args).__name__}")
+    out = []
+    for n, a in enumerate(mod_args):
+        if hasattr(a, "__cuda_array_interface__") or type(a).__module__.startswith("cupy"):
+            raise TypeError(f"mod_args[{n}] is a device array: modifications run on the CPU path "
+                            f"only for now; pass NumPy arrays")
+        out.append(a)
+    return tuple(out)
