@@ -174,11 +174,14 @@ _plans = {}
 def choose(problem, backend="auto", algorithm="auto"):
     """The Plan for a normalized problem; raises ValueError (with every reason) if none can run it.
 
-    Plans depend only on array kind, dtype, precision, shape, strides, 16-byte alignment, device
-    and the two choices, so they are memoized on those: a repeated call skips straight to the kernel.
+    Plans depend only on array kind, dtype, precision, shape, strides, 16-byte alignment, device,
+    the modifications and the two choices, so they are memoized on those: a repeated call skips
+    straight to the kernel.
     """
     arrays = (problem.q, problem.k, problem.v)
-    key = (getattr(problem, "direction", "forward"), backend, algorithm,
+    mods = getattr(problem, "mods", None)
+    key = (None if mods is None else (mods.key(), str(mods)),  # a kernel may refuse mods
+           getattr(problem, "direction", "forward"), backend, algorithm,
            getattr(problem, "precision", "auto"), problem.kind, problem.dtype,
            problem.shape, simulator_enabled(),
            tuple(a.strides for a in arrays),  # configs may depend on layout (mma's vector path)

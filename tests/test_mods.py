@@ -234,6 +234,9 @@ def test_backward_of_a_score_mod_without_derivative_says_how_to_give_one(rng):
 @pytest.mark.simulator
 def test_cuda_kernels_refuse_modifications_and_explain_says_why(rng):
     q, k, v, _ = _qkv(rng, Nq=8, Nk=8)
+    # a plan memoized for the same shapes without modifications must not be reused for them
+    numflash.attention(q, k, v, backend="cuda")
+    numflash.explain(q, k, v, score_mod=tanh_cap, mod_args=(1.0,))
     plan = numflash.explain(q, k, v, softcap=2.0, window_size=(3, -1))
     assert "cpu.tiled" in str(plan)
     assert "modifications: window_size=(3, -1), softcap=2 (compiled into the kernel" in str(plan)

@@ -19,7 +19,7 @@ from numba import njit, prange
 
 from ..mods import compile_errors
 from .tiled import FASTMATH, LOG2E, _exp2, _load_block, _SingleThreadedBlas, all_finite, \
-    half_table, uncached, visible_keys
+    half_table, run_tasks, uncached, visible_keys
 
 NAME = "cpu.tiled"
 BLOCK_Q = 256
@@ -135,13 +135,14 @@ def _key_block_gradients(q, k, v, do, lse2, delta, dq_acc, dk, dv, b, hk, group,
 
 @njit(parallel=True, fastmath=FASTMATH, cache=True)
 def tiled_backward(q, k, v, do, lse2, delta, dq_parts, dk, dv, c2, scale, causal, causal_offset,
-                   block_q, block_k, lut, mod, mod_visible, mod_args):
+                   block_q, block_k, lut, mod, mod_visible, mod_args, task_first, task_step):
     """dk, dv (compute dtype) and dq_parts[split] (zeroed; summed by the caller) for every head.
 
     q, k, v, do: (B, H, N, .) of any strides (float32, float64, or float16 bits as uint16);
     lse2 = lse * log2(e) and delta = rowsum(dO * O): (B, H, Nq) in the compute dtype.
     With a modification (mod, mod_visible, mod_args from numflash.mods; None, None, () without)
-    c2 = log2(e): the kernel scales and modifies the scores itself.
+    c2 = log2(e): the kernel scales and modifies the scores itself. Runs tasks task_first,
+    task_first + task_step, ... (0, 1: all; tiled.run_tasks spreads them over threads).
     """
     splits, B, H, Nq, d = dq_parts.shape
     Hk = k.shape[1]
@@ -150,7 +151,8 @@ def tiled_backward(q, k, v, do, lse2, delta, dq_parts, dk, dv, c2, scale, causal
     dvd = v.shape[3]
     nkb = (Nk + block_k - 1) // block_k
     dt = dk.dtype
-    for task in prange(B * Hk * splits):
+    for n in prange((B * Hk * splits - task_first + task_step - 1) // task_step):
+        task = task_first + n * task_step
         bh = task // splits
         split = task % splits
         b = bh // Hk
@@ -216,16 +218,19 @@ def run(problem, config, device=None):
     dq_parts = np.zeros((config["splits"], B, H, Nq, d), compute)
     dk = p.dk if p.dk.dtype == compute else np.empty(p.dk.shape, compute)
     dvo = p.dv if p.dv.dtype == compute else np.empty(p.dv.shape, compute)
-    kernel, c2, mod = tiled_backward, compute(p.scale * LOG2E), (None, None, ())
-    if p.mods is not None:  # scores are scaled and modified in the kernel
-        _, apply_backward, visible = p.mods.compiled()
-        kernel, c2, mod = _backward_with_mods(), compute(LOG2E), (apply_backward, visible,
-                                                                  p.mods.args)
+    args = (q, k, v, do, lse2, delta, dq_parts, dk, dvo, compute(p.scale * LOG2E),
+            compute(p.scale), p.causal, p.causal_offset, config["block_q"], config["block_k"],
+            lut, None, None, ())
     chunk = numba.set_parallel_chunksize(1)
     try:
         with _SingleThreadedBlas(), compile_errors(p.mods):
-            kernel(q, k, v, do, lse2, delta, dq_parts, dk, dvo, c2, compute(p.scale), p.causal,
-                   p.causal_offset, config["block_q"], config["block_k"], lut, *mod)
+            if p.mods is None:
+                tiled_backward(*args, 0, 1)
+            else:  # scores are scaled and modified in the kernel
+                _, apply_backward, visible = p.mods.compiled()
+                args = args[:9] + (compute(LOG2E),) + args[10:16] + (apply_backward, visible,
+                                                                    p.mods.args)
+                run_tasks(_backward_with_mods(), args, B * k.shape[1] * config["splits"])
     finally:
         numba.set_parallel_chunksize(chunk)
     dq = dq_parts[0]

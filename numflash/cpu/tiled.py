@@ -258,14 +258,15 @@ def _attend_block(q, k, v, out, lse, b, h, hk, i0, rows, kend, causal, causal_of
 
 @njit(parallel=True, fastmath=FASTMATH, cache=True)
 def tiled_forward(q, k, v, out, lse, c2, causal, causal_offset, block_q, block_k, lut, scale,
-                  mod, mod_visible, mod_args):
+                  mod, mod_visible, mod_args, task_first, task_step):
     """out[b, h] = softmax(scale q k^T [causal mask]) v; lse[b, h] = log of each row's denominator.
 
     q, k, v: (B, H, N, d) arrays of any strides (float32, float64, or float16 bits as uint16);
     out: (B, H, Nq, dv) in the compute dtype (float64 for float64 inputs, float32 otherwise).
     c2 = softmax_scale * log2(e) in the compute dtype: exp(scale * s) = exp2(c2 * s); with a
     modification (mod, mod_visible, mod_args from numflash.mods; None, None, () without) the
-    scores are scaled and modified first and c2 = log2(e).
+    scores are scaled and modified first and c2 = log2(e). Runs tasks task_first, task_first +
+    task_step, ... (0, 1: all of them; see run_tasks for the modification path's threads).
     Call with the BLAS single-threaded (see run()).
     """
     B, H, Nq, d = q.shape
@@ -275,7 +276,8 @@ def tiled_forward(q, k, v, out, lse, c2, causal, causal_offset, block_q, block_k
     # Causal tasks differ in size (a query block sees keys up to its diagonal): run() sets
     # numba's chunk size to 1 so tasks are handed out one at a time, and they go largest first,
     # so no thread is left with a long tail.
-    for task in prange(B * H * nqb):
+    for n in prange((B * H * nqb - task_first + task_step - 1) // task_step):
+        task = task_first + n * task_step
         b = task // (H * nqb)
         h = (task // nqb) % H
         qb = task % nqb
@@ -302,8 +304,23 @@ def uncached(dispatcher, **rebind):
     options = {k: v for k, v in dispatcher.targetoptions.items()
                if k in ("fastmath", "boundscheck", "error_model")}
     # Not parallel: numba's parallel loops cannot take tuples or functions as arguments, which
-    # is what a modification is (so the modification path runs on one core for now).
-    return njit(**options)(clone)
+    # is what a modification is. nogil instead: run_tasks spreads the tasks over Python threads.
+    return njit(nogil=True, **options)(clone)
+
+
+def run_tasks(kernel, args, total):
+    """Run a kernel copy from uncached() on every core: thread t takes tasks t, t + T, ... (the
+    kernels' last two arguments). It is compiled first, on no task, so that the threads only
+    run it."""
+    kernel(*args, total, 1)
+    threads = max(1, min(numba.get_num_threads(), total))
+    if threads == 1:
+        kernel(*args, 0, 1)
+        return
+    from concurrent.futures import ThreadPoolExecutor
+    with ThreadPoolExecutor(threads) as pool:
+        for f in [pool.submit(kernel, *args, t, threads) for t in range(threads)]:
+            f.result()
 
 
 _MOD_KERNELS = {}
@@ -394,16 +411,19 @@ def run(problem, config, device=None):
         q, k, v = q.view(np.uint16), k.view(np.uint16), v.view(np.uint16)
     out = p.out if p.out.dtype == compute else np.empty(p.out.shape, compute)
     lse = p.empty_lse()
-    kernel, c2, mod = tiled_forward, compute(p.scale * LOG2E), (None, None, ())
-    if p.mods is not None:  # scores are scaled and modified in the kernel, then exp2(log2(e) x)
-        apply_forward, _, visible = p.mods.compiled()
-        kernel, c2, mod = _forward_with_mods(), compute(LOG2E), (apply_forward, visible,
-                                                                 p.mods.args)
+    args = (q, k, v, out, lse, compute(p.scale * LOG2E), p.causal, p.causal_offset,
+            config["block_q"], config["block_k"], lut, compute(p.scale), None, None, ())
     chunk = numba.set_parallel_chunksize(1)  # returns the previous value
     try:
         with _SingleThreadedBlas(), compile_errors(p.mods):
-            kernel(q, k, v, out, lse, c2, p.causal, p.causal_offset, config["block_q"],
-                   config["block_k"], lut, compute(p.scale), *mod)
+            if p.mods is None:
+                tiled_forward(*args, 0, 1)
+            else:  # scores are scaled and modified in the kernel, then exp2(log2(e) x)
+                apply_forward, _, visible = p.mods.compiled()
+                args = args[:5] + (compute(LOG2E),) + args[6:12] + (apply_forward, visible,
+                                                                   p.mods.args)
+                B, H, Nq = p.q.shape[:3]
+                run_tasks(_forward_with_mods(), args, B * H * -(-Nq // config["block_q"]))
     finally:
         numba.set_parallel_chunksize(chunk)
     if out is not p.out:
