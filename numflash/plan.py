@@ -126,7 +126,7 @@ class Plan:
                  f"  config: {cfg or '-'}"]
         if self.mods:
             lines.append(f"  modifications: {self.mods} (compiled into the kernel on first use "
-                         f"in a process, a few seconds, not cached on disk; one core for now)")
+                         f"in a process, a few seconds, not cached on disk)")
         for name, why in self.rejected.items():
             lines.append(f"  not {name}: {why}")
         return "\n".join(lines)
