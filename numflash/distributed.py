@@ -174,6 +174,26 @@ def _wait(works):
         w.wait()
 
 
+class _finishing:
+    """If the block raises, wait for the transfers in flight before the error goes on: every
+    rank posted them, so they complete, and the process group stays usable (gloo's would
+    otherwise time out on its next collective)."""
+
+    def __init__(self, works):
+        self.works = works
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, error, tb):
+        if kind is not None:
+            try:
+                _wait(self.works)
+            except Exception:  # noqa: BLE001 - the first error is the one to report
+                pass
+        return False
+
+
 def _acc_dtype(dtype):
     return torch.float64 if dtype == torch.float64 else torch.float32
 
@@ -199,13 +219,14 @@ def _ring_forward_heads(q, k, v, ring):
         if step + 1 < ring.world:  # the next block travels while this one is computed
             incoming = [torch.empty_like(t) for t in kv]
             works = _exchange(ring, kv, incoming)
-        for (q0, nq), (k0, nk), causal in _pieces(ring, src, n_q, n_k):
-            o, lse = _nt.attention(_rows(q, ring, q0, nq), _rows(kv[0], ring, k0, nk),
-                                   _rows(kv[1], ring, k0, nk), causal=causal,
-                                   softmax_scale=ring.scale, layout=ring.layout,
-                                   return_lse=True, **opts)
-            _merge_into(_rows(out_acc, ring, q0, nq), lse_acc.narrow(2, q0, nq), o,
-                        lse.to(acc), ring.layout)
+        with _finishing(works):
+            for (q0, nq), (k0, nk), causal in _pieces(ring, src, n_q, n_k):
+                o, lse = _nt.attention(_rows(q, ring, q0, nq), _rows(kv[0], ring, k0, nk),
+                                       _rows(kv[1], ring, k0, nk), causal=causal,
+                                       softmax_scale=ring.scale, layout=ring.layout,
+                                       return_lse=True, **opts)
+                _merge_into(_rows(out_acc, ring, q0, nq), lse_acc.narrow(2, q0, nq), o,
+                            lse.to(acc), ring.layout)
         _wait(works)
         if incoming is not None:
             kv = incoming
@@ -235,14 +256,15 @@ def _ring_backward_heads(do, q, k, v, out, lse, ring):
             incoming = [torch.empty_like(t) for t in kv]
             works = _exchange(ring, kv, incoming)
         parts = []
-        for (q0, nq), (k0, nk), causal in _pieces(ring, src, n_q, n_k):
-            g = _nt.attention_backward(
-                _rows(do_w, ring, q0, nq), _rows(q_w, ring, q0, nq),
-                _rows(kv[0], ring, k0, nk).to(acc), _rows(kv[1], ring, k0, nk).to(acc),
-                _rows(out_w, ring, q0, nq), lse.narrow(2, q0, nq), causal=causal,
-                softmax_scale=ring.scale, layout=ring.layout, **opts)
-            _rows(dq, ring, q0, nq).add_(g[0])
-            parts.append((k0, nk, g[1], g[2]))
+        with _finishing(works + list(dkv_works)):
+            for (q0, nq), (k0, nk), causal in _pieces(ring, src, n_q, n_k):
+                g = _nt.attention_backward(
+                    _rows(do_w, ring, q0, nq), _rows(q_w, ring, q0, nq),
+                    _rows(kv[0], ring, k0, nk).to(acc), _rows(kv[1], ring, k0, nk).to(acc),
+                    _rows(out_w, ring, q0, nq), lse.narrow(2, q0, nq), causal=causal,
+                    softmax_scale=ring.scale, layout=ring.layout, **opts)
+                _rows(dq, ring, q0, nq).add_(g[0])
+                parts.append((k0, nk, g[1], g[2]))
         _wait(dkv_works)  # this block's accumulators, from the previous rank
         if dkv_incoming is not None:
             dkv = dkv_incoming
@@ -316,19 +338,39 @@ class _RingAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, d_out, d_lse):
+        if torch.is_grad_enabled():  # create_graph=True: the ring backward is not differentiable
+            raise NotImplementedError("ring_attention has no double backward (create_graph=True)")
         dq, dk, dv = _ring_backward(d_out, *ctx.saved_tensors, ctx.ring)
         return dq, dk, dv, None
 
 
 # ---- checks: every rank agrees, or every rank raises ----
 
-_SIGNATURE_FIELDS = ("inputs accepted", "q shape", "k shape", "v shape", "dtype", "causal",
-                     "softmax_scale", "layout", "sharding", "requires grad", "head_chunks")
+_SIGNATURE_FIELDS = ("inputs accepted", "q shape", "k shape", "v shape", "dtypes", "causal",
+                     "softmax_scale", "layout", "sharding", "requires grad", "head_chunks",
+                     "options (backend, algorithm, precision, deterministic)")
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-def _local_problem(q, k, v, causal, layout, sharding, head_chunks):
-    """The reason this rank's inputs cannot run, or None (checked before any collective)."""
+_OPTIONS = ("backend", "algorithm", "precision", "deterministic")
+
+
+def _local_problem(q, k, v, causal, layout, sharding, head_chunks, options, grad):
+    """The reason this rank's call cannot run, or None. Checked before any collective, so a bad
+    argument on one rank makes every rank raise (through the signatures) instead of leaving the
+    others waiting: the ring's own arguments here, the shards and options by numflash's checks
+    (explain on the whole local shards, forward and, if gradients are wanted, backward)."""
+    if causal not in _CAUSAL_MODES:
+        return ValueError(f"causal must be one of False, True, 'top_left', 'bottom_right'; got "
+                          f"{causal!r}")
+    if layout not in _SEQ_DIM:
+        return ValueError(f"layout must be 'bhsd' or 'bshd'; got {layout!r}")
+    if sharding not in SHARDINGS:
+        return ValueError(f"sharding must be one of {SHARDINGS}; got {sharding!r}")
+    unknown = set(options) - set(_OPTIONS)
+    if unknown:
+        return TypeError(f"ring_attention got unexpected options {sorted(unknown)}; it takes "
+                         f"{_OPTIONS}")
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             return TypeError(f"{name} must be a torch.Tensor; got {type(t).__name__}")
@@ -338,6 +380,16 @@ def _local_problem(q, k, v, causal, layout, sharding, head_chunks):
                               f"{tuple(t.shape)}")
     if q.dtype not in _DTYPES:
         return TypeError(f"q has dtype {q.dtype}; ring_attention takes {_DTYPES}")
+    if q.device.type == "cuda" and q.device.index != torch.cuda.current_device():
+        return ValueError(f"q is on {q.device} but the current CUDA device is "
+                          f"{torch.cuda.current_device()}: call torch.cuda.set_device first "
+                          f"(NCCL runs on the current device)")
+    from . import api  # the shards and options as numflash would check them
+    try:
+        for backward in (False, True) if grad else (False,):
+            api.explain(q, k, v, layout=layout, backward=backward, **options)
+    except (TypeError, ValueError, NotImplementedError) as e:
+        return e
     sd = _SEQ_DIM[layout]
     if causal and q.shape[sd] != k.shape[sd]:
         return ValueError(f"causal ring attention is self-attention: q and k shards must be of "
@@ -346,34 +398,44 @@ def _local_problem(q, k, v, causal, layout, sharding, head_chunks):
         return ValueError(f"a zigzag shard holds two equal chunks: its length must be even; got "
                           f"{q.shape[sd]} (numflash.distributed.shard makes them)")
     hk = k.shape[_HEAD_DIM[layout]]
-    if not isinstance(head_chunks, int) or head_chunks < 1 or hk % head_chunks:
+    if not isinstance(head_chunks, int) or not 1 <= head_chunks <= max(hk, 1) \
+            or hk % head_chunks:
         return ValueError(f"head_chunks must be a positive integer dividing the {hk} K/V heads; "
                           f"got {head_chunks!r}")
     return None
 
 
-def _signature(q, k, v, causal, scale, layout, sharding, head_chunks, problem):
+def _stable_hash(text):
+    """A 63-bit hash of a string, equal in every process (Python's hash() is salted)."""
+    import hashlib
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 1
+
+
+def _signature(q, k, v, causal, scale, layout, sharding, head_chunks, options, grad, problem):
     shapes = [tuple(t.shape) if isinstance(t, torch.Tensor) and t.dim() == 4 else (0, 0, 0, 0)
               for t in (q, k, v)]
-    grad = any(isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v))
-    dtype = _DTYPES.index(q.dtype) if isinstance(q, torch.Tensor) and q.dtype in _DTYPES else -1
+    dtypes = tuple(str(t.dtype) if isinstance(t, torch.Tensor) else "?" for t in (q, k, v))
     scale_bits = struct.unpack("<q", struct.pack("<d", scale))[0]
-    return [int(problem is None), *shapes[0], *shapes[1], *shapes[2], dtype, int(bool(causal)),
-            scale_bits, ("bhsd", "bshd").index(layout), SHARDINGS.index(sharding), int(grad),
-            head_chunks if isinstance(head_chunks, int) else -1]
+    return [int(problem is None), *shapes[0], *shapes[1], *shapes[2], _stable_hash(str(dtypes)),
+            _stable_hash(repr(causal)), scale_bits, _stable_hash(repr(layout)),
+            _stable_hash(repr(sharding)), int(grad),
+            head_chunks if isinstance(head_chunks, int) and 0 <= head_chunks < 2 ** 62 else -1,
+            _stable_hash(repr(sorted(options.items(), key=str)))]
 
 
 def _field(index):
     """The signature field an index falls in."""
-    bounds = [1, 5, 9, 13, 14, 15, 16, 17, 18, 19, 20]
+    bounds = [1, 5, 9, 13, 14, 15, 16, 17, 18, 19, 20, 21]
     return _SIGNATURE_FIELDS[next(i for i, b in enumerate(bounds) if index < b)]
 
 
-def _agree(ring, signature, device, problem):
-    """All-gather every rank's signature; raise the same error on every rank unless all agree."""
+def _agree(rank, world, group, signature, device, problem):
+    """All-gather every rank's signature; raise the same error on every rank unless all agree.
+    (On NCCL, reading the gathered signatures waits for the GPU work queued before: check=True
+    costs one host synchronization per call.)"""
     mine = torch.tensor(signature, dtype=torch.int64, device=device)
-    every = [torch.empty_like(mine) for _ in range(ring.world)]
-    dist.all_gather(every, mine, group=ring.group)
+    every = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(every, mine, group=group)
     rows = [e.tolist() for e in every]
     if problem is not None:
         raise problem
@@ -420,19 +482,10 @@ def ring_attention(q, k, v, *, group=None, causal=False, softmax_scale=None, lay
     Differentiable: ``loss.backward()`` runs the ring backward on every rank (every rank must
     call backward). CUDA tensors need an NCCL group, CPU tensors a gloo group.
     """
-    if causal not in _CAUSAL_MODES:
-        raise ValueError(f"causal must be one of False, True, 'top_left', 'bottom_right'; got "
-                         f"{causal!r}")
-    if layout not in _SEQ_DIM:
-        raise ValueError(f"layout must be 'bhsd' or 'bshd'; got {layout!r}")
-    if sharding not in SHARDINGS:
-        raise ValueError(f"sharding must be one of {SHARDINGS}; got {sharding!r}")
-    unknown = set(options) - {"backend", "algorithm", "precision", "deterministic"}
-    if unknown:
-        raise TypeError(f"ring_attention got unexpected options {sorted(unknown)}")
     rank, world, backend = _group_facts(group)
-    causal = bool(causal)
-    problem = _local_problem(q, k, v, causal, layout, sharding, head_chunks)
+    grad = torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad
+                                           for t in (q, k, v))
+    problem = _local_problem(q, k, v, causal, layout, sharding, head_chunks, options, grad)
     scale = float("nan")
     if problem is None:
         try:
@@ -447,13 +500,13 @@ def ring_attention(q, k, v, *, group=None, causal=False, softmax_scale=None, lay
     # the signatures travel on the device the group's backend takes
     device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend \
         else torch.device("cpu")
-    ring = _Ring(group, rank, world, causal, scale, layout, sharding,
-                 tuple(sorted(options.items())), bool(_communicate),
-                 head_chunks if problem is None else 1)
     if check:
-        _agree(ring, _signature(q, k, v, causal, scale, layout, sharding, head_chunks, problem),
+        _agree(rank, world, group, _signature(q, k, v, causal, scale, layout, sharding,
+                                              head_chunks, options, grad, problem),
                device, problem)
     elif problem is not None:
         raise problem
+    ring = _Ring(group, rank, world, bool(causal), scale, layout, sharding,
+                 tuple(sorted(options.items())), bool(_communicate), head_chunks)
     out, lse = _RingAttention.apply(q, k, v, ring)
     return (out, lse) if return_lse else out

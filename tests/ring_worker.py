@@ -152,6 +152,14 @@ def _bad_cases(rank, world, device):
         "mismatched head_chunks": lambda: ring_attention(x(4), x(4), x(4),
                                                          head_chunks=1 + (rank == 0)),
         "head_chunks not dividing": lambda: ring_attention(x(4), x(4), x(4), head_chunks=3),
+        "bad causal on one rank": lambda: ring_attention(
+            x(4), x(4), x(4), causal="sideways" if rank == world - 1 else True),
+        "mismatched precision": lambda: ring_attention(
+            x(4), x(4), x(4), precision="ieee" if rank == 0 else "auto"),
+        "GQA heads not dividing": lambda: ring_attention(
+            torch.randn(1, 3, 4, 8), x(4), x(4)),
+        "bfloat16 on the CPU": lambda: ring_attention(
+            *(x(4).to(torch.bfloat16) for _ in range(3))),
     }
     report = {}
     for name, call in cases.items():

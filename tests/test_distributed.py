@@ -69,32 +69,39 @@ def test_ring_matches_one_call_on_the_whole_sequence(gloo_report):
             "zigzag-causal-gqa-headchunks-f32", "contiguous-plain-bshd-headchunks-f64"} <= names
 
 
-EXPECTED_REFUSALS = {
-    "unequal shards": "differs from rank 0 in q shape",
-    "mismatched causal": "differs from rank 0 in causal",
-    "mismatched sharding": "differs from rank 0 in sharding",
-    "one rank's bad shape": "",   # that rank: its own error; the others: "were refused"
-    "odd zigzag shard": "must be even",
-    "mismatched head_chunks": "differs from rank 0 in head_chunks",
-    "head_chunks not dividing": "head_chunks must be a positive integer dividing the 2 K/V heads",
+EXPECTED_REFUSALS = {  # (the error every rank raises, what its message says)
+    "unequal shards": ("ValueError", "differs from rank 0 in q shape"),
+    "mismatched causal": ("ValueError", "differs from rank 0 in causal"),
+    "mismatched sharding": ("ValueError", "differs from rank 0 in sharding"),
+    "one rank's bad shape": ("ValueError", ""),  # that rank: its own error; others: "refused"
+    "odd zigzag shard": ("ValueError", "must be even"),
+    "mismatched head_chunks": ("ValueError", "differs from rank 0 in head_chunks"),
+    "head_chunks not dividing": ("ValueError",
+                                 "head_chunks must be a positive integer dividing the 2 K/V"),
+    "bad causal on one rank": ("ValueError", ""),
+    "mismatched precision": ("ValueError", "differs from rank 0 in options"),
+    "GQA heads not dividing": ("ValueError", "heads"),
+    "bfloat16 on the CPU": ("TypeError", "bfloat16"),  # numflash's own refusal, on every rank
 }
 
 
 def test_bad_input_raises_on_every_rank_without_hanging(gloo_report):
+    """Refused before any transfer, on every rank alike (or, for one rank's bad argument, its
+    own error there and "refused" on the others), within seconds; the group stays usable."""
     world = gloo_report["world"]
     every = gloo_report["bad_every_rank"]
     assert len(every) == world
     for rank, report in enumerate(every):
-        for name, text in EXPECTED_REFUSALS.items():
+        for name, (kind, text) in EXPECTED_REFUSALS.items():
             r = report[name]
-            assert r["raised"] == "ValueError", (rank, name, r)
+            assert r["raised"] == kind, (rank, name, r)
             assert text in r["message"], (rank, name, r["message"])
             assert r["seconds"] < 10, (rank, name, r["seconds"])  # no wait for a timeout
-        bad = report["one rank's bad shape"]["message"]
-        if rank == world - 1:
-            assert "q must be 4-D" in bad
-        else:
-            assert f"rank(s) [{world - 1}] were refused" in bad
+        for name, own in (("one rank's bad shape", "q must be 4-D"),
+                          ("bad causal on one rank", "causal must be one of")):
+            msg = report[name]["message"]
+            assert own in msg if rank == world - 1 else \
+                f"rank(s) [{world - 1}] were refused" in msg, (rank, name, msg)
         assert report["good call after"] == {"raised": None, "finite": True}
 
 
@@ -170,10 +177,6 @@ def test_ring_attention_needs_an_initialized_group():
     x = torch.zeros(1, 1, 4, 8)
     with pytest.raises(RuntimeError, match="init_process_group"):
         nd.ring_attention(x, x, x)
-    with pytest.raises(ValueError, match="sharding must be one of"):
-        nd.ring_attention(x, x, x, sharding="striped")
-    with pytest.raises(TypeError, match="unexpected options"):
-        nd.ring_attention(x, x, x, dropout_p=0.1)
 
 
 def test_one_rank_ring_is_plain_attention(tmp_path):
@@ -195,6 +198,13 @@ def test_one_rank_ring_is_plain_attention(tmp_path):
         torch.testing.assert_close(out, one, rtol=0, atol=1e-6)
         for a, t in zip(ring_grads, (q, k, v)):
             torch.testing.assert_close(a, t.grad, rtol=0, atol=1e-6)
+        with pytest.raises(ValueError, match="sharding must be one of"):
+            nd.ring_attention(q, k, v, sharding="striped")
+        with pytest.raises(TypeError, match="unexpected options"):
+            nd.ring_attention(q, k, v, dropout_p=0.1)
+        out = nd.ring_attention(q, k, v, causal=True, sharding="contiguous")
+        with pytest.raises(RuntimeError, match="no double backward"):
+            torch.autograd.grad(out.sum(), q, create_graph=True)
         if torch.cuda.is_available():
             with pytest.raises(ValueError, match="need a process group with the nccl backend"):
                 nd.ring_attention(q.cuda(), k.cuda(), v.cuda())
