@@ -111,7 +111,6 @@ class _Ring:
     communicate: bool = True  # False: reuse the local K/V in place of received blocks (timing)
     head_chunks: int = 1      # run the ring this many times, each over a slice of the heads
 
-
     @property
     def seq_dim(self):
         return _SEQ_DIM[self.layout]
@@ -458,8 +457,7 @@ def _group_facts(group):
 
 
 def ring_attention(q, k, v, *, group=None, causal=False, softmax_scale=None, layout="bhsd",
-                   sharding="zigzag", head_chunks=1, return_lse=False, check=True,
-                   _communicate=True, **options):
+                   sharding="zigzag", head_chunks=1, return_lse=False, check=True, **options):
     """Exact attention over a sequence sharded across the ranks of ``group`` (ring attention).
 
     q, k, v: this rank's shards, in ``layout`` ("bhsd": (B, H, n, d); "bshd": (B, n, H, d)),
@@ -507,6 +505,6 @@ def ring_attention(q, k, v, *, group=None, causal=False, softmax_scale=None, lay
     elif problem is not None:
         raise problem
     ring = _Ring(group, rank, world, bool(causal), scale, layout, sharding,
-                 tuple(sorted(options.items())), bool(_communicate), head_chunks)
+                 tuple(sorted(options.items())), head_chunks=head_chunks)
     out, lse = _RingAttention.apply(q, k, v, ring)
     return (out, lse) if return_lse else out
