@@ -77,6 +77,27 @@ def _tensors(spec, world, device, seed):
     return [t.to(dt).to(device) for t in (q, k, v, do)]
 
 
+def warm_up(cases="cpu"):
+    """Compile, in this one process, every numflash CPU kernel the ranks will run: each case's
+    ring steps as ranks 0 and 1 of two, with the transfers replaced by local copies. The ranks
+    then load the kernels from numba's disk cache instead of each compiling them at once on the
+    same cores (137 s of a cold 2-core CI run before this)."""
+    import torch
+    from numflash import distributed as nd
+    for name, spec in (CPU_CASES if cases == "cpu" else GPU_CASES):
+        layout = spec.get("layout", "bhsd")
+        sd = 2 if layout == "bhsd" else 1
+        q, k, v, do = _tensors(spec, 2, torch.device("cpu"), seed=0)
+        for rank in range(2):
+            local = [nd.shard(t, rank, 2, sharding=spec["sharding"], seq_dim=sd)
+                     for t in (q, k, v, do)]
+            ring = nd._Ring(None, rank, 2, spec["causal"], q.shape[-1] ** -0.5, layout,
+                            spec["sharding"], (), communicate=False,
+                            head_chunks=spec.get("head_chunks", 1))
+            out, lse = nd._ring_forward(*local[:3], ring)
+            nd._ring_backward(local[3], *local[:3], out, lse, ring)
+
+
 def _gather(t, seq_dim, sharding, world):
     import torch
     import torch.distributed as dist
@@ -224,6 +245,8 @@ def main():
     a = ap.parse_args()
     import tempfile
     import torch.multiprocessing as mp
+    if a.backend == "gloo":
+        warm_up(a.cases)
     init_file = tempfile.mktemp(prefix="numflash-ring-")
     try:
         mp.spawn(_worker, args=(a.world, a.backend, init_file, a.cases, a.out), nprocs=a.world)
