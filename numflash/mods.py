@@ -252,7 +252,8 @@ def apply_backward(s, g, b, h, i0, j0, scale, args):
 
 # ---- checking the options and building a call's Mods ----
 
-def _float_array(name, a, xp_kind):
+def _host_array(name, a, xp_kind):
+    """A modification's array argument as a NumPy array (refusing device arrays, naming it)."""
     if a is None:
         return None
     kind = type(a).__module__.split(".")[0]
@@ -296,7 +297,7 @@ def build(problem_shape, kind, causal_offset, *, score_mod=None, mask_mod=None, 
             masks.append((_window_mask, (left, right, causal_offset)))
             names.append(f"window_size=({left}, {right})")
     if attn_mask is not None:
-        m = _float_array("attn_mask", attn_mask, kind)
+        m = _host_array("attn_mask", attn_mask, kind)
         if m.dtype != np.bool_:
             raise TypeError(f"attn_mask must be a boolean array (True = take part); got {m.dtype}")
         masks.append((_bool_mask, (_broadcast("attn_mask", m, full, "(B, H, Nq, Nk)"),)))
@@ -313,7 +314,7 @@ def build(problem_shape, kind, causal_offset, *, score_mod=None, mask_mod=None, 
         scores.append((_softcap_score, _softcap_grad, (cap,)))
         names.append(f"softcap={cap:g}")
     if alibi_slopes is not None:
-        s = _float_array("alibi_slopes", alibi_slopes, kind)
+        s = _host_array("alibi_slopes", alibi_slopes, kind)
         if s.dtype.kind != "f" or s.shape not in ((H,), (B, H)):
             raise ValueError(f"alibi_slopes must be a float array of shape (H,) = ({H},) or "
                              f"(B, H) = ({B}, {H}); got shape {s.shape}, dtype {s.dtype}")
@@ -321,7 +322,7 @@ def build(problem_shape, kind, causal_offset, *, score_mod=None, mask_mod=None, 
                        (np.broadcast_to(s.astype(np.float64), (B, H)), causal_offset)))
         names.append("alibi_slopes")
     if attn_bias is not None:
-        bias = _float_array("attn_bias", attn_bias, kind)
+        bias = _host_array("attn_bias", attn_bias, kind)
         if bias.dtype.kind != "f":
             raise TypeError(f"attn_bias must be a float array; got {bias.dtype}")
         scores.append((_bias_score, _unit_grad,
