@@ -162,6 +162,17 @@ def _worker(rank, world, init_file, out_dir, quick, deadline, phases, backward_h
         return nd._Ring(None, rank, world, causal, 128 ** -0.5, "bhsd", "zigzag", (),
                         communicate=communicate, head_chunks=head_chunks)
 
+    def time_rings(row, make_fn, reps, warm):
+        """Time make_fn(ring)() with transfers on and replaced by local copies: the slowest
+        rank's median and repeats, and the largest peak memory of any rank, into row."""
+        for key, ring in (("ring", ring_of()), ("ring_no_comm", ring_of(communicate=False))):
+            ts, gib = _timed(make_fn(ring), reps, warm, sync)
+            ts = slowest(ts)
+            row[f"{key}_ms"], row[f"{key}_repeats"] = statistics.median(ts), ts
+            mem = torch.tensor([gib], device=dev)
+            dist.all_reduce(mem, op=dist.ReduceOp.MAX)
+            row[f"{key}_peak_gib_per_gpu"] = float(mem)
+
     t_start = time.time()
 
     def out_of_time(what):  # every rank decides alike: rank 0's clock
@@ -242,14 +253,7 @@ def _worker(rank, world, init_file, out_dir, quick, deadline, phases, backward_h
         shards = [nd.shard(t, rank, world, seq_dim=2) for t in (q, k, v)]
         del q, k, v
         torch.cuda.empty_cache()
-        for key, ring in (("ring", ring_of()), ("ring_no_comm", ring_of(communicate=False))):
-            fn = partial(nd._ring_forward, *shards, ring)
-            ts, gib = _timed(fn, reps, warm, sync)
-            ts = slowest(ts)
-            row[f"{key}_ms"], row[f"{key}_repeats"] = statistics.median(ts), ts
-            mem = torch.tensor([gib], device=dev)
-            dist.all_reduce(mem, op=dist.ReduceOp.MAX)
-            row[f"{key}_peak_gib_per_gpu"] = float(mem)
+        time_rings(row, lambda ring, sh=shards: partial(nd._ring_forward, *sh, ring), reps, warm)
         if rank == 0:
             row["efficiency"] = row["one_gpu_ms"] / (world * row["ring_ms"])
             row["one_gpu_tflops"] = FLOPS(1, 32, N, 128, True) / row["one_gpu_ms"] / 1e9
@@ -278,15 +282,11 @@ def _worker(rank, world, init_file, out_dir, quick, deadline, phases, backward_h
         dist.barrier()
         shards = [nd.shard(t, rank, world, seq_dim=2) for t in (q, k, v, do)]
         del q, k, v, do
-        for key, ring in (("ring", ring_of()), ("ring_no_comm", ring_of(communicate=False))):
-            o, lse = nd._ring_forward(*shards[:3], ring)
-            fn = partial(nd._ring_backward, shards[3], *shards[:3], o, lse, ring)
-            ts, gib = _timed(fn, backward_reps, 1 if N <= 32768 else 0, sync)
-            ts = slowest(ts)
-            row[f"{key}_ms"], row[f"{key}_repeats"] = statistics.median(ts), ts
-            mem = torch.tensor([gib], device=dev)
-            dist.all_reduce(mem, op=dist.ReduceOp.MAX)
-            row[f"{key}_peak_gib_per_gpu"] = float(mem)
+        def backward_of(ring, sh=shards):  # the ring's own forward gives its out and lse
+            o, lse = nd._ring_forward(*sh[:3], ring)
+            return partial(nd._ring_backward, sh[3], *sh[:3], o, lse, ring)
+
+        time_rings(row, backward_of, backward_reps, 1 if N <= 32768 else 0)
         if rank == 0:
             row["efficiency"] = row["one_gpu_ms"] / (world * row["ring_ms"])
             row["one_gpu_tflops"] = 2.5 * FLOPS(1, H, N, 128, True) / row["one_gpu_ms"] / 1e9

@@ -193,13 +193,10 @@ class _finishing:
         return False
 
 
-def _acc_dtype(dtype):
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def _lse_shape(q, layout):
-    return (q.shape[0], q.shape[1], q.shape[2]) if layout == "bhsd" else \
-        (q.shape[0], q.shape[2], q.shape[1])
+# The accumulators' dtype follows the lse's rule (float64 for float64 inputs, else float32), and
+# the lse's shape is numflash.torch's: one rule each, not copies.
+_acc_dtype = _nt._lse_dtype
+_lse_shape = _nt._lse_shape
 
 
 def _ring_forward_heads(q, k, v, ring):

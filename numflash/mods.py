@@ -1,4 +1,4 @@
-"""Score and mask modifications: FlexAttention's score_mod / mask_mod, and the built-ins made of them.
+"""Score and mask modifications: FlexAttention's score_mod / mask_mod, and built-ins made of them.
 
 A modification is a plain Python function that numba can compile:
 
@@ -211,42 +211,30 @@ def _compile(mods):
             grad_lines.append(f"                gr *= g{n}(x, b, h, i, j, {a})")
         grad_lines.append(f"                x = s{n}(x, b, h, i, j, {a})")
         score_lines.append(f"                x = s{n}(x, b, h, i, j, {a})")
-    body = '''
-def apply_forward(s, b, h, i0, j0, scale, args):
-    for r in range(s.shape[0]):
-        i = i0 + r
-        for c in range(s.shape[1]):
-            if s[r, c] == -np.inf:
-                continue
-            j = j0 + c
-            if not visible(b, h, i, j, args):
-                s[r, c] = -np.inf
-            else:
-                x = s[r, c] * scale
-{score}
-                s[r, c] = x
 
-def apply_backward(s, g, b, h, i0, j0, scale, args):
-    for r in range(s.shape[0]):
-        i = i0 + r
-        for c in range(s.shape[1]):
-            g[r, c] = 0
-            if s[r, c] == -np.inf:
-                continue
-            j = j0 + c
-            if not visible(b, h, i, j, args):
-                s[r, c] = -np.inf
-            else:
-                x = s[r, c] * scale
-                gr = 1.0
-{grad}
-                s[r, c] = x
-                g[r, c] = gr
-'''.format(score="\n".join(score_lines) or "                pass",
-           grad="\n".join(grad_lines) or "                pass")
+    def apply_source(name, grad):
+        """One tile loop for both directions: the backward's also keeps the derivative."""
+        lines = [f"def {name}(s, {'g, ' if grad else ''}b, h, i0, j0, scale, args):",
+                 "    for r in range(s.shape[0]):",
+                 "        i = i0 + r",
+                 "        for c in range(s.shape[1]):"]
+        lines += ["            g[r, c] = 0"] if grad else []
+        lines += ["            if s[r, c] == -np.inf:",
+                  "                continue",
+                  "            j = j0 + c",
+                  "            if not visible(b, h, i, j, args):",
+                  "                s[r, c] = -np.inf",
+                  "            else:",
+                  "                x = s[r, c] * scale"]
+        lines += ["                gr = 1.0"] + grad_lines if grad else score_lines
+        lines += ["                s[r, c] = x"]
+        lines += ["                g[r, c] = gr"] if grad else []
+        return "\n".join(lines) + "\n"
+
     exec("\n".join(lines_vis), env)  # noqa: S102 - generated from the functions' names only
     env["visible"] = njit(env["visible"])
-    exec(body, env)  # noqa: S102
+    exec(apply_source("apply_forward", False), env)  # noqa: S102
+    exec(apply_source("apply_backward", True), env)  # noqa: S102
     return njit(env["apply_forward"]), njit(env["apply_backward"]), env["visible"]
 
 
@@ -310,7 +298,8 @@ def build(problem_shape, kind, causal_offset, *, score_mod=None, mask_mod=None, 
     if softcap is not None and softcap != 0:
         cap = float(softcap)
         if not (math.isfinite(cap) and cap > 0):
-            raise ValueError(f"softcap must be a finite number > 0 (0 or None: off); got {softcap!r}")
+            raise ValueError(f"softcap must be a finite number > 0 (0 or None: off); got "
+                             f"{softcap!r}")
         scores.append((_softcap_score, _softcap_grad, (cap,)))
         names.append(f"softcap={cap:g}")
     if alibi_slopes is not None:
