@@ -1,6 +1,7 @@
-"""Where the first call's time goes: one fresh process per configuration with an empty kernel
-cache (numba typing + lowering + NVVM to PTX, then nvJitLink/ptxas to a cubin, then load and
-run), a second process on the warm disk cache, and a warm in-process call.
+"""Where the first call's time goes: fresh processes per configuration with an empty kernel
+cache, compiling from source (NUMFLASH_PREBUILT=0: numba typing + lowering + NVVM to PTX, then
+nvJitLink/ptxas to a cubin, then load and run) and from the shipped PTX (link only); a process
+on the warm disk cache; and a warm in-process call.
 
     python bench/first_call.py [INDEX ...]   (GPU; prints a markdown table; INDEX: which CONFIGS)
 """
@@ -28,17 +29,17 @@ CHILD = textwrap.dedent("""
     import numflash
     from numflash.cuda import launch
     t_import = time.perf_counter() - t0
-    phases = {"ptx": 0.0, "cubin": 0.0}
-    ptx_fn, cubin_fn = launch.compile_ptx, launch.compile_to_cubin
+    phases = {"ptx": 0.0, "link": 0.0}
+    ptx_fn, link_fn = launch.compile_ptx, launch.link_ptx
 
     def timed_ptx(*a, **k):
         t = time.perf_counter(); r = ptx_fn(*a, **k); phases["ptx"] += time.perf_counter() - t
         return r
 
-    def timed_cubin(*a, **k):
-        t = time.perf_counter(); r = cubin_fn(*a, **k); phases["cubin"] += time.perf_counter() - t
+    def timed_link(*a, **k):
+        t = time.perf_counter(); r = link_fn(*a, **k); phases["link"] += time.perf_counter() - t
         return r
-    launch.compile_ptx, launch.compile_to_cubin = timed_ptx, timed_cubin
+    launch.compile_ptx, launch.link_ptx = timed_ptx, timed_link
     dtype, d, causal, direction = json.loads(sys.argv[1])
     if dtype == "bfloat16":  # CuPy holds bfloat16 only through DLPack
         import torch
@@ -66,8 +67,8 @@ CHILD = textwrap.dedent("""
 """)
 
 
-def run(cfg, cache):
-    env = dict(os.environ, NUMFLASH_CACHE_DIR=cache)
+def run(cfg, cache, prebuilt=True):
+    env = dict(os.environ, NUMFLASH_CACHE_DIR=cache, NUMFLASH_PREBUILT="1" if prebuilt else "0")
     out = subprocess.run([sys.executable, "-c", CHILD, json.dumps(cfg)], env=env,
                          capture_output=True, text=True, timeout=300)
     if out.returncode:
@@ -76,22 +77,23 @@ def run(cfg, cache):
 
 
 def main():
-    rows = ["| config | first call, empty cache (s) | of which PTX (numba+NVVM) | of which "
-            "cubin (nvJitLink) | first call, disk cache (s) | warm call (ms) | import (s) |",
-            "|---|---|---|---|---|---|---|"]
+    rows = ["| config | from source, empty cache (s) | of which PTX (numba+NVVM) | shipped PTX, "
+            "empty cache (s) | of which link (nvJitLink) | disk cache (s) | warm call (ms) | "
+            "import (s) |", "|---|---|---|---|---|---|---|---|"]
     picked = [CONFIGS[int(i)] for i in sys.argv[1:]] or CONFIGS
     for cfg in picked:
-        with tempfile.TemporaryDirectory() as cache:
-            cold = run(cfg, cache)
-            disk = run(cfg, cache)
+        with tempfile.TemporaryDirectory() as c1, tempfile.TemporaryDirectory() as c2:
+            source = run(cfg, c1, prebuilt=False)
+            shipped = run(cfg, c2)
+            disk = run(cfg, c2)
         name = f"{cfg[0]} d{cfg[1]}{' causal' if cfg[2] else ''} {cfg[3]}"
-        if "error" in cold or "error" in disk:
-            rows.append(f"| {name} | {cold.get('error') or disk.get('error')} |||||")
+        errors = [r["error"] for r in (source, shipped, disk) if "error" in r]
+        if errors:
+            rows.append(f"| {name} | {errors[0]} |||||||")
         else:
-            ptx = cold["ptx"]
-            link = cold["cubin"] - ptx  # compile_to_cubin includes its compile_ptx
-            rows.append(f"| {name} | {cold['first']:.2f} | {ptx:.2f} | {link:.2f} | "
-                        f"{disk['first']:.3f} | {disk['warm'] * 1e3:.2f} | {cold['import']:.2f} |")
+            rows.append(f"| {name} | {source['first']:.2f} | {source['ptx']:.2f} | "
+                        f"{shipped['first']:.2f} | {shipped['link']:.2f} | {disk['first']:.3f} | "
+                        f"{disk['warm'] * 1e3:.2f} | {shipped['import']:.2f} |")
         print(rows[-1], file=sys.stderr, flush=True)
     print("\n".join(rows))
 

@@ -20,3 +20,13 @@ class Device:
     cc: tuple = None
     smem_per_block_optin: int = 48 * 1024
     simulator: bool = False
+
+    @classmethod
+    def of_arch(cls, cc):
+        """A GPU of compute capability ``cc`` as the planner sees it, for planning and compiling
+        without one (numflash.precompile, numflash.inspect): the shared memory one block may opt
+        into on each architecture (CUDA programming guide)."""
+        cc = tuple(cc)
+        optin = {(7, 5): 64 * 1024, (8, 0): 163 * 1024, (8, 6): 99 * 1024, (8, 7): 163 * 1024,
+                 (8, 9): 99 * 1024, (9, 0): 227 * 1024}.get(cc, 99 * 1024)
+        return cls(name=f"sm_{cc[0]}{cc[1]}", cc=cc, smem_per_block_optin=optin)

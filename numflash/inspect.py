@@ -36,55 +36,12 @@ class _Shape:
         self.on_device, self.precision = True, "auto"
 
 
-def _lse_type(dtype):
-    from numba import types
-    from numba.np import numpy_support
-    from .inputs import lse_dtype
-    return types.Array(numpy_support.from_dtype(lse_dtype(dtype)), 3, "A")
-
-
-def argtypes(dtype):
-    """The SIMT forward kernels' signature: q, k, v, out, lse, scale, causal, causal_offset."""
-    from numba import types
-    from numba.np import numpy_support
-    elem = numpy_support.from_dtype(np.dtype(dtype))
-    arr = types.Array(elem, 4, "A")
-    return (arr, arr, arr, arr, _lse_type(dtype), types.float64, types.int64, types.int64)
-
-
-def backward_argtypes(dtype, kernel):
-    """cuda.row backward's signatures: q, k, v, do, lse, delta, then dk, dv ("keys") or dq
-    ("queries") in the compute type, then scale, causal, causal_offset."""
-    from numba import types
-    from numba.np import numpy_support
-    elem = numpy_support.from_dtype(np.dtype(dtype))
-    acc = types.float64 if np.dtype(dtype) == np.float64 else types.float32
-    arr, grad = types.Array(elem, 4, "A"), types.Array(acc, 4, "A")
-    rows = types.Array(acc, 3, "A")
-    grads = (grad, grad) if kernel == "keys" else (grad,)
-    return (arr, arr, arr, arr, rows, rows, *grads, types.float64, types.int64, types.int64)
-
-
-def mma_argtypes(dtype):
-    """cuda.mma's signature: 16-bit inputs as their bits, a debug array after lse."""
-    from numba import types
-    from numba.np import numpy_support
-    dt = np.dtype("uint16" if np.dtype(dtype).itemsize == 2 else dtype)
-    arr = types.Array(numpy_support.from_dtype(dt), 4, "A")
-    return (arr, arr, arr, arr, _lse_type(dtype),
-            types.Array(types.float32, 4, "A"), types.float64, types.float64, types.int64,
-            types.int64)
-
-
 def variants(archs, head_dims=HEAD_DIMS, dtypes=DTYPES, kernels=KERNELS):
     """(kernel module, config, dtype, cc) for the default config of every kernel at each size."""
     from .cuda import block, mma, row
     from .device import Device
     for cc in archs:
-        # Shared memory each architecture lets one block opt into (CUDA programming guide).
-        optin = {(7, 5): 64 * 1024, (8, 0): 163 * 1024, (8, 6): 99 * 1024,
-                 (8, 9): 99 * 1024, (9, 0): 227 * 1024}.get(cc, 99 * 1024)
-        device = Device(name=f"sm_{cc[0]}{cc[1]}", cc=cc, smem_per_block_optin=optin)
+        device = Device.of_arch(cc)
         modules = {"block": block, "row": row, "mma": mma}
         for module in (modules[k] for k in kernels):
             for d in head_dims:
@@ -110,11 +67,9 @@ def inspect(archs, head_dims=HEAD_DIMS, dtypes=DTYPES, out=sys.stdout, kernels=(
         if key in seen:
             continue
         seen.add(key)
-        if module is mma:
-            args, shared = mma_argtypes(dt), mma.smem_bytes(cfg)
-        else:
-            args, shared = argtypes(dt), module.shared_bytes(cfg)
-        _, _, ptx, res = launch.compile_to_cubin(module.make_kernel(**cfg), args, cc)
+        shared = mma.smem_bytes(cfg) if module is mma else module.shared_bytes(cfg)
+        (kernel, args), = module.compiled_kernels(cfg, dt)
+        _, _, ptx, res = launch.compile_to_cubin(kernel.pyfunc, args, cc)
         rows.append({"kernel": module.NAME, "cc": cc, "d": d, "dtype": dt, "config": cfg,
                      "shared_bytes": shared, **res})
     print(f"{'kernel':11s} {'sm':>3s} {'dtype':8s} {'config':52s} {'regs':>4s} {'spill':>5s} "

@@ -117,6 +117,29 @@ class Plan:
     rejected: dict = field(default_factory=dict)  # kernel name -> reason in words
     direction: str = "forward"
     mods: str = ""  # the modifications compiled into the kernel, in words
+    dtype: str = ""  # the inputs' dtype name (which compiled variants the config launches)
+
+    def compiled_kernels(self):
+        """[(Kernel, numba argument types)] that running this plan launches (CUDA plans)."""
+        if self.backend != "cuda":
+            return []
+        module = importlib.import_module(kernel_specs(self.direction)[self.kernel].module)
+        return module.compiled_kernels(self.config, self.dtype)
+
+    def cache_status(self):
+        """Where the plan's kernels get their code on first use in a process, in words; None
+        where nothing is compiled for a GPU (the CPU path, the simulator)."""
+        if self.backend != "cuda" or self.device.cc is None:
+            return None
+        words = {"cached": "cached on disk (loads in milliseconds)",
+                 "prebuilt": "shipped PTX (links in about a second, then cached)",
+                 "compile": "not cached: compiles from source on first use (5-60 s; python -m "
+                            "numflash.precompile compiles ahead)"}
+        loaded = [k.loaded_for(self.device.cc) for k, _ in self.compiled_kernels()]
+        if all(loaded):
+            return "loaded in this process"
+        return "; ".join(f"{k.name}: {words[k.status(sig, self.device.cc)]}"
+                         for k, sig in self.compiled_kernels())
 
     def __str__(self):
         cfg = ", ".join(f"{k}={v}" for k, v in self.config.items())
@@ -124,6 +147,9 @@ class Plan:
         lines = [f"numflash{what} plan: {self.kernel} (backend={self.backend!r}, "
                  f"algorithm={self.algorithm!r}) on {self.device.name}",
                  f"  config: {cfg or '-'}"]
+        cache = self.cache_status()
+        if cache:
+            lines.append(f"  kernel cache: {cache}")
         if self.mods:
             lines.append(f"  modifications: {self.mods} (compiled into the kernel on first use "
                          f"in a process, a few seconds, not cached on disk)")
@@ -196,7 +222,9 @@ def choose(problem, backend="auto", algorithm="auto"):
     return plan
 
 
-def _choose(problem, backend, algorithm):
+def _choose(problem, backend, algorithm, device=None):
+    """``device``: plan for this Device instead of the arrays' (numflash.precompile plans for
+    GPUs it does not have)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}; got {backend!r}")
     if algorithm not in ALGORITHMS:
@@ -216,7 +244,7 @@ def _choose(problem, backend, algorithm):
                              "behind your back; use backend='cuda', or move the arrays to the "
                              "host with .get()")
         device = Device(name="CPU")
-    else:
+    elif device is None:
         why = _cuda_unavailable(problem)
         if why:
             raise ValueError(why)
@@ -260,5 +288,5 @@ def _choose(problem, backend, algorithm):
     mods = getattr(problem, "mods", None)
     return Plan(backend=backend, algorithm=chosen.algorithm, kernel=chosen.name, device=device,
                 config=config, rejected=rejected, direction=direction,
-                mods="" if mods is None else str(mods))
+                mods="" if mods is None else str(mods), dtype=problem.dtype_name)
 

@@ -95,7 +95,6 @@ def test_simulated_rows_without_keys_and_determinism(rng):
 def test_backward_kernels_compile_without_spills():
     out = run_without_simulator("""
         import json
-        from numflash.inspect import backward_argtypes
         from numflash.cuda import launch, row_backward as rb
         from numflash.plan import Device
 
@@ -108,12 +107,8 @@ def test_backward_kernels_compile_without_spills():
                                      ((8, 0), 163 * 1024, 59, 111, "float64"),
                                      ((9, 0), 227 * 1024, 128, 128, "float16")):
             cfg = rb.config(Shape(d, dv, dt), Device("sm", cc=cc, smem_per_block_optin=optin))
-            common = dict(D=cfg["D"], DV=cfg["DV"], ROWS=cfg["ROWS"], acc=cfg["acc"])
-            for kind, kernel in (("keys", rb.make_key_kernel(CW=cfg["CW_KEY"], BQ=cfg["TILE"],
-                                                             **common)),
-                                 ("queries", rb.make_query_kernel(CW=cfg["CW_QUERY"],
-                                                                  BC=cfg["TILE"], **common))):
-                res = launch.compile_to_cubin(kernel, backward_argtypes(dt, kind), cc)[3]
+            for kind, (kernel, sig) in zip(("keys", "queries"), rb.compiled_kernels(cfg, dt)):
+                res = launch.compile_to_cubin(kernel.pyfunc, sig, cc)[3]
                 rows.append([list(cc), d, kind, res.get("registers", 0),
                              res.get("spill_store_bytes", 0) + res.get("spill_load_bytes", 0),
                              res.get("stack_bytes", 0)])

@@ -67,10 +67,10 @@ def test_only_sm75_float64_at_d256_is_refused_and_says_why(report):
 
 def test_ptx_has_vector_shared_loads_and_no_wraparound():
     out = run_without_simulator("""
-        from numflash.inspect import argtypes
         from numflash.cuda import block, launch
+        from numflash.cuda.common import forward_signature
         cfg = block.tile_config(64, 64, (64, 64, 8, 4), "float32")
-        ptx = launch.compile_ptx(block.make_kernel(**cfg), argtypes("float32"), (9, 0))
+        ptx = launch.compile_ptx(block.make_kernel(**cfg), forward_signature("float32"), (9, 0))
         print(ptx.count("ld.shared.v4.f32"), ptx.count("shr.s64"), ptx.count(".entry"),
               ptx.count("st.shared.v4.f32"))
     """)
@@ -96,8 +96,8 @@ def test_block_configs_for_unequal_head_dims_do_not_spill():
     """The tile class follows the larger of d and dv: dv sizes the output patch in registers."""
     out = run_without_simulator("""
         import json
-        from numflash.inspect import argtypes
         from numflash.cuda import block, launch
+        from numflash.cuda.common import forward_signature
         from numflash.plan import Device
 
         class Shape:
@@ -109,7 +109,7 @@ def test_block_configs_for_unequal_head_dims_do_not_spill():
             device = Device(name="sm", cc=cc, smem_per_block_optin=optin)
             for d, dv, dt in ((64, 256, "float32"), (256, 16, "float32"), (64, 256, "float64")):
                 cfg = block.config(Shape(d, dv, dt), device)
-                res = launch.compile_to_cubin(block.make_kernel(**cfg), argtypes(dt), cc)[3]
+                res = launch.compile_to_cubin(block.make_kernel(**cfg), forward_signature(dt), cc)[3]
                 rows.append([d, dv, dt, res.get("spill_store_bytes", 0), res.get("stack_bytes", 0)])
         print(json.dumps(rows))
     """)

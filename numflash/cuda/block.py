@@ -23,7 +23,7 @@ from numba import cuda
 
 from ..device import Unsupported
 from . import launch
-from .common import NEG_INF, SMEM_ALIGN, compute_type, element_size, exp_for, \
+from .common import NEG_INF, SMEM_ALIGN, compute_type, element_size, exp_for, forward_signature, \
     group_max, group_sum, head_dim_bucket, inlined_device, key_end, stage_chunk, stage_parts, \
     tile_needs_mask, tile_stager, vector_load, vector_store
 
@@ -349,10 +349,16 @@ def shared_bytes(cfg):
                       cfg["acc"]) * element_size(cfg["acc"])
 
 
+def compiled_kernels(cfg, dtype):
+    """What run() launches for this config and input dtype: [(Kernel, numba argument types)],
+    for `numflash.precompile` and `explain`'s cache status."""
+    return [(launch.get_kernel(NAME, make_kernel, cfg), forward_signature(dtype))]
+
+
 def run(problem, cfg, device):
     p = problem
     B, H, Nq, Nk, d, dv = p.shape
-    kernel = launch.get_kernel(NAME, make_kernel, cfg)
+    (kernel, _), = compiled_kernels(cfg, p.dtype_name)
     lse = p.empty_lse()
     threads = (cfg["BR"] // cfg["TM"]) * (cfg["BC"] // cfg["TN"])
     grid = (B * H, -(-Nq // cfg["BR"]))

@@ -19,6 +19,17 @@ FASTMATH = False
 NEG_INF = -math.inf
 
 
+def forward_signature(dtype):
+    """cuda.block's and cuda.row's argument types: q, k, v, out, lse, scale, causal,
+    causal_offset (arrays read through their strides)."""
+    from numba import types
+    from ..inputs import lse_dtype
+    from .launch import array_type
+    arr = array_type(dtype)
+    return (arr, arr, arr, arr, array_type(lse_dtype(dtype), 3), types.float64, types.int64,
+            types.int64)
+
+
 def compute_type(dtype_name):
     """Accumulator type: float64 for float64 inputs, float32 for everything narrower."""
     return float64 if dtype_name == "float64" else float32

@@ -22,7 +22,7 @@ import threading
 import numpy as np
 
 from ..device import simulator_enabled
-from . import fastpath
+from . import fastpath, prebuilt
 from .common import FASTMATH
 
 _CUDA_DIR = pathlib.Path(__file__).parent
@@ -37,9 +37,12 @@ def cache_dir():
 
 
 def _source_digest():
-    """Hash of every kernel source file: any edit under numflash/cuda/ invalidates the cache."""
+    """Hash of every kernel source file: any edit under numflash/cuda/ invalidates the cache
+    (and the shipped PTX), except in the two modules that never reach generated code."""
     h = hashlib.sha256()
     for path in sorted(_CUDA_DIR.glob("*.py")):
+        if path.name in ("fastpath.py", "prebuilt.py"):
+            continue
         h.update(path.name.encode())
         h.update(path.read_bytes())
     return h.hexdigest()[:16]
@@ -72,6 +75,13 @@ def numba_type(value):
     if isinstance(value, (float, np.floating)):
         return types.float64
     raise TypeError(f"unsupported kernel argument {value!r}")
+
+
+def array_type(dtype, ndim=4):
+    """The numba type an array argument of this dtype is compiled for (see numba_type)."""
+    from numba import types
+    from numba.np import numpy_support
+    return types.Array(numpy_support.from_dtype(np.dtype(dtype)), ndim, "A")
 
 
 def _signature_key(args):
@@ -201,20 +211,26 @@ def compile_ptx(pyfunc, argtypes, cc, fastmath=FASTMATH):
     return ptx
 
 
-def compile_to_cubin(pyfunc, argtypes, cc, fastmath=FASTMATH):
-    """numba -> PTX -> cubin for sm_<cc>. Returns (cubin bytes, entry name, ptx, resources)."""
+def link_ptx(ptx, cc):
+    """PTX -> cubin for sm_<cc> with nvJitLink (which runs ptxas). Returns (cubin bytes, entry
+    name, resources from ptxas' report)."""
     try:
         from cuda.core import Linker, LinkerOptions, ObjectCode
     except ImportError:  # cuda-core < 0.5 kept these under .experimental
         from cuda.core.experimental import Linker, LinkerOptions, ObjectCode
-    ptx = compile_ptx(pyfunc, argtypes, cc, fastmath)
     entry = re.search(r"\.entry\s+(\S+)\s*\(", ptx).group(1)
     arch = f"sm_{cc[0]}{cc[1]}"
     linker = Linker(ObjectCode.from_ptx(ptx.encode()),
                     options=LinkerOptions(arch=arch, verbose=True, ptxas_options="-v"))
     cubin = linker.link("cubin")
-    resources = parse_ptxas_report(linker.get_info_log() or "")
-    return bytes(cubin.code), entry, ptx, resources
+    return bytes(cubin.code), entry, parse_ptxas_report(linker.get_info_log() or "")
+
+
+def compile_to_cubin(pyfunc, argtypes, cc, fastmath=FASTMATH):
+    """numba -> PTX -> cubin for sm_<cc>. Returns (cubin bytes, entry name, ptx, resources)."""
+    ptx = compile_ptx(pyfunc, argtypes, cc, fastmath)
+    cubin, entry, resources = link_ptx(ptx, cc)
+    return cubin, entry, ptx, resources
 
 
 _unwritable_warned = set()
@@ -257,6 +273,26 @@ def _read_entry(cubin_path, meta_path):
     return None
 
 
+def describe(name, config, cc=None, argtypes=None):
+    """A variant in words, for progress lines: its name, config, input type and target."""
+    cfg = " ".join(f"{k}={v}" for k, v in sorted(config.items()))
+    text = f"{name} [{cfg}]"
+    if argtypes:
+        text += f" on {argtypes[0].dtype} arrays"
+    return text + ("" if cc is None else f" for sm_{cc[0]}{cc[1]}")
+
+
+def _announce(kernel, cc, argtypes, directory):
+    """One line on stderr before a compile from source (seconds to a minute), unless quiet."""
+    if os.environ.get("NUMFLASH_QUIET", "") not in ("", "0"):
+        return
+    import sys
+    what = describe(kernel.name, kernel.config, cc, argtypes)
+    print(f"numflash: compiling {what}: first use of this configuration, 5-60 s; cached "
+          f"afterwards in {directory} (python -m numflash.precompile compiles ahead)",
+          file=sys.stderr, flush=True)
+
+
 class Kernel:
     """One kernel variant: a Python kernel function made by a factory for one config.
 
@@ -288,22 +324,49 @@ class Kernel:
                            list(cc), ver, source_digest(), self.fastmath], default=str)
         return hashlib.sha256(text.encode()).hexdigest()[:32]
 
-    def build(self, argtypes, cc):
-        """(cubin, meta) for these argument types and architecture, from disk if cached.
+    def prebuilt_key(self, argtypes):
+        """The key of this variant's shipped PTX (numflash/cuda/prebuilt): like cache_key, but
+        without numba-cuda's version, which changes nothing in PTX already generated."""
+        text = json.dumps([self.name, sorted(self.config.items()), [str(t) for t in argtypes],
+                           source_digest(), self.fastmath], default=str)
+        return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+    def _paths(self, argtypes, cc):
+        key, d = self.cache_key(argtypes, cc), cache_dir()
+        return d, d / f"{self.name}-{key}.cubin", d / f"{self.name}-{key}.json"
+
+    def status(self, argtypes, cc):
+        """Where this variant's first launch in a process gets its code: "cached" (a cubin on
+        disk), "prebuilt" (shipped PTX, linked in about a second) or "compile" (numba + NVVM,
+        seconds to a minute)."""
+        _, cubin_path, meta_path = self._paths(argtypes, cc)
+        if cubin_path.exists() and meta_path.exists():
+            return "cached"
+        return "prebuilt" if prebuilt.find(self.prebuilt_key(argtypes), cc) else "compile"
+
+    def build(self, argtypes, cc, quiet=False):
+        """(cubin, meta) for these argument types and architecture: from the disk cache, else
+        linked from shipped PTX, else compiled from the Python source; then cached on disk.
 
         A cache entry is used only if its metadata parses and its cubin has the SHA-256 the
         metadata records: a truncated, corrupt or half-written entry (a full disk, a crash, a
         hand edit) is compiled again and rewritten, with a warning, never loaded.
         """
-        key = self.cache_key(argtypes, cc)
-        d = cache_dir()
-        cubin_path, meta_path = d / f"{self.name}-{key}.cubin", d / f"{self.name}-{key}.json"
+        d, cubin_path, meta_path = self._paths(argtypes, cc)
         cached = _read_entry(cubin_path, meta_path)
         if cached is not None:
             return cached
-        cubin, entry, _, resources = compile_to_cubin(self.pyfunc, argtypes, cc, self.fastmath)
+        linked = prebuilt.link(self.prebuilt_key(argtypes), cc)
+        if linked is not None:
+            cubin, entry, resources = linked
+            source = "prebuilt"
+        else:
+            if not quiet:
+                _announce(self, cc, argtypes, d)
+            cubin, entry, _, resources = compile_to_cubin(self.pyfunc, argtypes, cc, self.fastmath)
+            source = "compiled"
         meta = {"entry": entry, "resources": resources, "cc": list(cc), "config": self.config,
-                "sha256": hashlib.sha256(cubin).hexdigest()}
+                "sha256": hashlib.sha256(cubin).hexdigest(), "source": source}
         try:
             d.mkdir(parents=True, exist_ok=True)
             for path, data in ((cubin_path, cubin), (meta_path, json.dumps(meta).encode())):
@@ -315,6 +378,10 @@ class Kernel:
             _warn_unwritable(d, e)
         meta["from_disk"] = False
         return cubin, meta
+
+    def loaded_for(self, cc):
+        """True if some device of compute capability ``cc`` has this variant loaded already."""
+        return any(key[1] == cc for key in self._loaded)
 
     def _function(self, args, cc, device_id):
         key = (_signature_key(args), cc, device_id)

@@ -914,14 +914,32 @@ def _as_bits(a):
     return a.view(cupy.uint16)
 
 
+def signature(dtype):
+    """The kernel's argument types: q, k, v, out (16-bit inputs as their bits), lse, a float32
+    debug array, the exp2 and natural scales, causal, causal_offset."""
+    from numba import types
+    from ..inputs import lse_dtype
+    from .launch import array_type
+    arr = array_type("uint16" if np.dtype(dtype).itemsize == 2 else dtype)
+    return (arr, arr, arr, arr, array_type(lse_dtype(dtype), 3), array_type("float32"),
+            types.float64, types.float64, types.int64, types.int64)
+
+
+def compiled_kernels(cfg, dtype):
+    """What run() launches for this config and input dtype: [(Kernel, numba argument types)],
+    for `numflash.precompile` and `explain`'s cache status."""
+    from . import launch
+    return [(launch.get_kernel(NAME, make_kernel, cfg), signature(dtype))]
+
+
 def run(problem, cfg, device, debug=None):
     """Launch; returns lse. ``debug``: a float32 (B, H, Nq, BC) CuPy array to receive the masked
     raw scores of key tile 0 (only with cfg["DBG"] = 1)."""
     import cupy
-    from . import fastpath, launch
+    from . import fastpath
     p = problem
     B, H, Nq, Nk, d, dv = p.shape
-    kernel = launch.get_kernel(NAME, make_kernel, cfg)
+    (kernel, _), = compiled_kernels(cfg, p.dtype_name)
     lse = p.empty_lse()
     if debug is None:
         key = p.q.device.id

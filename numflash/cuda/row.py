@@ -22,8 +22,8 @@ from numba import cuda
 
 from ..device import Unsupported
 from . import launch
-from .common import NEG_INF, SMEM_ALIGN, compute_type, element_size, exp_for, head_dim_bucket, \
-    key_end, stage_chunk, tile_stager, vector_load
+from .common import NEG_INF, SMEM_ALIGN, compute_type, element_size, exp_for, forward_signature, \
+    head_dim_bucket, key_end, stage_chunk, tile_stager, vector_load
 
 NAME = "cuda.row"
 REG_WORDS = 160   # 32-bit words of q row + accumulator a thread keeps in registers (no spills)
@@ -164,10 +164,16 @@ def shared_bytes(cfg):
     return words * element_size(cfg["acc"])
 
 
+def compiled_kernels(cfg, dtype):
+    """What run() launches for this config and input dtype: [(Kernel, numba argument types)],
+    for `numflash.precompile` and `explain`'s cache status."""
+    return [(launch.get_kernel(NAME, make_kernel, cfg), forward_signature(dtype))]
+
+
 def run(problem, cfg, device):
     p = problem
     B, H, Nq, Nk, d, dv = p.shape
-    kernel = launch.get_kernel(NAME, make_kernel, cfg)
+    (kernel, _), = compiled_kernels(cfg, p.dtype_name)
     lse = p.empty_lse()
     grid = (B * H, -(-Nq // cfg["ROWS"]), -(-dv // cfg["DV"]))
     kernel(grid, (cfg["ROWS"],), shared_bytes(cfg),

@@ -230,6 +230,31 @@ def shared_bytes(cfg):
     return (own + tiles) * element_size(cfg["acc"])
 
 
+def signature(dtype, kernel):
+    """The argument types of the "keys" or "queries" kernel: q, k, v, dO (bfloat16 staged as
+    float32), lse and D in the compute type, then dK, dV or dQ in the compute type, then scale,
+    causal, causal_offset."""
+    from numba import types
+    from .launch import array_type
+    acc = "float64" if dtype == "float64" else "float32"
+    arr = array_type("float32" if dtype == "bfloat16" else dtype)
+    rows, grad = array_type(acc, 3), array_type(acc)
+    grads = (grad, grad) if kernel == "keys" else (grad,)
+    return (arr, arr, arr, arr, rows, rows, *grads, types.float64, types.int64, types.int64)
+
+
+def compiled_kernels(cfg, dtype):
+    """What run() launches for this config and input dtype: [(Kernel, numba argument types)]
+    for the key pass, then the query pass (`numflash.precompile`, `explain`'s cache status)."""
+    keys = launch.get_kernel(NAME + ".backward_keys", make_key_kernel,
+                             {"D": cfg["D"], "DV": cfg["DV"], "CW": cfg["CW_KEY"],
+                              "BQ": cfg["TILE"], "ROWS": cfg["ROWS"], "acc": cfg["acc"]})
+    queries = launch.get_kernel(NAME + ".backward_queries", make_query_kernel,
+                                {"D": cfg["D"], "DV": cfg["DV"], "CW": cfg["CW_QUERY"],
+                                 "BC": cfg["TILE"], "ROWS": cfg["ROWS"], "acc": cfg["acc"]})
+    return [(keys, signature(dtype, "keys")), (queries, signature(dtype, "queries"))]
+
+
 def run(problem, cfg, device):
     """Fill problem.dq, dk, dv (the gradients) for a normalized device or simulator problem."""
     p = problem
@@ -251,19 +276,14 @@ def run(problem, cfg, device):
     group = p.kv_group
     shares = grads[1:] if group == 1 else [xp.empty((B, H, Nk, g.shape[3]), acc)
                                            for g in grads[1:]]
-    D, DV, ROWS, TILE = cfg["D"], cfg["DV"], cfg["ROWS"], cfg["TILE"]
+    D, DV, ROWS = cfg["D"], cfg["DV"], cfg["ROWS"]
     opts = (float(p.scale), int(p.causal), int(p.causal_offset))
-    key_kernel = launch.get_kernel(NAME + ".backward_keys", make_key_kernel,
-                                   {"D": D, "DV": DV, "CW": cfg["CW_KEY"], "BQ": TILE,
-                                    "ROWS": ROWS, "acc": cfg["acc"]})
+    (key_kernel, _), (query_kernel, _) = compiled_kernels(cfg, p.dtype_name)
     key_kernel((B * H, -(-Nk // ROWS), -(-(D + DV) // cfg["CW_KEY"])), (ROWS,),
                shared_bytes(cfg), (q, k, v, do, lse, delta, shares[0], shares[1], *opts), device)
     if group > 1:
         for g, share in zip(grads[1:], shares):
             g[...] = share.reshape(B, H // group, group, Nk, g.shape[3]).sum(axis=2)
-    query_kernel = launch.get_kernel(NAME + ".backward_queries", make_query_kernel,
-                                     {"D": D, "DV": DV, "CW": cfg["CW_QUERY"], "BC": TILE,
-                                      "ROWS": ROWS, "acc": cfg["acc"]})
     query_kernel((B * H, -(-Nq // ROWS), -(-D // cfg["CW_QUERY"])), (ROWS,), shared_bytes(cfg),
                  (q, k, v, do, lse, delta, grads[0], *opts), device)
     for g, mine in zip((p.dq, p.dk, p.dv), grads):
