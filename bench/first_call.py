@@ -61,9 +61,13 @@ CHILD = textwrap.dedent("""
             cupy.cuda.get_current_stream().synchronize()
             return time.perf_counter() - t
         cupy.cuda.get_current_stream().synchronize()
+    before = len(list(launch.cache_dir().glob("*.cubin"))) if launch.cache_dir().exists() else 0
     t = time.perf_counter(); first = call(); first = first or time.perf_counter() - t
     t = time.perf_counter(); warm = call(); warm = warm or time.perf_counter() - t
-    print(json.dumps({"import": t_import, "first": first, "warm": warm, **phases}))
+    sources = sorted({("disk" if e.meta.get("from_disk") else e.meta.get("source"))
+                      for kern in launch._kernels.values() for e in kern._loaded.values()})
+    print(json.dumps({"import": t_import, "first": first, "warm": warm, **phases,
+                      "cached_before": before, "sources": sources}))
 """)
 
 
@@ -87,6 +91,7 @@ def main():
             shipped = run(cfg, c2)
             disk = run(cfg, c2)
         name = f"{cfg[0]} d{cfg[1]}{' causal' if cfg[2] else ''} {cfg[3]}"
+        print(name, json.dumps([source, shipped, disk]), file=sys.stderr, flush=True)
         errors = [r["error"] for r in (source, shipped, disk) if "error" in r]
         if errors:
             rows.append(f"| {name} | {errors[0]} |||||||")

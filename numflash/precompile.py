@@ -131,10 +131,17 @@ def precompile(archs=None, dtypes=COMMON["dtypes"], head_dims=COMMON["head_dims"
     from .cuda import launch, prebuilt
     if archs is None:
         archs = visible_archs() or COMMON["archs"]
-    todo, report = [], []
+    todo, report, keep = [], [], []
     for kernel, sig, cc, plan in targets(archs, dtypes, head_dims, directions):
         about = launch.describe(kernel.name, kernel.config, cc, sig)
-        status = "compile" if ship else kernel.status(sig, cc)
+        if ship:  # only what is not shipped for its current source yet
+            shipped = prebuilt.find(kernel.prebuilt_key(sig), cc)
+            status = "cached" if shipped and shipped.name.endswith(
+                f"sm{cc[0]}{cc[1]}.ptx.xz") else "compile"
+            if status == "cached":
+                keep.append((kernel.prebuilt_key(sig), cc))
+        else:
+            status = kernel.status(sig, cc)
         if status == "cached":
             report.append((about, status, 0.0))
         else:
@@ -157,7 +164,7 @@ def precompile(archs=None, dtypes=COMMON["dtypes"], head_dims=COMMON["head_dims"
         bar.close()
     if ship:
         import numba_cuda
-        prebuilt.write(shipped, launch.source_digest(), getattr(numba_cuda, "__version__", "?"))
+        prebuilt.write(shipped, keep, getattr(numba_cuda, "__version__", "?"))
     return report
 
 
@@ -237,7 +244,8 @@ def main(argv=None):
     report = precompile(args.arch, args.dtype, args.d, args.direction, args.jobs, args.ship)
     for about, status, seconds in sorted(report):
         how = "linked from shipped PTX" if status == "prebuilt" else "compiled"
-        what = "already cached" if status == "cached" else f"{how} in {seconds:.1f} s"
+        done = "already shipped" if args.ship else "already cached"
+        what = done if status == "cached" else f"{how} in {seconds:.1f} s"
         print(f"{about}: {what}")
     print(f"{len(report)} kernel variants ready in {time.perf_counter() - t:.1f} s"
           + ("" if args.ship else f" (cache: {_cache_dir()})"))

@@ -87,28 +87,57 @@ MASKED_CASES = [  # (name, Nq, Nk, causal, which array, index): a non-finite val
 ]
 
 
-LEAKS = pytest.mark.xfail(strict=True, reason="cuda.block's P V product reads every staged value, "
-                          "so 0 * NaN reaches rows whose P is 0 (issue 22: not fixed yet)")
+MMA_LEAKS = pytest.mark.xfail(
+    strict=True, reason="cuda.mma multiplies the whole V tile by P on tensor cores, so 0 * NaN "
+    "(or 0 * inf) at a masked key reaches rows that never see it (issue 22; cuda.block scans "
+    "masked tiles and takes an exact product instead)")
 
 
-@pytest.mark.parametrize("backend,case", [
-    pytest.param(b, c, id=f"{b}-{c[0]}", marks=[m for m in (
-        pytest.mark.simulator if b == "cuda" else None,
-        LEAKS if b == "cuda" and c[4] == "v" else None) if m])
-    for b in ("cpu", "cuda") for c in MASKED_CASES])
-def test_values_nobody_reads_never_leak_through_a_zero_weight(rng, backend, case):
+def _leaks(backend, algorithm, reads_v=True):
+    return backend == "gpu" and algorithm == "mma" and reads_v
+
+
+@pytest.mark.parametrize("backend,algorithm", BACKENDS)
+@pytest.mark.parametrize("case", MASKED_CASES, ids=lambda c: c[0].replace(" ", "-"))
+def test_values_nobody_reads_never_leak_through_a_zero_weight(request, rng, backend, algorithm,
+                                                              case):
     """0 * NaN is NaN: a non-finite input at a masked position must not reach any output or
     gradient through a masked (zero) probability; the kernels sum over visible pairs only."""
     _, Nq, Nk, causal, which, at = case
+    if _leaks(backend, algorithm, which == "v"):
+        request.applymarker(MMA_LEAKS)
     arrays = {"q": rng.standard_normal((1, 1, Nq, 4)), "k": rng.standard_normal((1, 1, Nk, 4)),
               "v": rng.standard_normal((1, 1, Nk, 4)), "do": rng.standard_normal((1, 1, Nq, 4))}
     arrays[which][at] = np.nan
     q, k, v, do = arrays["q"], arrays["k"], arrays["v"], arrays["do"]
-    o, lse = numflash.attention(q, k, v, causal=causal, return_lse=True, backend=backend)
-    grads = numflash.attention_backward(do, q, k, v, o, lse, causal=causal, backend=backend)
-    for name, a in zip(("out", "dq", "dk", "dv"), (o, *grads)):
+    o, lse = run(backend, numflash.attention, q, k, v, causal=causal, return_lse=True,
+                 algorithm=algorithm)
+    outputs = {"out": o}
+    if algorithm in ("auto", "row"):  # the backward: cpu.tiled, cuda.row
+        outputs.update(zip(("dq", "dk", "dv"), run(backend, numflash.attention_backward, do,
+                                                   q, k, v, o, lse, causal=causal)))
+    for name, a in outputs.items():
         assert np.isfinite(a).all(), f"{name} picked up the unread NaN"
     assert np.isfinite(lse[~np.isneginf(lse)]).all()
+
+
+@pytest.mark.parametrize("backend,algorithm", BACKENDS)
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+@pytest.mark.parametrize("value", [np.nan, np.inf])
+def test_a_bad_value_reaches_exactly_the_rows_that_see_its_key(request, rng, backend, algorithm,
+                                                              dtype, value):
+    """Inside one tile, across the causal diagonal: rows before key j must stay finite and
+    exact, the rows from j on get the non-finite value, as in the reference."""
+    if _leaks(backend, algorithm):
+        request.applymarker(MMA_LEAKS)
+    q, k, v = (rng.standard_normal((1, 2, 40, 8)).astype(dtype) for _ in range(3))
+    v[0, 1, 13, 2] = value
+    o = run(backend, numflash.attention, q, k, v, causal=True, algorithm=algorithm)
+    ref = reference.attention(q, k, v, causal=True)
+    assert np.array_equal(np.isfinite(np.asarray(o, np.float64)), np.isfinite(ref))
+    assert not np.isfinite(ref[0, 1, 13:, 2]).any() and np.isfinite(ref[0, 1, :13]).all()
+    testing.assert_accurate(np.where(np.isfinite(ref), o, 0), q, k,
+                            np.where(np.isfinite(v), v, 0), causal=True, rows=np.arange(13))
 
 
 def test_nan_value_reaches_exactly_the_rows_that_see_its_key(rng):

@@ -214,10 +214,20 @@ def make_kernel(D, DV, BR, BC, TM, TN, acc, PF, SP):
                 for jj in range(uTN):
                     s[ii, jj] = 0
             qk_gemm(smem, s, a, bk, a2, bk2, ty * uTM, QP, K_OFF + key0, KP, uD)
+            # Keys past Nk or above the causal diagonal: only boundary tiles need the check.
+            masked = tile_needs_mask(i0, j0, BC, Nk, causal, causal_offset)
+            # A masked tile's P V must not read a non-finite value at a masked (P = 0) place:
+            # 0 * NaN = NaN would reach rows that never see that key. Such tiles are rare (NaN
+            # or inf in v, near the diagonal or the end), so they are found here with one scan
+            # of the staged V tile and take an exact, slower product below.
+            nonfinite = 0
+            if masked:
+                for e in range(tid, uBC * uDV, u(NT)):
+                    if not abs(smem[V_OFF + e]) < math.inf:
+                        nonfinite = 1
             cuda.syncthreads()  # Kt is read by all; P overwrites it below
 
-            # Keys past Nk or above the causal diagonal: only boundary tiles need the check.
-            if tile_needs_mask(i0, j0, BC, Nk, causal, causal_offset):
+            if masked:
                 for ii in range(uTM):
                     visible = u(key_end(row0 + ii, Nk, causal, causal_offset))
                     for jj in range(uTN):
@@ -255,9 +265,22 @@ def make_kernel(D, DV, BR, BC, TM, TN, acc, PF, SP):
                 pt = P_OFF + (jj * uTX + tx) * QP + ty * uTM
                 for ii in range(zero, uTM, uVA):
                     vector_store(smem, pt + ii, pcol, ii, VA)
-            cuda.syncthreads()
+            if masked:  # (the same for the whole block) the barrier, and: did any thread see one?
+                exact = cuda.syncthreads_or(nonfinite)
+            else:
+                exact = 0
+                cuda.syncthreads()
 
-            pv_gemm(smem, o, a, bv, a2, bv2, P_OFF + ty * uTM, QP, V_OFF + col0, uDV, uBC)
+            if exact:
+                for ii in range(uTM):  # the visible keys' products only, as the reference sums
+                    visible = u(key_end(row0 + ii, Nk, causal, causal_offset))
+                    for c in range(uBC):
+                        if j0 + c < visible:
+                            p = smem[P_OFF + c * QP + ty * uTM + ii]
+                            for kk in range(uTO):
+                                o[ii, kk] += p * smem[V_OFF + c * uDV + col0 + kk]
+            else:
+                pv_gemm(smem, o, a, bv, a2, bv2, P_OFF + ty * uTM, QP, V_OFF + col0, uDV, uBC)
 
         for ii in range(uTM):
             total = group_sum(l[ii], TX, scratch, tid)

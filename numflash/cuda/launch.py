@@ -36,26 +36,43 @@ def cache_dir():
     return pathlib.Path(base) / "numflash"
 
 
-def _source_digest():
-    """Hash of every kernel source file: any edit under numflash/cuda/ invalidates the cache
-    (and the shipped PTX), except in the two modules that never reach generated code."""
-    h = hashlib.sha256()
-    for path in sorted(_CUDA_DIR.glob("*.py")):
-        if path.name in ("fastpath.py", "prebuilt.py"):
+def _sources(path):
+    """A kernel module's file and every numflash.cuda module it imports, transitively (read from
+    its source, imports inside functions included), but for the two that never reach generated
+    code (fastpath, prebuilt)."""
+    import ast
+    seen, todo = set(), [pathlib.Path(path)]
+    while todo:
+        path = todo.pop()
+        if path in seen or path.name in ("fastpath.py", "prebuilt.py"):
             continue
-        h.update(path.name.encode())
-        h.update(path.read_bytes())
-    return h.hexdigest()[:16]
+        seen.add(path)
+        if path.parent != _CUDA_DIR:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 1:
+                for name in ([node.module] if node.module else [a.name for a in node.names]):
+                    dep = _CUDA_DIR / f"{name.split('.')[0]}.py"
+                    if dep.exists():
+                        todo.append(dep)
+    return sorted(seen)
 
 
-_DIGEST = None
+_DIGESTS = {}
 
 
-def source_digest():
-    global _DIGEST
-    if _DIGEST is None:
-        _DIGEST = _source_digest()
-    return _DIGEST
+def source_digest(module_name):
+    """Hash of a kernel module's source and of the numflash.cuda modules it imports: an edit of
+    any of them invalidates that kernel's cached cubins and shipped PTX, and no other kernel's."""
+    digest = _DIGESTS.get(module_name)
+    if digest is None:
+        import sys
+        h = hashlib.sha256()
+        for path in _sources(sys.modules[module_name].__file__):
+            h.update(path.name.encode())
+            h.update(path.read_bytes())
+        digest = _DIGESTS[module_name] = h.hexdigest()[:16]
+    return digest
 
 
 def numba_type(value):
@@ -298,7 +315,7 @@ class Kernel:
 
     ``name`` and ``config`` identify the variant; ``factory(**config)`` returns the function.
     Compiled cubins are cached per (variant, argument types, architecture, numba-cuda version,
-    kernel sources) on disk, and the loaded functions in memory.
+    the sources of its kernel module and of what that imports) on disk, and the loaded functions in memory.
     """
 
     def __init__(self, name, factory, config, fastmath=FASTMATH):
@@ -321,14 +338,17 @@ class Kernel:
         import numba_cuda
         ver = getattr(numba_cuda, "__version__", "?")
         text = json.dumps([self.name, sorted(self.config.items()), [str(t) for t in argtypes],
-                           list(cc), ver, source_digest(), self.fastmath], default=str)
+                           list(cc), ver, self.source_digest(), self.fastmath], default=str)
         return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+    def source_digest(self):
+        return source_digest(self.factory.__module__)
 
     def prebuilt_key(self, argtypes):
         """The key of this variant's shipped PTX (numflash/cuda/prebuilt): like cache_key, but
         without numba-cuda's version, which changes nothing in PTX already generated."""
         text = json.dumps([self.name, sorted(self.config.items()), [str(t) for t in argtypes],
-                           source_digest(), self.fastmath], default=str)
+                           self.source_digest(), self.fastmath], default=str)
         return hashlib.sha256(text.encode()).hexdigest()[:32]
 
     def _paths(self, argtypes, cc):

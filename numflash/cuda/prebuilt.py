@@ -3,11 +3,12 @@ it (nvJitLink/ptxas, about a second) instead of compiling the Python source (num
 lowering plus NVVM: 5-60 s, 95% of a cold first call, bench/RESULTS.md).
 
 Each file is one kernel variant's PTX, xz-compressed, under ptx/, named by its key
-(launch.Kernel.prebuilt_key: kernel name, config, argument types, kernel source digest) and the
-architecture it was generated for. ptx/manifest.json records the source digest they were made
-from: after any edit of a kernel source the keys no longer match, nothing shipped is used (each
-variant compiles from source as before), and tests/test_precompile.py fails until
-``python -m numflash.precompile --ship`` has made them again. NUMFLASH_PREBUILT=0 ignores them
+(launch.Kernel.prebuilt_key: kernel name, config, argument types, and the digest of its kernel
+module's source and of the numflash.cuda modules that imports) and the architecture it was
+generated for; ptx/manifest.json lists them. After an edit of a kernel's sources its key no
+longer matches, so its shipped file is not used (it compiles from source as before), and
+tests/test_precompile.py fails until ``python -m numflash.precompile --ship`` has made the
+stale files again (only those). NUMFLASH_PREBUILT=0 ignores them
 (to time or debug a compile from source).
 """
 import json
@@ -26,15 +27,15 @@ _link_failed = []
 
 
 def manifest():
-    """The shipped manifest ({"source_digest", "numba_cuda", "entries": {key: {...}}}), or an
-    empty one if none is shipped."""
+    """The shipped manifest ({"entries": {key: {"about", "ccs", "numba_cuda"}}}), or an empty
+    one if none is shipped."""
     global _manifest
     if _manifest is None:
         with _lock:
             try:
                 _manifest = json.loads(MANIFEST.read_text())
             except (OSError, ValueError):
-                _manifest = {"source_digest": None, "entries": {}}
+                _manifest = {"entries": {}}
     return _manifest
 
 
@@ -97,17 +98,25 @@ def portable(ptx, cc):
     return ptx
 
 
-def write(variants, digest, numba_cuda_version):
-    """Replace the shipped PTX by ``variants``: (key, cc, ptx text, description) tuples."""
+def write(made, keep, numba_cuda_version):
+    """Make the shipped set: ``made``, (key, cc, ptx text, description) tuples, are written;
+    ``keep``, (key, cc) pairs already shipped, stay; every other file goes."""
     DIR.mkdir(exist_ok=True)
-    for old in DIR.glob("*.ptx.xz"):
-        old.unlink()
+    old = manifest()["entries"]
     entries = {}
-    for key, cc, ptx, about in variants:
-        (DIR / file_name(key, cc)).write_bytes(lzma.compress(ptx.encode(), preset=9))
-        entry = entries.setdefault(key, {"about": about, "ccs": []})
+    for key, cc in keep:
+        entry = entries.setdefault(key, {"about": old[key]["about"], "ccs": [],
+                                         "numba_cuda": old[key].get("numba_cuda", "?")})
         entry["ccs"] = sorted(set(map(tuple, entry["ccs"])) | {tuple(cc)})
-    MANIFEST.write_text(json.dumps({"source_digest": digest, "numba_cuda": numba_cuda_version,
-                                    "entries": entries}, indent=1, sort_keys=True) + "\n")
+    for key, cc, ptx, about in made:
+        (DIR / file_name(key, cc)).write_bytes(lzma.compress(ptx.encode(), preset=9))
+        entry = entries.setdefault(key, {"about": about, "ccs": [],
+                                         "numba_cuda": numba_cuda_version})
+        entry["ccs"] = sorted(set(map(tuple, entry["ccs"])) | {tuple(cc)})
+    wanted = {file_name(key, cc) for key, e in entries.items() for cc in e["ccs"]}
+    for path in DIR.glob("*.ptx.xz"):
+        if path.name not in wanted:
+            path.unlink()
+    MANIFEST.write_text(json.dumps({"entries": entries}, indent=1, sort_keys=True) + "\n")
     global _manifest
     _manifest = None
