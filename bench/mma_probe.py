@@ -451,7 +451,6 @@ def bf16():
 
 def timing():
     import cupy as cp
-    import numflash
     from numflash.cuda import mma
     try:
         import torch

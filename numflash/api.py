@@ -82,12 +82,10 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, layout="bhsd", backe
             return replay(q, k, v)
     if _is_torch(q):
         from . import torch as _torch
-        if mod_options:
-            raise NotImplementedError("score/mask modifications on torch tensors are not "
-                                      "wired yet: pass NumPy arrays (t.numpy()) for now")
         return _torch.attention(q, k, v, causal=causal, softmax_scale=softmax_scale,
                                 layout=layout, backend=backend, algorithm=algorithm,
-                                return_lse=return_lse, out=out, precision=precision)
+                                return_lse=return_lse, out=out, precision=precision,
+                                **mod_options)
     problem = _with_mods(normalize(q, k, v, causal=causal, softmax_scale=softmax_scale,
                                    layout=layout, return_lse=return_lse, out=out,
                                    precision=precision), mod_options)
@@ -133,15 +131,12 @@ def attention_backward(do, q, k, v, o, lse, *, causal=False, softmax_scale=None,
     mod_options = _mod_options(score_mod, mask_mod, mod_args, score_mod_grad, window_size,
                                softcap, alibi_slopes, attn_bias, attn_mask)
     if _is_torch(q):
-        if mod_options:
-            raise NotImplementedError("score/mask modifications on torch tensors are not "
-                                      "wired yet: pass NumPy arrays (t.numpy()) for now")
         from . import torch as _torch
         return _torch.attention_backward(do, q, k, v, o, lse, causal=causal,
                                          softmax_scale=softmax_scale, layout=layout,
                                          backend=backend, algorithm=algorithm,
                                          precision=precision, deterministic=deterministic,
-                                         dq=dq, dk=dk, dv=dv)
+                                         dq=dq, dk=dk, dv=dv, **mod_options)
     problem = _with_mods(normalize_backward(
         do, q, k, v, o, lse, causal=causal, softmax_scale=softmax_scale, layout=layout,
         precision=precision, deterministic=deterministic, dq=dq, dk=dk, dv=dv), mod_options)
@@ -177,16 +172,17 @@ def explain(q, k, v, *, causal=False, softmax_scale=None, layout="bhsd", backend
     ``str(plan)`` names the kernel and its tile config and, for every kernel not chosen, why.
     Raises the same errors as :func:`attention` would.
     """
+    mod_options = _mod_options(score_mod, mask_mod, mod_args, score_mod_grad, window_size,
+                               softcap, alibi_slopes, attn_bias, attn_mask)
     if _is_torch(q):  # the plan for the tensors' memory, seen as NumPy / CuPy arrays
         from . import torch as _torch
         _torch._check_tensors(q=q, k=k, v=v)
         q, k, v = _torch._views(q, k, v)
         out = None if out is None else _torch._views(out)[0]
+        mod_options = _torch._mod_arrays(mod_options)
     problem = _with_mods(normalize(q, k, v, causal=causal, softmax_scale=softmax_scale,
                                    layout=layout, return_lse=return_lse, out=out,
-                                   precision=precision),
-                         _mod_options(score_mod, mask_mod, mod_args, score_mod_grad,
-                                      window_size, softcap, alibi_slopes, attn_bias, attn_mask))
+                                   precision=precision), mod_options)
     if backward:
         problem.direction, problem.deterministic = "backward", bool(deterministic)
     return _plan.choose(problem, backend, algorithm)

@@ -193,20 +193,21 @@ def _forward_impl(q, k, v, causal, scale, layout, backend, algorithm, precision)
     return out, lse
 
 
-def _forward_into(out, q, k, v, causal, scale, layout, backend, algorithm, precision):
+def _forward_into(out, q, k, v, causal, scale, layout, backend, algorithm, precision, mods=None):
     """numflash.attention on views of the tensors, writing ``out``: (the lse as a tensor, the
-    launches it made)."""
+    launches it made). ``mods``: modification options (numflash.mods), tensors among them."""
     with _on_torch_stream(q):
         qa, ka, va, outa = _views(q, k, v, out)
         with _fastpath.recording() as launches:
             _, lse = _api.attention(qa, ka, va, causal=_CAUSAL_ARG[causal], softmax_scale=scale,
                                     layout=layout, backend=backend, algorithm=algorithm,
-                                    return_lse=True, out=outa, precision=precision)
+                                    return_lse=True, out=outa, precision=precision,
+                                    **_mod_arrays(mods))
     return (torch.from_numpy(lse) if q.device.type == "cpu" else torch.from_dlpack(lse)), launches
 
 
 def _backward_impl(do, q, k, v, o, lse, causal, scale, layout, backend, algorithm, precision,
-                   deterministic, grads=None):
+                   deterministic, grads=None, mods=None):
     """(dq, dk, dv): into ``grads`` when given (checked by numflash), else new tensors."""
     _check_tensors(do=do, q=q, k=k, v=v, o=o, lse=lse)
     if grads is None:
@@ -216,8 +217,61 @@ def _backward_impl(do, q, k, v, o, lse, causal, scale, layout, backend, algorith
         _api.attention_backward(*arrays[:6], causal=_CAUSAL_ARG[causal], softmax_scale=scale,
                                 layout=layout, backend=backend, algorithm=algorithm,
                                 precision=precision, deterministic=deterministic,
-                                dq=arrays[6], dk=arrays[7], dv=arrays[8])
+                                dq=arrays[6], dk=arrays[7], dv=arrays[8], **_mod_arrays(mods))
     return tuple(grads)
+
+
+# ---- score and mask modifications (numflash.mods) ----
+
+_MOD_TENSORS = ("alibi_slopes", "attn_bias", "attn_mask")
+
+
+def _mod_arrays(mods):
+    """The modification options with their tensors as NumPy / CuPy views (no copy). A tensor
+    that requires grad is refused: numflash does not compute gradients for them yet, and
+    leaving them out silently would train a bias that never moves."""
+    if not mods:
+        return {}
+    out = dict(mods)
+    for name in _MOD_TENSORS:
+        if isinstance(out.get(name), torch.Tensor):
+            out[name] = _mod_tensor(name, out[name])
+    if out.get("mod_args"):
+        out["mod_args"] = tuple(_mod_tensor(f"mod_args[{i}]", a) if isinstance(a, torch.Tensor)
+                                else a for i, a in enumerate(out["mod_args"]))
+    return out
+
+
+def _mod_tensor(name, t):
+    if t.requires_grad and torch.is_grad_enabled():
+        raise NotImplementedError(f"{name} requires grad, but numflash computes no gradient for "
+                                  f"modification tensors yet (only for q, k and v): detach it, "
+                                  f"or use torch's attention for a trained bias")
+    return _views(t)[0]
+
+
+class _ModsFunction(torch.autograd.Function):
+    """Attention with modifications on torch tensors, differentiable in q, k and v: the same
+    forward and backward bodies as the operators, with the modification options passed through.
+    Eager only for now (not a torch operator: torch.compile breaks the graph here)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal, scale, layout, backend, algorithm, precision,
+                deterministic, mods):
+        _check_tensors(q=q, k=k, v=v)
+        out = torch.empty(_out_shape(q, v, layout), dtype=q.dtype, device=q.device)
+        lse, _ = _forward_into(out, q, k, v, causal, scale, layout, backend, algorithm,
+                               precision, mods)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.options = (causal, scale, layout, backend, "auto", precision, deterministic)
+        ctx.mods = mods
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, d_out, d_lse):
+        grads = _gradients(lambda *a: _backward_impl(*a, mods=ctx.mods), ctx, d_out)
+        return grads + (None,)
 
 
 # ---- the operators ----
@@ -340,14 +394,24 @@ def _run_forward(q, k, v, *options):
 
 def attention(q, k, v, *, causal=False, softmax_scale=None, layout="bhsd", backend="auto",
               algorithm="auto", return_lse=False, out=None, precision="auto",
-              deterministic=False):
+              deterministic=False, **mods):
     """:func:`numflash.attention` for torch tensors (it is what that function runs for them).
 
     Differentiable: gradients come from numflash's backward (``deterministic=True`` asks the
     backward for bit-reproducible gradients; numflash's backward kernels all are). The lse is
     not differentiable. ``out=`` writes the result into a tensor and is not differentiable: with
     grad mode on and an input that requires grad, it raises.
+
+    ``mods``: numflash's modification options (window_size, softcap, alibi_slopes, attn_bias,
+    attn_mask, score_mod, mask_mod, mod_args, score_mod_grad; see :func:`numflash.attention`),
+    tensors allowed. They run where numflash runs them (the CPU path for now) and are
+    differentiable in q, k and v, not in the modification tensors (one that requires grad is
+    refused), and not through torch.compile yet.
     """
+    mods = {name: value for name, value in mods.items() if value is not None}
+    unknown = set(mods) - set(_api.MOD_OPTIONS)
+    if unknown:
+        raise TypeError(f"attention() got unexpected keyword arguments {sorted(unknown)}")
     if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor)
             and isinstance(v, torch.Tensor)):
         _check_tensors(q=q, k=k, v=v)  # raises; the rest is checked where the call runs
@@ -359,8 +423,13 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, layout="bhsd", backe
             raise ValueError("out= writes into a tensor and cannot be differentiated: leave "
                              "out=None, or call under torch.no_grad()")
         _check_tensors(q=q, out=out)
-        lse, _ = _forward_into(out, q, k, v, name, scale, layout, backend, algorithm, precision)
+        lse, _ = _forward_into(out, q, k, v, name, scale, layout, backend, algorithm, precision,
+                               mods)
         return (out, lse) if return_lse else out
+    if mods:  # their tensors as arrays now, while grad mode still says whether they train
+        o, lse = _ModsFunction.apply(q, k, v, name, scale, layout, backend, algorithm, precision,
+                                     bool(deterministic), _mod_arrays(mods))
+        return (o, lse) if return_lse else o
     o, lse = _run_forward(q, k, v, name, scale, layout, backend, algorithm, precision,
                           bool(deterministic))
     return (o, lse) if return_lse else o
@@ -368,17 +437,19 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, layout="bhsd", backe
 
 def attention_backward(do, q, k, v, o, lse, *, causal=False, softmax_scale=None, layout="bhsd",
                        backend="auto", algorithm="auto", precision="auto", deterministic=False,
-                       dq=None, dk=None, dv=None):
-    """:func:`numflash.attention_backward` for torch tensors: returns (dq, dk, dv) tensors."""
+                       dq=None, dk=None, dv=None, **mods):
+    """:func:`numflash.attention_backward` for torch tensors: returns (dq, dk, dv) tensors.
+    ``mods``: the modification options the forward ran with (see :func:`attention`)."""
     _check_tensors(do=do, q=q, k=k, v=v, o=o, lse=lse)
+    mods = {name: value for name, value in mods.items() if value is not None}
     options = (_causal_name(causal), _scale(softmax_scale, q.shape[-1] if q.dim() == 4 else 0),
                layout, backend, algorithm, precision, bool(deterministic))
-    if dq is None and dk is None and dv is None:
+    if dq is None and dk is None and dv is None and not mods:
         return _attention_backward_op(do, q, k, v, o, lse, *options)
     grads = [g if g is not None else torch.empty(t.shape, dtype=t.dtype, device=t.device)
              for g, t in ((dq, q), (dk, k), (dv, v))]
     _check_tensors(q=q, dq=grads[0], dk=grads[1], dv=grads[2])
-    return _backward_impl(do, q, k, v, o, lse, *options, grads=grads)
+    return _backward_impl(do, q, k, v, o, lse, *options, grads=grads, mods=mods)
 
 
 def attention_probabilities(q, k, *, causal=False, softmax_scale=None, layout="bhsd"):
@@ -409,11 +480,10 @@ def attention_probabilities(q, k, *, causal=False, softmax_scale=None, layout="b
 
 
 def _sdpa_refusals(attn_mask, dropout_p, enable_gqa, query, key):
-    if attn_mask is not None:
-        raise NotImplementedError("numflash.torch.scaled_dot_product_attention: attn_mask is not "
-                                  "supported yet (masks and biases are not in numflash's kernels); "
-                                  "pass is_causal=True for a causal mask, or use "
-                                  "torch.nn.functional.scaled_dot_product_attention")
+    if attn_mask is not None and query.dim() > 4:
+        raise NotImplementedError("numflash.torch.scaled_dot_product_attention: attn_mask with "
+                                  "more than 4-D inputs is not supported; fold the leading "
+                                  "dimensions into (N, H) first")
     if dropout_p:
         raise NotImplementedError(f"numflash.torch.scaled_dot_product_attention: dropout_p="
                                   f"{dropout_p} is not supported (numflash has no dropout); pass "
@@ -431,9 +501,12 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
 
     query (..., L, E), key (..., S, E), value (..., S, Ev) with the same leading dimensions
     (usually (N, H)); ``is_causal`` is top-left aligned, as in torch; ``enable_gqa=True`` lets
-    key and value have fewer heads (a divisor of query's), read in place. Differentiable. Not yet
-    supported, and refused with NotImplementedError naming the option: ``attn_mask`` and
-    ``dropout_p > 0``.
+    key and value have fewer heads (a divisor of query's), read in place. Differentiable.
+    ``attn_mask``: a boolean mask (True = take part) or a float bias added to the scaled scores,
+    broadcastable to (N, H, L, S), as in torch; it runs on numflash's CPU path (numflash.mods),
+    where a row that the mask leaves empty gives zeros (torch gives NaN), and it gets no
+    gradient (one that requires grad is refused). Refused with NotImplementedError naming the
+    option: ``dropout_p > 0``.
     """
     if (attn_mask is None and not dropout_p and type(query) is torch.Tensor and query.dim() == 4
             and type(key) is torch.Tensor and key.dim() == 4 and type(value) is torch.Tensor
@@ -453,7 +526,12 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
             raise ValueError(f"{name}'s leading dimensions {tuple(t.shape[:-2])} must equal "
                              f"query's {tuple(lead)} (numflash does not broadcast them)")
     q4, k4, v4 = (_as_4d(t) for t in (query, key, value))
-    out = attention(q4, k4, v4, causal=bool(is_causal), softmax_scale=scale)
+    mods = {}
+    if attn_mask is not None:
+        if not isinstance(attn_mask, torch.Tensor):
+            raise TypeError(f"attn_mask must be a torch.Tensor; got {type(attn_mask).__name__}")
+        mods["attn_mask" if attn_mask.dtype == torch.bool else "attn_bias"] = attn_mask
+    out = attention(q4, k4, v4, causal=bool(is_causal), softmax_scale=scale, **mods)
     return out.reshape(*lead, *out.shape[-2:])
 
 
@@ -468,18 +546,26 @@ def _as_4d(t):
     return t.reshape(-1, t.shape[-3], *t.shape[-2:])
 
 
-def _flash_attn_refusals(where, dropout_p, window_size, softcap, alibi_slopes):
+def _flash_attn_mods(where, dropout_p, window_size, softcap, alibi_slopes, causal, nq, nk):
+    """flash-attn's window_size, softcap and alibi_slopes as numflash modification options
+    (numflash.mods, the CPU path for now), or a refusal naming the option."""
     if dropout_p:
         raise NotImplementedError(f"{where}: dropout_p={dropout_p} is not supported (numflash "
                                   f"has no dropout); pass dropout_p=0.0")
-    if tuple(window_size) != (-1, -1):
-        raise NotImplementedError(f"{where}: window_size={tuple(window_size)} (sliding window) is "
-                                  f"not supported yet; pass window_size=(-1, -1)")
+    mods = {}
+    if window_size is not None and tuple(window_size) != (-1, -1):
+        mods["window_size"] = tuple(window_size)
     if softcap:
-        raise NotImplementedError(f"{where}: softcap={softcap} is not supported yet; pass "
-                                  f"softcap=0.0")
+        mods["softcap"] = softcap
     if alibi_slopes is not None:
-        raise NotImplementedError(f"{where}: alibi_slopes is not supported yet")
+        mods["alibi_slopes"] = alibi_slopes
+    if not causal and nq != nk and ("window_size" in mods or "alibi_slopes" in mods):
+        # flash-attn measures both from the bottom-right diagonal even without causal masking;
+        # numflash from the causal alignment's diagonal (top-left when not causal)
+        raise NotImplementedError(f"{where}: a window or ALiBi with causal=False and "
+                                  f"{nq} queries != {nk} keys (flash-attn aligns them to the "
+                                  f"bottom right; numflash to the top left without causal)")
+    return mods
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
@@ -491,14 +577,18 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
 
     ``return_attn_probs=True`` returns (out, softmax_lse, probs) with softmax_lse (B, H, Nq) and
     the exact probabilities (B, H, Nq, Nk) (:func:`attention_probabilities`). k and v may have
-    fewer heads than q (GQA / MQA). Not yet supported, and refused with NotImplementedError
-    naming the option: ``dropout_p > 0``, a sliding window, ``softcap`` and ``alibi_slopes``.
+    fewer heads than q (GQA / MQA). ``window_size``, ``softcap`` and ``alibi_slopes`` run as
+    numflash modifications (the CPU path for now; gradients for q, k, v). Refused with
+    NotImplementedError naming the option: ``dropout_p > 0``, and a window or ALiBi with
+    causal=False and Nq != Nk (see :func:`_flash_attn_mods`).
     """
     _check_tensors(q=q, k=k, v=v)
-    _flash_attn_refusals("flash_attn_func", dropout_p, window_size, softcap, alibi_slopes)
+    mods = _flash_attn_mods("flash_attn_func", dropout_p, window_size, softcap, alibi_slopes,
+                            causal, q.shape[1] if q.dim() == 4 else 0,
+                            k.shape[1] if k.dim() == 4 else 0)
     causal_mode = "bottom_right" if causal else False
     out, lse = attention(q, k, v, causal=causal_mode, softmax_scale=softmax_scale, layout="bshd",
-                         return_lse=True, deterministic=deterministic)
+                         return_lse=True, deterministic=deterministic, **mods)
     if return_attn_probs:
         probs = attention_probabilities(q, k, causal=causal_mode,
                                         softmax_scale=softmax_scale, layout="bshd")
@@ -516,21 +606,30 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=Non
     :func:`attention` call per sequence on views of the packed tensors (numflash.varlen).
 
     ``return_attn_probs=True`` returns (out, softmax_lse (H, total_q), None): the per-sequence
-    probabilities have no dense packed form. Refuses what :func:`flash_attn_func` refuses.
+    probabilities have no dense packed form. Takes and refuses what :func:`flash_attn_func`
+    does; ``alibi_slopes`` of shape (B, H) give sequence b its row.
     """
     from .varlen import _check_packed
     _check_tensors(q=q, k=k, v=v)
-    _flash_attn_refusals("flash_attn_varlen_func", dropout_p, window_size, softcap, alibi_slopes)
     lengths = [c.tolist() if isinstance(c, torch.Tensor) else c
                for c in (cu_seqlens_q, cu_seqlens_k)]
+    _flash_attn_mods("flash_attn_varlen_func", dropout_p, None, 0, None, True, 0, 0)  # dropout
     cq, ck = _check_packed(q, k, v, *lengths, max_seqlen_q, max_seqlen_k, torch_ok=True)
     mode = "bottom_right" if causal else False
     outs, lses = [], []
     for b in range(cq.size - 1):
         sq, eq, sk, ek = int(cq[b]), int(cq[b + 1]), int(ck[b]), int(ck[b + 1])
+        slopes = alibi_slopes
+        if isinstance(slopes, torch.Tensor) and slopes.dim() == 2:
+            if slopes.shape[0] != cq.size - 1:
+                raise ValueError(f"alibi_slopes of shape {tuple(slopes.shape)}: its first "
+                                 f"dimension must be the {cq.size - 1} sequences")
+            slopes = slopes[b]
+        mods = _flash_attn_mods("flash_attn_varlen_func", dropout_p, window_size, softcap,
+                                slopes, causal, eq - sq, ek - sk)
         out, lse = attention(q[None, sq:eq], k[None, sk:ek], v[None, sk:ek], causal=mode,
                              softmax_scale=softmax_scale, layout="bshd", return_lse=True,
-                             deterministic=deterministic)
+                             deterministic=deterministic, **mods)
         outs.append(out[0])
         lses.append(lse[0])
     out = torch.cat(outs) if outs else q.new_empty((0, q.shape[1], v.shape[2]))

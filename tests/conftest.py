@@ -70,6 +70,9 @@ FAST_CASES = {  # sweep -> the case ids that stay in the fast tier
         f"{v}-{dt}-{b}" for v in ("nan", "inf") for dt, b in (
             [(dt, "cpu-auto") for dt in ("float16", "float32", "float64")]
             + [("float32", "cuda-block"), ("float32", "cuda-row")])},
+    # torch entry points with modifications: each combination compiles its own CPU kernels
+    "test_sdpa_attn_mask_matches_torch_with_gradients": {"4d-bool"},
+    "test_flash_attn_func_window_softcap_alibi": {"softcap-alibi-causal"},
     # ring attention over gloo: 2 processes in the fast tier, 3 in the extended one
     "test_ring_matches_one_call_on_the_whole_sequence": {"world2"},
     "test_bad_input_raises_on_every_rank_without_hanging": {"world2"},

@@ -7,7 +7,6 @@ import os
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 
 pytest.importorskip("numba_cuda", reason="precompiling belongs to the CUDA path")

@@ -146,13 +146,40 @@ def test_sdpa_signature_matches_torch(shape, is_causal):
         torch.testing.assert_close(a, b, rtol=1e-11, atol=1e-11)
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(attn_mask=torch.ones(5, 5, dtype=torch.bool)), "attn_mask is not supported yet"),
-    (dict(dropout_p=0.1), "dropout_p=0.1 is not supported"),
+@pytest.mark.parametrize("mask_kind", ["bool", "float"])
+@pytest.mark.parametrize("shape", [(2, 3, 19, 16), (3, 19, 16)], ids=lambda s: f"{len(s)}d")
+def test_sdpa_attn_mask_matches_torch_with_gradients(shape, mask_kind):
+    """A boolean mask (True = take part) or a float bias added to the scaled scores, broadcast
+    from (L, S) and from (N, 1, L, S) as torch broadcasts it; gradients for q, k, v."""
+    q, k, v = tensors(shape, shape[:-2] + (23, 16), torch.float64, grad=True)
+    g = torch.Generator().manual_seed(3)
+    for mshape in ((19, 23), shape[:-3] + (1, 19, 23)):
+        if mask_kind == "bool":
+            mask = torch.rand(mshape, generator=g) < 0.7
+            mask[..., 0] = True  # no empty row: torch gives NaN there, numflash zeros
+        else:
+            mask = torch.randn(mshape, generator=g, dtype=torch.float64)
+        ours, g_ours = _sdpa_both(nt.scaled_dot_product_attention, q, k, v, attn_mask=mask,
+                                  scale=0.37)
+        ref, g_ref = _sdpa_both(F.scaled_dot_product_attention, q, k, v, attn_mask=mask,
+                                scale=0.37)
+        torch.testing.assert_close(ours, ref, rtol=1e-12, atol=1e-12)
+        for a, b in zip(g_ours, g_ref):
+            torch.testing.assert_close(a, b, rtol=1e-11, atol=1e-11)
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(attn_mask=torch.ones(5, 5, dtype=torch.bool)), NotImplementedError,
+     "more than 4-D inputs"),
+    (dict(dropout_p=0.1), NotImplementedError, "dropout_p=0.1 is not supported"),
+    (dict(attn_mask=torch.randn(5, 5, requires_grad=True)), NotImplementedError,
+     "attn_bias requires grad"),
+    (dict(attn_mask=torch.ones(3, 5, dtype=torch.bool)), ValueError,
+     r"attn_mask of shape \(3, 5\) does not broadcast"),
 ])
-def test_sdpa_refuses_what_it_cannot_run(kwargs, match):
-    q = torch.randn(1, 4, 5, 8)
-    with pytest.raises(NotImplementedError, match=match):
+def test_sdpa_refuses_what_it_cannot_run(kwargs, error, match):
+    q = torch.randn(1, 1, 4, 5, 8) if "more than" in match else torch.randn(1, 4, 5, 8)
+    with pytest.raises(error, match=match):
         nt.scaled_dot_product_attention(q, q, q, **kwargs)
 
 
@@ -175,14 +202,89 @@ def test_flash_attn_func_conventions(causal):
     torch.testing.assert_close(g, g_ref, rtol=0, atol=1e-12)
 
 
+def _flash_reference(q, k, v, causal, scale, window=(-1, -1), softcap=0.0, slopes=None):
+    """flash-attn's semantics written out in torch: everything aligned to the bottom right."""
+    nq, nk = q.shape[1], k.shape[1]
+    s = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    i = torch.arange(nq)[:, None] + (nk - nq)  # the key aligned with query i
+    j = torch.arange(nk)[None, :]
+    if slopes is not None:
+        s = s - slopes.reshape(-1, q.shape[2], 1, 1) * (i - j).abs()
+    keep = torch.ones(nq, nk, dtype=torch.bool)
+    if causal:
+        keep &= j <= i
+    if window[0] >= 0:
+        keep &= j >= i - window[0]
+    if window[1] >= 0:
+        keep &= j <= i + window[1]
+    p = torch.softmax(s.masked_fill(~keep, float("-inf")), -1)
+    return torch.einsum("bhqk,bkhd->bqhd", p, v)
+
+
+@pytest.mark.parametrize("causal, nq, mods", [
+    (True, 13, dict(window_size=(4, 0))),
+    (False, 29, dict(window_size=(3, 5), softcap=2.5)),
+    (True, 13, dict(softcap=3.0, alibi_slopes=torch.tensor([0.5, 0.25, 0.125], dtype=torch.float64))),
+    (False, 29, dict(alibi_slopes=torch.rand(2, 3, dtype=torch.float64))),
+], ids=["window-causal", "window-softcap", "softcap-alibi-causal", "alibi-per-batch"])
+def test_flash_attn_func_window_softcap_alibi(causal, nq, mods):
+    q, k, v = tensors((2, nq, 3, 16), (2, 29, 3, 16), torch.float64, grad=True)
+    out = nt.flash_attn_func(q, k, v, causal=causal, softmax_scale=0.5, **mods)
+    ref = _flash_reference(q, k, v, causal, 0.5, mods.get("window_size", (-1, -1)),
+                           mods.get("softcap", 0.0), mods.get("alibi_slopes"))
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
+    do = torch.randn_like(out)
+    for a, b in zip(torch.autograd.grad(out, (q, k, v), do), torch.autograd.grad(ref, (q, k, v), do)):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-11)
+
+
+def test_flash_attn_varlen_takes_the_same_modifications():
+    q, k, v = tensors((20, 3, 8), (20, 3, 8), torch.float64, grad=True)
+    cu = torch.tensor([0, 7, 20], dtype=torch.int32)
+    slopes = torch.rand(2, 3, dtype=torch.float64)
+    out = nt.flash_attn_varlen_func(q, k, v, cu, cu, 13, 13, causal=True, window_size=(3, 0),
+                                    softcap=2.0, alibi_slopes=slopes)
+    for b, (s, e) in enumerate(((0, 7), (7, 20))):
+        ref = _flash_reference(q[None, s:e], k[None, s:e], v[None, s:e], True, 8 ** -0.5,
+                               (3, 0), 2.0, slopes[b:b + 1])
+        torch.testing.assert_close(out[s:e], ref[0], rtol=0, atol=1e-12)
+
+
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(dropout_p=0.1), "dropout_p=0.1"), (dict(window_size=(4, 0)), "sliding window"),
-    (dict(softcap=30.0), "softcap=30.0"), (dict(alibi_slopes=torch.ones(2)), "alibi_slopes"),
+    (dict(dropout_p=0.1), "dropout_p=0.1"),
+    (dict(window_size=(4, 0)), "causal=False and 5 queries != 7 keys"),
+    (dict(alibi_slopes=torch.ones(2)), "causal=False and 5 queries != 7 keys"),
+    (dict(alibi_slopes=torch.ones(2, requires_grad=True), causal=True), "requires grad"),
 ])
 def test_flash_attn_func_refuses_what_it_cannot_run(kwargs, match):
-    q = torch.randn(1, 5, 2, 8)
+    q, k = torch.randn(1, 5, 2, 8), torch.randn(1, 7, 2, 8)
     with pytest.raises(NotImplementedError, match=match):
-        nt.flash_attn_func(q, q, q, **kwargs)
+        nt.flash_attn_func(q, k, k, **kwargs)
+
+
+def test_numflash_attention_passes_modifications_through_for_tensors():
+    """numflash.attention / attention_backward / explain with torch tensors and modification
+    tensors: the same numbers as the NumPy path; CUDA tensors would be refused by the plan."""
+    q, k, v = tensors((1, 2, 9, 8), (1, 2, 11, 8), torch.float64, grad=True)
+    bias = torch.randn(1, 2, 9, 11, dtype=torch.float64)
+    kw = dict(causal="bottom_right", window_size=(2, -1), softcap=4.0, attn_bias=bias)
+    out, lse = numflash.attention(q, k, v, return_lse=True, **kw)
+    arrays = [t.detach().numpy() for t in (q, k, v)]
+    np_kw = dict(kw, attn_bias=bias.numpy())
+    ref_out, ref_lse = numflash.attention(*arrays, return_lse=True, **np_kw)
+    np.testing.assert_array_equal(out.detach().numpy(), ref_out)
+    np.testing.assert_array_equal(lse.numpy(), ref_lse)
+    do = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), do)
+    ref = numflash.attention_backward(do.numpy(), *arrays, ref_out, ref_lse, **np_kw)
+    explicit = numflash.attention_backward(do, q.detach(), k.detach(), v.detach(),
+                                           out.detach(), lse, **kw)
+    for g, e, r in zip(grads, explicit, ref):
+        np.testing.assert_array_equal(g.numpy(), r)
+        np.testing.assert_array_equal(e.numpy(), r)
+    assert "softcap" in str(numflash.explain(q, k, v, **kw))
 
 
 def test_bad_tensors_get_errors_naming_the_argument():

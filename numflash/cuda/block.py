@@ -271,14 +271,17 @@ def make_kernel(D, DV, BR, BC, TM, TN, acc, PF, SP):
                 exact = 0
                 cuda.syncthreads()
 
-            if exact:
-                for ii in range(uTM):  # the visible keys' products only, as the reference sums
-                    visible = u(key_end(row0 + ii, Nk, causal, causal_offset))
-                    for c in range(uBC):
-                        if j0 + c < visible:
+            if exact:  # the visible keys' products only, as the reference sums
+                # keys outermost, so the row and column loops unroll and o stays in registers;
+                # V's row goes through bv as in the micro-GEMM
+                for c in range(uBC):
+                    for kk in range(uTO):
+                        bv[kk] = smem[V_OFF + c * uDV + col0 + kk]
+                    for ii in range(uTM):
+                        if j0 + c < u(key_end(row0 + ii, Nk, causal, causal_offset)):
                             p = smem[P_OFF + c * QP + ty * uTM + ii]
                             for kk in range(uTO):
-                                o[ii, kk] += p * smem[V_OFF + c * uDV + col0 + kk]
+                                o[ii, kk] += p * bv[kk]
             else:
                 pv_gemm(smem, o, a, bv, a2, bv2, P_OFF + ty * uTM, QP, V_OFF + col0, uDV, uBC)
 
