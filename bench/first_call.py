@@ -3,7 +3,7 @@ cache, compiling from source (NUMFLASH_PREBUILT=0: numba typing + lowering + NVV
 nvJitLink/ptxas to a cubin, then load and run) and from the shipped PTX (link only); a process
 on the warm disk cache; and a warm in-process call.
 
-    python bench/first_call.py [INDEX ...]   (GPU; prints a markdown table; INDEX: which CONFIGS)
+    python bench/first_call.py [--no-source] [INDEX ...]   (GPU; a markdown table; INDEX: CONFIGS)
 """
 import json
 import os
@@ -84,10 +84,14 @@ def main():
     rows = ["| config | from source, empty cache (s) | of which PTX (numba+NVVM) | shipped PTX, "
             "empty cache (s) | of which link (nvJitLink) | disk cache (s) | warm call (ms) | "
             "import (s) |", "|---|---|---|---|---|---|---|---|"]
-    picked = [CONFIGS[int(i)] for i in sys.argv[1:]] or CONFIGS
+    args = [a for a in sys.argv[1:] if a != "--no-source"]
+    picked = [CONFIGS[int(i)] for i in args] or CONFIGS
     for cfg in picked:
         with tempfile.TemporaryDirectory() as c1, tempfile.TemporaryDirectory() as c2:
-            source = run(cfg, c1, prebuilt=False)
+            # --no-source: skip the compile from source (minutes for 3xTF32), e.g. to time the
+            # shipped PTX first on a fresh machine
+            source = {"first": float("nan"), "ptx": float("nan")} if "--no-source" in sys.argv \
+                else run(cfg, c1, prebuilt=False)
             shipped = run(cfg, c2)
             disk = run(cfg, c2)
         name = f"{cfg[0]} d{cfg[1]}{' causal' if cfg[2] else ''} {cfg[3]}"

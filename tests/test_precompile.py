@@ -238,3 +238,30 @@ print(json.dumps(rows))
     assert len(rows) == 12
     assert all(json.loads(p.read_text())["source"] == "prebuilt"
                for p in (tmp_path / "c").glob("*.json"))
+
+
+def test_ship_writes_portable_ptx_and_only_remakes_what_changed(tmp_path, monkeypatch):
+    """The maintainers' --ship path on one small variant pair (cuda.row's backward, float32 d64,
+    sm_80) into a scratch directory: PTX written with the oldest ISA header that links to the
+    same cubin, a manifest entry each; a second run keeps them; a file no target wants goes."""
+    from numflash import precompile as pc
+    monkeypatch.setattr(prebuilt, "DIR", tmp_path / "ptx")
+    monkeypatch.setattr(prebuilt, "MANIFEST", tmp_path / "ptx" / "manifest.json")
+    monkeypatch.setattr(prebuilt, "_manifest", None)
+    (tmp_path / "ptx").mkdir()
+    (tmp_path / "ptx" / "stale-sm80.ptx.xz").write_bytes(b"old")
+    args = dict(archs=[(8, 0)], dtypes=("float32",), head_dims=(64,), directions=("backward",),
+                jobs=1, ship=True, progress=False)
+    report = pc.precompile(**args)
+    assert sorted(status for _, status, _ in report) == ["compile", "compile"]
+    files = sorted(p.name for p in (tmp_path / "ptx").glob("*.ptx.xz"))
+    assert len(files) == 2 and "stale-sm80.ptx.xz" not in files
+    import lzma
+    for name in files:
+        assert lzma.decompress((tmp_path / "ptx" / name).read_bytes()).decode().count(
+            ".version 7.0") == 1
+    entries = prebuilt.manifest()["entries"]
+    assert len(entries) == 2 and all(e["ccs"] == [[8, 0]] for e in entries.values())
+    again = pc.precompile(**args)
+    assert sorted(status for _, status, _ in again) == ["cached", "cached"]
+    assert sorted(p.name for p in (tmp_path / "ptx").glob("*.ptx.xz")) == files
