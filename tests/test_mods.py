@@ -129,6 +129,18 @@ def test_prefix_lm_equals_its_explicit_mask(rng):
     _run_and_check(q, k, v, do, mask_mod=mask_mod, mod_args=args)
 
 
+def test_prefix_lm_mask_rule_and_arguments():
+    """The fast tier's look at prefix_lm_mask (the attention run is in the extended tier): its
+    rule over every (i, j) and its argument check."""
+    mask_mod, (prefix,) = mods.prefix_lm_mask(np.array([4, 9]))
+    i, j = np.arange(15)[:, None], np.arange(15)[None, :]
+    for b in range(2):
+        got = np.vectorize(lambda ii, jj: mask_mod(b, 0, ii, jj, prefix))(i, j)
+        np.testing.assert_array_equal(got, (j <= i) | (j < prefix[b]))
+    with pytest.raises(ValueError, match="prefix_lengths must be a"):
+        mods.prefix_lm_mask(np.array([[1, 2]]))
+
+
 # ---- user-written modifications ----
 
 def relative_bias(score, b, h, i, j, table):
