@@ -36,15 +36,20 @@ def cache_dir():
     return pathlib.Path(base) / "numflash"
 
 
+#: Modules that never reach generated code: the launch machinery (this module: of it, only
+#: compile_ptx and _device_functions_target do, and their source is hashed by itself), replays
+#: and the shipped-PTX store.
+_NOT_CODE = ("launch.py", "fastpath.py", "prebuilt.py")
+
+
 def _sources(path):
     """A kernel module's file and every numflash.cuda module it imports, transitively (read from
-    its source, imports inside functions included), but for the two that never reach generated
-    code (fastpath, prebuilt)."""
+    its source, imports inside functions included), but for those in _NOT_CODE."""
     import ast
     seen, todo = set(), [pathlib.Path(path)]
     while todo:
         path = todo.pop()
-        if path in seen or path.name in ("fastpath.py", "prebuilt.py"):
+        if path in seen or path.name in _NOT_CODE:
             continue
         seen.add(path)
         if path.parent != _CUDA_DIR:
@@ -62,15 +67,19 @@ _DIGESTS = {}
 
 
 def source_digest(module_name):
-    """Hash of a kernel module's source and of the numflash.cuda modules it imports: an edit of
-    any of them invalidates that kernel's cached cubins and shipped PTX, and no other kernel's."""
+    """Hash of a kernel module's source, of the numflash.cuda modules it imports and of the code
+    that turns kernels into PTX: an edit of any of them invalidates that kernel's cached cubins
+    and shipped PTX, and no other kernel's."""
     digest = _DIGESTS.get(module_name)
     if digest is None:
+        import inspect
         import sys
         h = hashlib.sha256()
         for path in _sources(sys.modules[module_name].__file__):
             h.update(path.name.encode())
             h.update(path.read_bytes())
+        for fn in (compile_ptx, _device_functions_target):  # how kernels become PTX
+            h.update(inspect.getsource(fn).encode())
         digest = _DIGESTS[module_name] = h.hexdigest()[:16]
     return digest
 
@@ -315,7 +324,8 @@ class Kernel:
 
     ``name`` and ``config`` identify the variant; ``factory(**config)`` returns the function.
     Compiled cubins are cached per (variant, argument types, architecture, numba-cuda version,
-    the sources of its kernel module and of what that imports) on disk, and the loaded functions in memory.
+    the sources of its kernel module, of what that imports, and of compile_ptx) on disk, and the
+    loaded functions in memory.
     """
 
     def __init__(self, name, factory, config, fastmath=FASTMATH):
@@ -334,21 +344,24 @@ class Kernel:
             self._pyfunc = self.factory(**self.config)
         return self._pyfunc
 
+    def _identity(self, argtypes):
+        """What decides this variant's PTX: name, config, argument types, sources, fastmath."""
+        return [self.name, sorted(self.config.items()), [str(t) for t in argtypes],
+                source_digest(self.factory.__module__), self.fastmath]
+
     def cache_key(self, argtypes, cc):
+        """The disk cache's key: the variant's identity, the architecture and numba-cuda's
+        version. No driver or nvJitLink version: a cubin does not depend on the driver that
+        loads it, and one an older nvJitLink linked stays valid."""
         import numba_cuda
         ver = getattr(numba_cuda, "__version__", "?")
-        text = json.dumps([self.name, sorted(self.config.items()), [str(t) for t in argtypes],
-                           list(cc), ver, self.source_digest(), self.fastmath], default=str)
+        text = json.dumps(self._identity(argtypes) + [list(cc), ver], default=str)
         return hashlib.sha256(text.encode()).hexdigest()[:32]
 
-    def source_digest(self):
-        return source_digest(self.factory.__module__)
-
     def prebuilt_key(self, argtypes):
-        """The key of this variant's shipped PTX (numflash/cuda/prebuilt): like cache_key, but
-        without numba-cuda's version, which changes nothing in PTX already generated."""
-        text = json.dumps([self.name, sorted(self.config.items()), [str(t) for t in argtypes],
-                           self.source_digest(), self.fastmath], default=str)
+        """The key of this variant's shipped PTX (numflash/cuda/prebuilt): its identity, without
+        numba-cuda's version, which changes nothing in PTX already generated."""
+        text = json.dumps(self._identity(argtypes), default=str)
         return hashlib.sha256(text.encode()).hexdigest()[:32]
 
     def _paths(self, argtypes, cc):
