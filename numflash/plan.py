@@ -135,7 +135,7 @@ class Plan:
                  "prebuilt": "shipped PTX (links in about a second, then cached)",
                  "compile": "not cached: compiles from source on first use (5-60 s; python -m "
                             "numflash.precompile compiles ahead)"}
-        loaded = [k.loaded_for(self.device.cc) for k, _ in self.compiled_kernels()]
+        loaded = [k.loaded_for(sig, self.device.cc) for k, sig in self.compiled_kernels()]
         if all(loaded):
             return "loaded in this process"
         return "; ".join(f"{k.name}: {words[k.status(sig, self.device.cc)]}"

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 pytest.importorskip("numba_cuda", reason="precompiling belongs to the CUDA path")
@@ -265,3 +266,22 @@ def test_ship_writes_portable_ptx_and_only_remakes_what_changed(tmp_path, monkey
     again = pc.precompile(**args)
     assert sorted(status for _, status, _ in again) == ["cached", "cached"]
     assert sorted(p.name for p in (tmp_path / "ptx").glob("*.ptx.xz")) == files
+
+
+def test_explain_says_loaded_only_for_the_argument_types_loaded():
+    """cuda.row's backward runs one Kernel on float16 and on float32 arrays: a load for one
+    must not make explain call the other loaded."""
+    plans = {dt: planner._choose(StandIn(64, dt, direction="backward"), "cuda", "auto",
+                                 device=Device.of_arch((9, 0))) for dt in ("float16", "float32")}
+    (k16, s16), _ = plans["float16"].compiled_kernels()
+    (k32, s32), _ = plans["float32"].compiled_kernels()
+    assert k16 is k32 and s16 != s32
+    args = [np.zeros((1, 1, 1, 1), np.float16)] * 4 + [np.zeros((1, 1, 1), np.float32)] * 2 + \
+        [np.zeros((1, 1, 1, 1), np.float32)] * 2 + [0.5, 1, 0]
+    assert launch._signature_key(args) == launch._argtypes_key(s16)
+    k16._loaded[(launch._signature_key(args), (9, 0), 0)] = object()
+    try:
+        assert k16.loaded_for(s16, (9, 0)) and not k16.loaded_for(s32, (9, 0))
+        assert not k16.loaded_for(s16, (8, 0))
+    finally:
+        k16._loaded.clear()

@@ -110,6 +110,13 @@ def array_type(dtype, ndim=4):
     return types.Array(numpy_support.from_dtype(np.dtype(dtype)), ndim, "A")
 
 
+def _argtypes_key(argtypes):
+    """_signature_key for numba argument types: what explain has before any launch."""
+    from numba import types
+    return tuple((np.dtype(str(t.dtype)).char, t.ndim) if isinstance(t, types.Array)
+                 else (float if isinstance(t, types.Float) else int) for t in argtypes)
+
+
 def _signature_key(args):
     """A cheap hashable stand-in for the argument types (building numba types costs ~4 us each)."""
     return tuple([(a.dtype.char, a.ndim) if hasattr(a, "ndim") else type(a) for a in args])
@@ -412,9 +419,12 @@ class Kernel:
         meta["from_disk"] = False
         return cubin, meta
 
-    def loaded_for(self, cc):
-        """True if some device of compute capability ``cc`` has this variant loaded already."""
-        return any(key[1] == cc for key in self._loaded)
+    def loaded_for(self, argtypes, cc):
+        """True if a device of compute capability ``cc`` has this variant loaded already, for
+        these argument types (one Kernel may run several: cuda.row's backward on float16 and on
+        float32 arrays)."""
+        want = _argtypes_key(argtypes)
+        return any(key[0] == want and key[1] == tuple(cc) for key in self._loaded)
 
     def _function(self, args, cc, device_id):
         key = (_signature_key(args), cc, device_id)
