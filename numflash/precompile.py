@@ -125,9 +125,9 @@ def _progress(total, desc):
 
 def precompile(archs=None, dtypes=COMMON["dtypes"], head_dims=COMMON["head_dims"],
                directions=COMMON["directions"], jobs=None, ship=False, progress=True):
-    """Compile every variant those calls would launch that the cache does not hold yet (all of
-    them with ``ship``, into the package's shipped PTX). Returns [(description, status before,
-    seconds)]."""
+    """Compile every variant those calls would launch that the cache does not hold yet (with
+    ``ship``: into the package's shipped PTX, every variant whose current source is not shipped
+    yet). Returns [(description, status before, seconds)]."""
     from .cuda import launch, prebuilt
     if archs is None:
         archs = visible_archs() or COMMON["archs"]
@@ -135,8 +135,8 @@ def precompile(archs=None, dtypes=COMMON["dtypes"], head_dims=COMMON["head_dims"
     for kernel, sig, cc, plan in targets(archs, dtypes, head_dims, directions):
         about = launch.describe(kernel.name, kernel.config, cc, sig)
         if ship:  # only what is not shipped for its current source yet
-            shipped = prebuilt.find(kernel.prebuilt_key(sig), cc)
-            status = "cached" if shipped and shipped.name.endswith(
+            path = prebuilt.find(kernel.prebuilt_key(sig), cc)
+            status = "cached" if path and path.name.endswith(
                 f"sm{cc[0]}{cc[1]}.ptx.xz") else "compile"
             if status == "cached":
                 keep.append((kernel.prebuilt_key(sig), cc))
@@ -150,7 +150,8 @@ def precompile(archs=None, dtypes=COMMON["dtypes"], head_dims=COMMON["head_dims"
     bar = _progress(len(todo), "numflash precompile") if progress else None
     shipped = []
     # spawn: fresh workers that import numba themselves (a fork of a process that already
-    # started numba's threads is not safe); they compile for real GPUs, never in the simulator.
+    # started numba's threads is not safe); they compile for real GPUs, never in the simulator,
+    # so the variable they inherit is set to 0 while the pool runs.
     simulator = os.environ.get("NUMBA_ENABLE_CUDASIM")
     os.environ["NUMBA_ENABLE_CUDASIM"] = "0"
     try:
