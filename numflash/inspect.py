@@ -7,39 +7,17 @@ non-zero if any default config spills, so CI can hold the line.
 import argparse
 import sys
 
-import numpy as np
 
 DTYPES = ("float16", "float32", "float64")
 HEAD_DIMS = (1, 32, 59, 64, 111, 128, 256)
 KERNELS = ("block", "row", "mma")
 
 
-class _DeviceArray:
-    """Shape, dtype, strides and a 16-byte aligned address: what cuda.mma's config() reads."""
-
-    def __init__(self, shape, dtype):
-        a = np.empty((0,), dtype)
-        self.shape, self.dtype, self.itemsize = shape, a.dtype, a.itemsize
-        self.strides = tuple(int(np.prod(shape[i + 1:])) * a.itemsize for i in range(len(shape)))
-        self.data = type("Ptr", (), {"ptr": 0})()
-
-
-class _Shape:
-    """Just enough of a Problem for a kernel module's config(): contiguous (B, H, N, d) device
-    arrays, so cuda.mma takes its cp.async path where the head dim allows."""
-
-    def __init__(self, d, dtype):
-        self.shape = (1, 1, 128, 128, d, d)
-        self.dtype = np.dtype(dtype)
-        self.dtype_name = self.dtype.name
-        self.q = self.k = self.v = _DeviceArray((1, 1, 128, d), dtype)
-        self.on_device, self.precision = True, "auto"
-
-
 def variants(archs, head_dims=HEAD_DIMS, dtypes=DTYPES, kernels=KERNELS):
     """(kernel module, config, dtype, cc) for the default config of every kernel at each size."""
     from .cuda import block, mma, row
     from .device import Device
+    from .precompile import StandIn
     for cc in archs:
         device = Device.of_arch(cc)
         modules = {"block": block, "row": row, "mma": mma}
@@ -47,7 +25,7 @@ def variants(archs, head_dims=HEAD_DIMS, dtypes=DTYPES, kernels=KERNELS):
             for d in head_dims:
                 for dt in dtypes:
                     try:
-                        cfg = module.config(_Shape(d, dt), device)
+                        cfg = module.config(StandIn(d, dt), device)
                     except ValueError as e:  # plan.Unsupported: this arch can't take it
                         yield module, None, dt, cc, d, str(e)
                         continue

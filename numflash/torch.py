@@ -546,12 +546,15 @@ def _as_4d(t):
     return t.reshape(-1, t.shape[-3], *t.shape[-2:])
 
 
-def _flash_attn_mods(where, dropout_p, window_size, softcap, alibi_slopes, causal, nq, nk):
-    """flash-attn's window_size, softcap and alibi_slopes as numflash modification options
-    (numflash.mods, the CPU path for now), or a refusal naming the option."""
+def _refuse_dropout(where, dropout_p):
     if dropout_p:
         raise NotImplementedError(f"{where}: dropout_p={dropout_p} is not supported (numflash "
                                   f"has no dropout); pass dropout_p=0.0")
+
+
+def _flash_attn_mods(where, window_size, softcap, alibi_slopes, causal, nq, nk):
+    """flash-attn's window_size, softcap and alibi_slopes as numflash modification options
+    (numflash.mods, the CPU path for now), or a refusal naming the option."""
     mods = {}
     if window_size is not None and tuple(window_size) != (-1, -1):
         mods["window_size"] = tuple(window_size)
@@ -583,9 +586,9 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     causal=False and Nq != Nk (see :func:`_flash_attn_mods`).
     """
     _check_tensors(q=q, k=k, v=v)
-    mods = _flash_attn_mods("flash_attn_func", dropout_p, window_size, softcap, alibi_slopes,
-                            causal, q.shape[1] if q.dim() == 4 else 0,
-                            k.shape[1] if k.dim() == 4 else 0)
+    _refuse_dropout("flash_attn_func", dropout_p)
+    mods = _flash_attn_mods("flash_attn_func", window_size, softcap, alibi_slopes, causal,
+                            q.shape[1] if q.dim() == 4 else 0, k.shape[1] if k.dim() == 4 else 0)
     causal_mode = "bottom_right" if causal else False
     out, lse = attention(q, k, v, causal=causal_mode, softmax_scale=softmax_scale, layout="bshd",
                          return_lse=True, deterministic=deterministic, **mods)
@@ -613,7 +616,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=Non
     _check_tensors(q=q, k=k, v=v)
     lengths = [c.tolist() if isinstance(c, torch.Tensor) else c
                for c in (cu_seqlens_q, cu_seqlens_k)]
-    _flash_attn_mods("flash_attn_varlen_func", dropout_p, None, 0, None, True, 0, 0)  # dropout
+    _refuse_dropout("flash_attn_varlen_func", dropout_p)
     cq, ck = _check_packed(q, k, v, *lengths, max_seqlen_q, max_seqlen_k, torch_ok=True)
     mode = "bottom_right" if causal else False
     outs, lses = [], []
@@ -625,8 +628,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=Non
                 raise ValueError(f"alibi_slopes of shape {tuple(slopes.shape)}: its first "
                                  f"dimension must be the {cq.size - 1} sequences")
             slopes = slopes[b]
-        mods = _flash_attn_mods("flash_attn_varlen_func", dropout_p, window_size, softcap,
-                                slopes, causal, eq - sq, ek - sk)
+        mods = _flash_attn_mods("flash_attn_varlen_func", window_size, softcap, slopes, causal,
+                                eq - sq, ek - sk)
         out, lse = attention(q[None, sq:eq], k[None, sk:ek], v[None, sk:ek], causal=mode,
                              softmax_scale=softmax_scale, layout="bshd", return_lse=True,
                              deterministic=deterministic, **mods)
