@@ -40,20 +40,24 @@ def log(rank, *a):
 
 def _timed(fn, reps, warmup, group_sync):
     """(CUDA-event milliseconds of each repeat after the warm-up, peak GiB allocated by torch
-    during them, inputs included)."""
+    during them, inputs included).
+
+    The events are numflash.bench.timing's; the loop is this script's own, because every call
+    must start after ``group_sync`` (a barrier of all ranks: a step's time is the slowest
+    rank's), and a call's output must be gone before the next starts (the peak is one call's).
+    """
     import torch
+    from numflash.bench.timing import CudaEventTimer
+    timer = CudaEventTimer("torch")
     ts = []
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     for i in range(warmup + reps):
         group_sync()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
+        out, ms, _ = timer(fn)
+        del out
         if i >= warmup:
-            ts.append(start.elapsed_time(end))
+            ts.append(ms)
     return ts, torch.cuda.max_memory_allocated() / 2 ** 30
 
 

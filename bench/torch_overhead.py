@@ -13,25 +13,18 @@ medians are shown.
 import argparse
 import json
 import statistics
-import time
 
 import torch
 import torch.nn.functional as F
 
 import numflash.torch as nt
+from numflash.bench.timing import CudaEventTimer, per_call_ms
 
 
-def loop(fn, calls):
+def loop(timer, fn, calls):
     """(wall us, GPU us) per call over `calls` back-to-back calls."""
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    t0 = time.perf_counter()
-    start.record()
-    for _ in range(calls):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / calls * 1e6, start.elapsed_time(end) / calls * 1e3
+    gpu_ms, wall_ms = per_call_ms(timer, fn, calls)
+    return wall_ms * 1e3, gpu_ms * 1e3
 
 
 def main():
@@ -67,10 +60,11 @@ def main():
     for fn in methods.values():  # warm-up
         for _ in range(200):
             fn()
+    timer = CudaEventTimer("torch")
     samples = {name: [] for name in methods}
     for _ in range(a.repeats):  # round robin, so that drifts of the machine hit every method
         for name, fn in methods.items():
-            samples[name].append(loop(fn, a.calls))
+            samples[name].append(loop(timer, fn, a.calls))
     rows = {name: (statistics.median(h for h, _ in s), statistics.median(g for _, g in s))
             for name, s in samples.items()}
     print(f"{torch.cuda.get_device_name()} torch {torch.__version__} {a.dtype} B{B} H{H} N{N} "

@@ -15,27 +15,26 @@ KERNELS = ("block", "row", "mma")
 
 def variants(archs, head_dims=HEAD_DIMS, dtypes=DTYPES, kernels=KERNELS):
     """(kernel module, config, dtype, cc) for the default config of every kernel at each size."""
-    from .cuda import block, mma, row
     from .device import Device
+    from .kernels import operators
     from .precompile import StandIn
     for cc in archs:
         device = Device.of_arch(cc)
-        modules = {"block": block, "row": row, "mma": mma}
-        for module in (modules[k] for k in kernels):
+        for op in (operators()[f"cuda.{k}"] for k in kernels):
             for d in head_dims:
                 for dt in dtypes:
                     try:
-                        cfg = module.config(StandIn(d, dt), device)
-                    except ValueError as e:  # plan.Unsupported: this arch can't take it
-                        yield module, None, dt, cc, d, str(e)
+                        cfg = op.config(StandIn(d, dt), device)
+                    except ValueError as e:  # Unsupported: this arch can't take it
+                        yield op.module, None, dt, cc, d, str(e)
                         continue
-                    yield module, cfg, dt, cc, d, None
+                    yield op.module, cfg, dt, cc, d, None
 
 
 def inspect(archs, head_dims=HEAD_DIMS, dtypes=DTYPES, out=sys.stdout, kernels=("block", "row")):
     """Compile each variant once; returns a list of result dicts. ``kernels`` may add "mma"
     (each tensor-core variant takes ~0.5-2 minutes to compile)."""
-    from .cuda import launch, mma
+    from .cuda import launch
     rows, seen = [], set()
     for module, cfg, dt, cc, d, why in variants(archs, head_dims, dtypes, kernels):
         if cfg is None:
@@ -45,7 +44,7 @@ def inspect(archs, head_dims=HEAD_DIMS, dtypes=DTYPES, out=sys.stdout, kernels=(
         if key in seen:
             continue
         seen.add(key)
-        shared = mma.smem_bytes(cfg) if module is mma else module.shared_bytes(cfg)
+        shared = module.shared_bytes(cfg)
         (kernel, args), = module.compiled_kernels(cfg, dt)
         _, _, ptx, res = launch.compile_to_cubin(kernel.pyfunc, args, cc)
         rows.append({"kernel": module.NAME, "cc": cc, "d": d, "dtype": dt, "config": cfg,

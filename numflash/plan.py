@@ -1,109 +1,17 @@
-"""What each kernel supports, how "auto" chooses, and why a kernel cannot take an input, in words.
+"""How "auto" chooses a kernel for a problem, and why every other kernel was not chosen, in words.
 
-Every kernel is declared here as data (like xformers' fmha operators), so ``explain`` can say
-why each one was or was not chosen without importing or compiling any of them.
+The kernels and what each declares it supports are in kernels.py; the planner walks its FORWARD
+or BACKWARD list, asking each operator's declarations first (no import, no compile), then its
+kernel module for a config.
 """
 from dataclasses import dataclass, field
 import importlib
 
-from .device import Device, Unsupported, simulator_enabled  # noqa: F401 (kernels' and tests' names)
-from .inputs import IEEE_REASON
+from .device import Device, Unsupported, simulator_enabled  # noqa: F401 (tests' names)
+from .kernels import operators
 
 BACKENDS = ("auto", "cpu", "cuda")
 ALGORITHMS = ("auto", "block", "row", "mma")
-
-
-@dataclass(frozen=True)
-class KernelSpec:
-    name: str
-    backend: str
-    algorithm: str
-    module: str  # defines config(problem, device) -> dict (or raises Unsupported) and
-    #              run(problem, config, device) -> lse
-    dtypes: tuple
-    max_head_dim: int = None         # for both d and dv
-    min_cc: tuple = None
-    runs_in_simulator: bool = True
-    summary: str = ""
-    tf32: bool = False               # float32 on tensor cores: 3xTF32, or one tf32 mma per
-    #                                  product with precision="tf32"; not precision="ieee"
-    direction: str = "forward"       # "backward": run() fills problem.dq, dk, dv
-    mods: bool = False               # takes score / mask modifications (numflash.mods)
-
-    def why_not(self, problem, device):
-        """None if this kernel can run the problem on the device, else the reason in words."""
-        dt = problem.dtype_name
-        mods = getattr(problem, "mods", None)
-        if mods is not None and not self.mods:
-            return (f"{self.name} does not take score/mask modifications yet ({mods}); the CPU "
-                    f"path (cpu.tiled, NumPy arrays) does")
-        precision = getattr(problem, "precision", "auto")
-        if precision == "tf32" and not self.tf32:
-            return (f"{self.name} computes in exact {dt}; precision='tf32' runs on cuda.mma only "
-                    f"(CuPy float32 arrays, compute capability >= 8.0)")
-        if self.tf32 and dt == "float32" and precision == "ieee":
-            return IEEE_REASON
-        if dt not in self.dtypes:
-            return f"{self.name} takes {', '.join(self.dtypes)}, not {dt}"
-        B, H, Nq, Nk, d, dv = problem.shape
-        if self.max_head_dim is not None and max(d, dv) > self.max_head_dim:
-            return (f"{self.name} takes head dims up to {self.max_head_dim} (d={d}, dv={dv}); "
-                    f"the CPU path takes any head dim")
-        if self.backend == "cuda":
-            if device.simulator and not self.runs_in_simulator:
-                return (f"{self.name} uses inline PTX, which numba's CUDA simulator cannot run; "
-                        f"unset NUMBA_ENABLE_CUDASIM and run on a GPU, or use algorithm='block'")
-            if self.min_cc and device.cc is not None and device.cc < self.min_cc:
-                return (f"{self.name} needs compute capability >= {self.min_cc[0]}.{self.min_cc[1]}; "
-                        f"{device.name} is {device.cc[0]}.{device.cc[1]}")
-        return None
-
-
-KERNELS = (
-    KernelSpec("cuda.mma", "cuda", "mma", "numflash.cuda.mma",
-               dtypes=("float16", "bfloat16", "float32", "float64"), max_head_dim=256,
-               min_cc=(8, 0), runs_in_simulator=False, tf32=True,
-               summary="FlashAttention-2 on tensor cores: mma.sync m16n8k16, register online "
-                       "softmax, cp.async double-buffered K/V, ldmatrix; float64 (d <= 128, 64 on "
-                       "sm_8x) on float64 mma.sync; float32 (d <= 128, cc 8.0 / 9.0) as 3xTF32 "
-                       "on m16n8k8 tf32, or one tf32 mma per product with precision='tf32'"),
-    KernelSpec("cpu.tiled", "cpu", "block", "numflash.cpu.tiled",
-               dtypes=("float16", "float32", "float64"), mods=True,
-               summary="numba.njit block-tiled online softmax, parallel over (batch, head, query block)"),
-    KernelSpec("cuda.block", "cuda", "block", "numflash.cuda.block",
-               dtypes=("float16", "float32", "float64"), max_head_dim=256,
-               summary="block-tiled: Q blocks across the grid, K/V tiles in shared memory, "
-                       "register micro-tiles, online softmax per row"),
-    KernelSpec("cuda.row", "cuda", "row", "numflash.cuda.row",
-               dtypes=("float16", "float32", "float64"), max_head_dim=256,
-               summary="FA1 per-row: one thread owns one query row, K/V tiles in shared memory"),
-)
-
-BACKWARD_KERNELS = (
-    KernelSpec("cpu.tiled", "cpu", "block", "numflash.cpu.backward",
-               dtypes=("float16", "float32", "float64"), direction="backward", mods=True,
-               summary="numba.njit FlashAttention-2 backward: parallel over (batch, head, key-block "
-                       "split), P recomputed from lse tile by tile, dQ per split summed in a "
-                       "fixed order (always deterministic)"),
-    KernelSpec("cuda.row", "cuda", "row", "numflash.cuda.row_backward",
-               dtypes=("float16", "bfloat16", "float32", "float64"), max_head_dim=256,
-               direction="backward",
-               summary="FMA FlashAttention-2 backward, one thread a row: a key pass (dK, dV) and a "
-                       "query pass (dQ) that recomputes S, no atomics (always deterministic)"),
-)
-
-# "auto" tries these in order and takes the first that can run the problem.
-AUTO_ORDER = {
-    "forward": {"cpu": ("cpu.tiled",), "cuda": ("cuda.mma", "cuda.block", "cuda.row")},
-    "backward": {"cpu": ("cpu.tiled",), "cuda": ("cuda.row",)},
-}
-
-_SPECS = {"forward": {s.name: s for s in KERNELS},
-          "backward": {s.name: s for s in BACKWARD_KERNELS}}
-
-
-def kernel_specs(direction="forward"):
-    return _SPECS[direction]
 
 
 @dataclass
@@ -113,18 +21,21 @@ class Plan:
     algorithm: str
     kernel: str
     device: Device
-    config: dict = field(default_factory=dict)
+    config: dict = field(default_factory=dict)  # a dict, or cuda.mma's MmaConfig (a Mapping)
     rejected: dict = field(default_factory=dict)  # kernel name -> reason in words
     direction: str = "forward"
     mods: str = ""  # the modifications compiled into the kernel, in words
     dtype: str = ""  # the inputs' dtype name (which compiled variants the config launches)
 
+    @property
+    def operator(self):
+        return operators(self.direction)[self.kernel]
+
     def compiled_kernels(self):
         """[(Kernel, numba argument types)] that running this plan launches (CUDA plans)."""
         if self.backend != "cuda":
             return []
-        module = importlib.import_module(kernel_specs(self.direction)[self.kernel].module)
-        return module.compiled_kernels(self.config, self.dtype)
+        return self.operator.module.compiled_kernels(self.config, self.dtype)
 
     def cache_status(self):
         """Where the plan's kernels get their code on first use in a process, in words; None
@@ -158,8 +69,7 @@ class Plan:
         return "\n".join(lines)
 
     def run(self, problem):
-        module = importlib.import_module(kernel_specs(self.direction)[self.kernel].module)
-        return module.run(problem, self.config, self.device)
+        return self.operator.module.run(problem, self.config, self.device)
 
 
 _device_cache = {}
@@ -250,30 +160,27 @@ def _choose(problem, backend, algorithm, device=None):
             raise ValueError(why)
         device = _cuda_device(problem)
 
-    specs = kernel_specs(direction)
+    ops = operators(direction)
     chosen = None
-    for name in AUTO_ORDER[direction][backend]:
-        spec = specs.get(name)
-        if spec is None:
-            rejected[name] = "not built yet"
+    # this backend's operators in order, then the others' (for a complete explanation)
+    for op in sorted(ops.values(), key=lambda o: o.backend != backend):
+        if op.backend != backend:
+            rejected[op.name] = f"backend={backend!r}"
             continue
-        if algorithm != "auto" and spec.algorithm != algorithm:
-            rejected[name] = f"algorithm={algorithm!r} was asked for"
+        if algorithm != "auto" and op.algorithm != algorithm:
+            rejected[op.name] = f"algorithm={algorithm!r} was asked for"
             continue
-        why = spec.why_not(problem, device)
+        why = op.why_not(problem, device)
         if why is None and chosen is None:
             try:
-                config = importlib.import_module(spec.module).config(problem, device)
-                chosen = spec
+                config = op.module.config(problem, device)
+                chosen = op
             except Unsupported as e:
                 why = str(e)
         if why is not None:
-            rejected[name] = why
-        elif chosen is not spec:
-            rejected[name] = f"{chosen.name} comes first for 'auto'"
-    for spec in specs.values():  # kernels of the other backend, for a complete explanation
-        if spec.backend != backend:
-            rejected.setdefault(spec.name, f"backend={backend!r}")
+            rejected[op.name] = why
+        elif chosen is not op:
+            rejected[op.name] = f"{chosen.name} comes first for 'auto'"
 
     if chosen is None:
         asked = f"algorithm={algorithm!r} on backend={backend!r}"
@@ -282,7 +189,7 @@ def _choose(problem, backend, algorithm, device=None):
             raise ValueError(f"{asked} does not exist: the CPU path implements the block-tiled "
                              f"loop only (algorithm='block' or 'auto')")
         reasons = "; ".join(f"{n}: {w}" for n, w in rejected.items()
-                            if specs.get(n) is not None and specs[n].backend == backend)
+                            if ops[n].backend == backend)
         raise ValueError(f"no numflash kernel can run {asked} for these inputs: {reasons}")
 
     mods = getattr(problem, "mods", None)

@@ -66,7 +66,6 @@ def targets(archs, dtypes, head_dims, directions):
     (causal or not, any sequence length: those are runtime arguments of one variant)."""
     from . import plan as planner
     from .device import Device
-    import importlib
     out, seen = [], set()
     for cc in archs:
         device = Device.of_arch(cc)
@@ -78,9 +77,7 @@ def targets(archs, dtypes, head_dims, directions):
                         plan = planner._choose(problem, "cuda", "auto", device=device)
                     except ValueError:  # nothing runs it there (explain says why): nothing to do
                         continue
-                    spec = planner.kernel_specs(direction)[plan.kernel]
-                    module = importlib.import_module(spec.module)
-                    for kernel, sig in module.compiled_kernels(plan.config, dt):
+                    for kernel, sig in plan.compiled_kernels():
                         key = (kernel.name, tuple(sorted(kernel.config.items())), str(sig), cc)
                         if key not in seen:
                             seen.add(key)

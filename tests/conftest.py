@@ -41,17 +41,6 @@ EXTENDED_TESTS = {
     "test_ship_writes_portable_ptx_and_only_remakes_what_changed",  # maintainers' path, compiles
 }
 FAST_CASES = {  # sweep -> the case ids that stay in the fast tier
-    # d32-dv96 compiles in 18 s on 2 cores, d64 in 53-62 s; the shipped sm_90 3xTF32 PTX is
-    # linked in the fast tier too (tests/test_precompile.py)
-    "test_3xtf32_variant_compiles_clean": {"d32-dv96-sm80"},
-    "test_3xtf32_source_emulated_on_cpu": {"d32-dv96-bottom_right-cp.async"},
-    "test_tf32_variant_compiles_clean": {"d64-sm80"},
-    "test_tf32_source_emulated_on_cpu": {"d32-dv96-bottom_right"},
-    "test_f64_variant_compiles_clean": {"d64-sm80", "d128-sm90-scalar"},
-    "test_f64_source_emulated_on_cpu": {"d32-dv96-bottom_right-cp.async",
-                                        "d59-dv40-causal-scalar"},
-    "test_kernel_variant_compiles_clean": {"D64-DV64-NW4-BC64-HOLDQ1-DTf16-VEC0-DBG0-sm90",
-                                           "D32-DV32-NW4-BC64-HOLDQ1-DTf16-VEC1-DBG0-sm80"},
     "test_row_kernel_large_head_dims": {"float32-16-256-0-2", "float32-200-40-1-1"},
     "test_tensor_core_word_kernel_emulated": {"f64-float64"},  # GQA; 3xtf32 emulates for 22 s
     # modifications: every built-in together (all causal modes), key padding and a user mask in

@@ -1,5 +1,5 @@
 """numflash.bench: the CPU suite end to end at tiny sizes, the pure helpers, and the GPU-side
-table/plot code on fabricated records (no GPU needed)."""
+table/plot code on fabricated records (no GPU needed); each helper from the module it lives in."""
 import glob
 import json
 import math
@@ -9,6 +9,8 @@ import numpy as np
 import pytest
 
 from numflash import bench
+from numflash.bench import (backends, baselines, cases, checks, cli, failures, methods, plots,
+                            report, runner, timing)
 from numflash.testing import check
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -49,7 +51,7 @@ def test_cpu_backward_end_to_end(tmp_path, capsys):
         assert r["status"] == "ok" and r["check"]["ok"], r
         assert r["check"]["checked"].startswith("b0h0 dq, dk, dv")
         assert r["flops"] == pytest.approx(
-            2.5 * bench.attention_flops(1, 2, 64, 64, 16, r["causal"]))
+            2.5 * cases.attention_flops(1, 2, 64, 64, 16, r["causal"]))
     ours = [r for r in rows if r["method"] == "numflash-block"]
     assert len(ours) == 2 and all("numpy-naive" in r["speedup"] for r in ours)
     assert all(r["info"]["kernel"] == "cpu.tiled" for r in ours)
@@ -102,12 +104,12 @@ def test_cpu_grid_end_to_end(tmp_path, capsys):
         assert r["check"]["ok"] and r["check"]["checked"] == "all"
         assert r["reps"] >= 3 and r["time_ms"]["min"] <= r["time_ms"]["median"] <= r["time_ms"]["max"]
         assert r["tflops"] == pytest.approx(
-            bench.attention_flops(1, 2, r["Nq"], r["Nk"], 16, r["causal"])
+            cases.attention_flops(1, 2, r["Nq"], r["Nk"], 16, r["causal"])
             / (r["time_ms"]["median"] * 1e-3) / 1e12)
     for r in rows:
         if r["method"] == "numflash-block":
             peer = next(p for p in rows if p["method"] == "numpy-naive"
-                        and bench.config_key(p) == bench.config_key(r))
+                        and runner.config_key(p) == runner.config_key(r))
             assert r["speedup"]["numpy-naive"] == pytest.approx(
                 peer["time_ms"]["median"] / r["time_ms"]["median"])
             assert r["info"]["kernel"] == "cpu.tiled"
@@ -156,37 +158,37 @@ def test_cpu_memory_and_decode_suites(tmp_path, capsys):
 # ----------------------------------------------------------------------------- pure helpers
 
 def test_flops_and_tflops():
-    assert bench.attention_flops(4, 16, 1024, 1024, 64) == 4 * 4 * 16 * 1024 * 1024 * 64
-    assert bench.attention_flops(4, 16, 1024, 1024, 64, causal=True) == 2 * 4 * 16 * 1024 ** 2 * 64
-    assert bench.attention_flops(1, 1, 1, 32768, 128) == 4 * 32768 * 128  # decode row
-    assert bench.tflops(2e12, 1000.0) == pytest.approx(2.0)
-    assert bench.tflops(1e9, 0.5) == pytest.approx(2.0)
-    assert bench.tflops(1e9, None) is None and bench.tflops(1e9, 0) is None
+    assert cases.attention_flops(4, 16, 1024, 1024, 64) == 4 * 4 * 16 * 1024 * 1024 * 64
+    assert cases.attention_flops(4, 16, 1024, 1024, 64, causal=True) == 2 * 4 * 16 * 1024 ** 2 * 64
+    assert cases.attention_flops(1, 1, 1, 32768, 128) == 4 * 32768 * 128  # decode row
+    assert cases.tflops(2e12, 1000.0) == pytest.approx(2.0)
+    assert cases.tflops(1e9, 0.5) == pytest.approx(2.0)
+    assert cases.tflops(1e9, None) is None and cases.tflops(1e9, 0) is None
 
 
 def test_summarize_and_ratio():
-    s = bench.summarize([3.0, 1.0, 10.0, 2.0])
+    s = timing.summarize([3.0, 1.0, 10.0, 2.0])
     assert s == {"median": 2.5, "min": 1.0, "max": 10.0, "n": 4}
-    assert bench.summarize([5.0])["median"] == 5.0
+    assert timing.summarize([5.0])["median"] == 5.0
     with pytest.raises(ValueError):
-        bench.summarize([])
-    assert bench.speed_ratio(10.0, 4.0) == pytest.approx(2.5)  # numflash 2.5x faster
-    assert bench.speed_ratio(1.0, 4.0) == pytest.approx(0.25)
-    assert bench.speed_ratio(None, 4.0) is None and bench.speed_ratio(1.0, 0.0) is None
+        timing.summarize([])
+    assert runner.speed_ratio(10.0, 4.0) == pytest.approx(2.5)  # numflash 2.5x faster
+    assert runner.speed_ratio(1.0, 4.0) == pytest.approx(0.25)
+    assert runner.speed_ratio(None, 4.0) is None and runner.speed_ratio(1.0, 0.0) is None
 
 
 def test_choose_repeats_and_input_sets():
     gpu = dict(min_reps=10, max_reps=50, budget_s=0.5, cap_s=30.0, floor_reps=3)
-    assert bench.choose_repeats(0.001, **gpu) == 50       # fast: as many as the budget allows
-    assert bench.choose_repeats(0.1, **gpu) == 10         # never under the minimum ...
-    assert bench.choose_repeats(10.0, **gpu) == 3         # ... unless 10 calls exceed the cap
-    assert bench.choose_repeats(100.0, **gpu) == 3        # and never under the floor
+    assert timing.choose_repeats(0.001, **gpu) == 50       # fast: as many as the budget allows
+    assert timing.choose_repeats(0.1, **gpu) == 10         # never under the minimum ...
+    assert timing.choose_repeats(10.0, **gpu) == 3         # ... unless 10 calls exceed the cap
+    assert timing.choose_repeats(100.0, **gpu) == 3        # and never under the floor
     cpu = dict(min_reps=10, max_reps=10, budget_s=0.0, cap_s=3.0, floor_reps=3)
-    assert bench.choose_repeats(0.05, **cpu) == 10
-    assert bench.choose_repeats(0.5, **cpu) == 6
-    assert bench.n_input_sets(10 * 2 ** 20, 50 * 2 ** 20) == 8   # capped
-    assert bench.n_input_sets(40 * 2 ** 20, 50 * 2 ** 20) == 3
-    assert bench.n_input_sets(1 << 30, 50 * 2 ** 20) == 3        # never fewer than 3
+    assert timing.choose_repeats(0.05, **cpu) == 10
+    assert timing.choose_repeats(0.5, **cpu) == 6
+    assert timing.n_input_sets(10 * 2 ** 20, 50 * 2 ** 20) == 8   # capped
+    assert timing.n_input_sets(40 * 2 ** 20, 50 * 2 ** 20) == 3
+    assert timing.n_input_sets(1 << 30, 50 * 2 ** 20) == 3        # never fewer than 3
 
 
 def test_attach_ratios_only_compares_accurate_results():
@@ -198,29 +200,29 @@ def test_attach_ratios_only_compares_accurate_results():
     recs = [rec("numflash-block", "numflash", 2.0), rec("numflash-row", "numflash", 4.0, "FAIL"),
             rec("cupy-naive", "peer", 6.0), rec("torch-flash", "peer", 1.0, "OOM"),
             rec("torch-cudnn", "peer", None, "skipped"), rec("torch-math", "peer", 5.0, "FAIL")]
-    bench.attach_ratios(recs)
+    runner.attach_ratios(recs)
     assert recs[0]["speedup"] == {"cupy-naive": pytest.approx(3.0),
                                   "torch-math": pytest.approx(2.5)}
     assert recs[0]["speedup_flags"] == {"torch-math": "FAIL"}
     assert recs[0]["speedup_missing"] == {"torch-flash": "OOM"}
     # a numflash result that fails the check is never compared
     assert recs[1]["speedup"] == {} and recs[1]["speedup_missing"]["cupy-naive"] == "FAIL"
-    assert bench.speedup_text(recs[1]) == "FAIL"
-    text = bench.speedup_text(recs[0])
+    assert report.speedup_text(recs[1]) == "FAIL"
+    text = report.speedup_text(recs[0])
     assert "3.00x cupy-naive" in text and "2.50x torch-math (peer FAIL)" in text
     assert "torch-flash OOM" in text and "torch-cudnn" not in text
 
 
 def test_check_plan_samples_rows_and_heads():
-    parts, desc = bench.check_plan(1, 2, 64, 64, max_elems=1 << 20)
+    parts, desc = checks.check_plan(1, 2, 64, 64, max_elems=1 << 20)
     assert parts == [(None, None, None)] and desc == "all"
-    parts, desc = bench.check_plan(4, 16, 8192, 8192, max_elems=1 << 22)
+    parts, desc = checks.check_plan(4, 16, 8192, 8192, max_elems=1 << 22)
     assert [(b, h) for b, h, _ in parts] == [(0, 0), (3, 15)]
     rows = parts[0][2]
     assert len(rows) == (1 << 22) // (2 * 8192) and rows[0] == 0 and rows[-1] == 8191
     assert "rows 0:128+8064:8192" in desc
     # a decode row: few queries, many keys -> all rows of two heads
-    parts, desc = bench.check_plan(4, 16, 1, 32768, max_elems=1 << 20)
+    parts, desc = checks.check_plan(4, 16, 1, 32768, max_elems=1 << 20)
     assert parts[0][2] is None and desc.endswith("all rows")
 
 
@@ -232,53 +234,53 @@ def test_sampled_check_catches_errors_in_sampled_rows(causal, rng):
     good, _ = naive(q, k, v, scale=d ** -0.5, causal=causal)
     good = good.astype(np.float32)
     small = 2 * 16 * N  # forces 2 heads x 16 rows: the first and last 8 rows
-    rep = bench.sampled_check(good, q, k, v, causal, max_elems=small)
+    rep = checks.sampled_check(good, q, k, v, causal, max_elems=small)
     assert rep["ok"] and rep["checked"] == "b0h0,b1h2 rows 0:8+248:256"
     # the last rows of a causal problem see almost all keys: a wrong mask offset would fail here
     bad = good.copy()
     bad[1, 2, 250] += 1e-3
-    rep = bench.sampled_check(bad, q, k, v, causal, max_elems=small)
+    rep = checks.sampled_check(bad, q, k, v, causal, max_elems=small)
     assert not rep["ok"] and rep["max_err"] == pytest.approx(1e-3, rel=1e-2)
-    full = bench.sampled_check(bad, q, k, v, causal, max_elems=1 << 30)
+    full = checks.sampled_check(bad, q, k, v, causal, max_elems=1 << 30)
     assert not full["ok"] and full["checked"] == "all"
 
 
 def test_blocks_and_model_bytes():
-    assert bench.blocks_from_config({"block_q": 128, "block_k": 256}) == (128, 256)
-    assert bench.blocks_from_config({"D": 64, "BR": 64, "BC": 32, "TM": 4}) == (64, 32)
-    assert bench.blocks_from_config({"D": 64, "BC": 64, "ROWS": 128}) == (128, 64)
-    assert bench.blocks_from_config({"D": 64}) is None
+    assert cases.blocks_from_config({"block_q": 128, "block_k": 256}) == (128, 256)
+    assert cases.blocks_from_config({"D": 64, "BR": 64, "BC": 32, "TM": 4}) == (64, 32)
+    assert cases.blocks_from_config({"D": 64, "BC": 64, "ROWS": 128}) == (128, 64)
+    assert cases.blocks_from_config({"D": 64}) is None
     from numflash import io_model
     r = {"B": 4, "H": 16, "Nq": 4096, "Nk": 4096, "d": 64, "dtype": "float16", "causal": True}
-    mb, how = bench.model_bytes(dict(r, io="tiled", blocks=(64, 64)))
+    mb, how = cases.model_bytes(dict(r, io="tiled", blocks=(64, 64)))
     assert mb == io_model(4096, 64, dtype_bytes=2, block_rows=64, block_cols=64, batch=4,
                           heads=16, causal=True)["tiled_bytes"] and "BR=64" in how
-    mb, _ = bench.model_bytes(dict(r, io="standard"))
+    mb, _ = cases.model_bytes(dict(r, io="standard"))
     assert mb == io_model(4096, 64, dtype_bytes=2, block_rows=1, block_cols=1, batch=4,
                           heads=16, causal=True)["standard_bytes"]
-    mb, how = bench.model_bytes(dict(r, Nq=1, Nk=32768, io="tiled", blocks=(64, 64)))
+    mb, how = cases.model_bytes(dict(r, Nq=1, Nk=32768, io="tiled", blocks=(64, 64)))
     assert mb == 2 * 4 * 16 * (2 * 64 + 2 * 32768 * 64) and how.startswith("floor")
-    assert bench.model_bytes(dict(r, io=None))[0] is None
+    assert cases.model_bytes(dict(r, io=None))[0] is None
 
 
 def test_is_oom_and_naive_attention():
     class OutOfMemoryError(RuntimeError):
         pass
-    assert bench.is_oom(MemoryError()) and bench.is_oom(OutOfMemoryError("x"))
-    assert bench.is_oom(RuntimeError("CUDA out of memory. Tried to allocate 2 GiB"))
-    assert not bench.is_oom(RuntimeError("No available kernel. Aborting execution."))
+    assert failures.is_oom(MemoryError()) and failures.is_oom(OutOfMemoryError("x"))
+    assert failures.is_oom(RuntimeError("CUDA out of memory. Tried to allocate 2 GiB"))
+    assert not failures.is_oom(RuntimeError("No available kernel. Aborting execution."))
     rng = np.random.default_rng(1)
     q, k, v = (rng.standard_normal((1, 2, 32, 8)).astype(np.float32) for _ in range(3))
     from numflash.reference import naive
     for causal in (False, True):
-        hidden = bench.causal_hidden(np, 32, 32) if causal else None
-        o = bench.naive_attention(np, q, k, v, 8 ** -0.5, hidden)
+        hidden = baselines.causal_hidden(np, 32, 32) if causal else None
+        o = baselines.naive_attention(np, q, k, v, 8 ** -0.5, hidden)
         assert o.dtype == np.float32
         np.testing.assert_allclose(o, naive(q, k, v, scale=8 ** -0.5, causal=causal)[0],
                                    atol=1e-5)
     # float16: S and P stored in float16 (so about float16 precision), output float16
     q16, k16, v16 = (a.astype(np.float16) for a in (q, k, v))
-    o16 = bench.naive_attention(np, q16, k16, v16, 8 ** -0.5, bench.causal_hidden(np, 32, 32))
+    o16 = baselines.naive_attention(np, q16, k16, v16, 8 ** -0.5, baselines.causal_hidden(np, 32, 32))
     assert o16.dtype == np.float16
     ref = naive(q16, k16, v16, scale=8 ** -0.5, causal=True)[0]
     err = np.abs(o16.astype(np.float64) - ref).max()
@@ -286,33 +288,33 @@ def test_is_oom_and_naive_attention():
 
 
 def test_cli_parsing_and_configs():
-    args = bench.parse_args(["--causal", "yes", "--n", "128", "--dtype", "float16"])
+    args = cli.parse_args(["--causal", "yes", "--n", "128", "--dtype", "float16"])
     assert args.causal == (True,)
-    assert bench.parse_args(["--causal", "both"]).causal == (False, True)
+    assert cli.parse_args(["--causal", "both"]).causal == (False, True)
     with pytest.raises(SystemExit):
-        bench.parse_args(["--causal", "maybe"])
-    args = bench.parse_args([])
-    gpu = bench.build_configs("cuda", "grid", args)
+        cli.parse_args(["--causal", "maybe"])
+    args = cli.parse_args([])
+    gpu = cases.build_configs("cuda", "grid", args)
     assert len(gpu) == 5 * 2 * 2 * 2 and {c.B for c in gpu} == {4} and {c.H for c in gpu} == {16}
     assert {c.Nq for c in gpu} == {512, 1024, 2048, 4096, 8192}
-    mem = bench.build_configs("cuda", "memory", args)
+    mem = cases.build_configs("cuda", "memory", args)
     assert [c.Nq for c in mem] == [1024 * 2 ** i for i in range(9)] and mem[-1].Nq == 262144
     assert {(c.B, c.H, c.d) for c in mem} == {(1, 8, 64)}
-    dec = bench.build_configs("cuda", "decode", args)
+    dec = cases.build_configs("cuda", "decode", args)
     assert max(c.Nk for c in dec) == 32768 and {c.Nq for c in dec} == {1, 512}
-    cpu = bench.build_configs("cpu", "grid", args)
+    cpu = cases.build_configs("cpu", "grid", args)
     assert {(c.B, c.H, c.d, c.dtype) for c in cpu} == {(1, 8, 64, "float32")}
     assert len(cpu) == 8
-    assert bench.selected("numflash-row", ["numflash"]) and not bench.selected("cupy-naive",
+    assert methods.selected("numflash-row", ["numflash"]) and not methods.selected("cupy-naive",
                                                                              ["torch"])
-    assert bench.selected("torch-math", ["torch-*"]) and bench.selected("x", None)
+    assert methods.selected("torch-math", ["torch-*"]) and methods.selected("x", None)
 
 
 # ------------------------------------------------------------- GPU report on fabricated records
 
 def _gpu_record(method, family, N, ms, status="ok", dtype="float16", causal=False, suite="grid",
                 **extra):
-    r = bench.base_record(bench.Config(suite, 4 if suite == "grid" else 1,
+    r = runner.base_record(cases.Config(suite, 4 if suite == "grid" else 1,
                                        16 if suite == "grid" else 8, N, N, 64, dtype, causal),
                           method, family, "cuda")
     r.update(status=status, io={"numflash": "tiled", "peer": "standard"}[family]
@@ -322,11 +324,11 @@ def _gpu_record(method, family, N, ms, status="ok", dtype="float16", causal=Fals
         r["time_ms"] = {"median": ms, "min": ms * 0.9, "max": ms * 1.2, "n": 10}
         r["host_ms"] = r["time_ms"]
         r["reps"] = 10
-        r["tflops"] = bench.tflops(r["flops"], ms)
-        r["model_bytes"], r["model_how"] = bench.model_bytes(r)
+        r["tflops"] = cases.tflops(r["flops"], ms)
+        r["model_bytes"], r["model_how"] = cases.model_bytes(r)
         r["bandwidth_GBps"] = (r["model_bytes"] / (ms * 1e-3) / 1e9 if r["model_bytes"]
                                else None)
-        r["predicted_peak_bytes"] = bench.predicted_peak(r)
+        r["predicted_peak_bytes"] = cases.predicted_peak(r)
         r["check"] = {"ok": status == "ok", "max_err": 1e-4 if status == "ok" else 0.5,
                       "rel_err": 1e-4, "bound": 4e-4, "naive_err": 1e-4, "finite": True,
                       "checked": "b0h0,b3h15 rows 0:128+3968:4096"}
@@ -346,8 +348,8 @@ def test_gpu_table_and_plot_from_fabricated_records(tmp_path):
                  _gpu_record("torch-flash", "peer", N, 0.25 * f)]
     recs.append(_gpu_record("torch-cudnn", "peer", 1024, None, status="skipped",
                             note="refused: No available kernel"))
-    bench.attach_ratios(recs)
-    table = bench.markdown_table(recs, "grid", "cuda")
+    runner.attach_ratios(recs)
+    table = report.markdown_table(recs, "grid", "cuda")
     header = [c.strip() for c in table.splitlines()[0].strip("|").split("|")]
     assert "model MB" in header and "GB/s" in header and "speedup vs peers" in header
     lines = table.splitlines()[2:]
@@ -362,12 +364,12 @@ def test_gpu_table_and_plot_from_fabricated_records(tmp_path):
     assert cells[header.index("check")].startswith("FAIL")
     gbs = float(next(ln for ln in lines if ln.startswith("| 1024 ") and "| cupy-naive |" in ln)
                 .strip("|").split("|")[header.index("GB/s")].replace(",", ""))
-    expect = bench.model_bytes(recs[2])[0] / 1.5e-3 / 1e9
+    expect = cases.model_bytes(recs[2])[0] / 1.5e-3 / 1e9
     assert gbs == pytest.approx(expect, rel=1e-3)
-    notes = bench.table_notes(recs, bench.POLICY["cuda"])
+    notes = report.table_notes(recs, timing.POLICY["cuda"])
     assert any("torch-cudnn not run on 1 row(s): refused" in n for n in notes)
     assert any("FAIL" in n for n in notes)
-    png = bench.plot_throughput(recs, str(tmp_path / "grid.png"), "fabricated")
+    png = plots.plot_throughput(recs, str(tmp_path / "grid.png"), "fabricated")
     with open(png, "rb") as f:
         assert f.read(8) == PNG_MAGIC
 
@@ -376,16 +378,16 @@ def test_gpu_memory_report_marks_oom(tmp_path):
     recs = []
     for N in (1024, 4096, 16384, 65536, 262144):
         nf = _gpu_record("numflash-block", "numflash", N, N / 1000, suite="memory")
-        nf["memory"] = {"peak_bytes": bench.predicted_peak(nf)}
+        nf["memory"] = {"peak_bytes": cases.predicted_peak(nf)}
         recs.append(nf)
         if N <= 16384:
             nv = _gpu_record("cupy-naive", "peer", N, N / 500, suite="memory")
-            nv["memory"] = {"peak_bytes": bench.predicted_peak(nv) / 2}
+            nv["memory"] = {"peak_bytes": cases.predicted_peak(nv) / 2}
         else:
             nv = _gpu_record("cupy-naive", "peer", N, None, status="OOM", suite="memory")
         recs.append(nv)
-    bench.attach_ratios(recs)
-    table = bench.markdown_table(recs, "memory", "cuda")
+    runner.attach_ratios(recs)
+    table = report.markdown_table(recs, "memory", "cuda")
     header = [c.strip() for c in table.splitlines()[0].strip("|").split("|")]
     assert "peak MiB (measured)" in header and "peak MiB (io_model)" in header
     oom = next(ln for ln in table.splitlines() if ln.startswith("| 65536 ") and "| cupy-naive |" in ln)
@@ -397,13 +399,13 @@ def test_gpu_memory_report_marks_oom(tmp_path):
     assert nf["speedup_missing"] == {"cupy-naive": "OOM"}
     meta = {"device": "NVIDIA H100 80GB HBM3 (fabricated)", "date": "2026-01-01T00:00:00",
             "device_info": {"memory bytes": 80 * 2 ** 30}}
-    png = bench.plot_suite("memory", recs, str(tmp_path / "mem.png"), meta)
+    png = plots.plot_suite("memory", recs, str(tmp_path / "mem.png"), meta)
     with open(png, "rb") as f:
         assert f.read(8) == PNG_MAGIC
     # the whole report renders with a GPU header
     meta.update(command="python -m numflash.bench --memory", backend="cuda", versions={},
                 timer="CUDA events")
-    text = bench.render_markdown(meta, {"memory": recs}, bench.POLICY["cuda"])
+    text = report.render_markdown(meta, {"memory": recs}, timing.POLICY["cuda"])
     assert "## Long-sequence memory sweep (B=1, H=8, cuda)" in text and "model MB" in text
 
 
@@ -411,7 +413,7 @@ def test_measure_reports_oom_error_and_fail_with_a_fake_backend():
     """The runner's handling of failing methods, as the GPU path uses it, on a fake device."""
     cleaned = []
 
-    class FakeBackend(bench.CpuBackend):
+    class FakeBackend(backends.CpuBackend):
         name = "cuda"
 
         def cleanup(self):
@@ -421,12 +423,12 @@ def test_measure_reports_oom_error_and_fail_with_a_fake_backend():
         pass
 
     be = FakeBackend()
-    cfg = bench.Config("grid", 1, 2, 32, 32, 8, "float32", False)
+    cfg = cases.Config("grid", 1, 2, 32, 32, 8, "float32", False)
     sets = be.make_sets(cfg, 2, seed=0)
-    policy = dict(bench.POLICY["cpu"], min_reps=3, max_reps=3)
-    good = bench.Method("cupy-naive", "peer", lambda i: bench.naive_attention(
+    policy = dict(timing.POLICY["cpu"], min_reps=3, max_reps=3)
+    good = methods.Method("cupy-naive", "peer", lambda i: baselines.naive_attention(
         np, *sets[i], cfg.scale))
-    wrong = bench.Method("numflash-block", "numflash", lambda i: bench.naive_attention(
+    wrong = methods.Method("numflash-block", "numflash", lambda i: baselines.naive_attention(
         np, *sets[i], cfg.scale) + 1e-2, io="tiled", info={"blocks": (16, 16)})
 
     def oom(i):
@@ -434,12 +436,12 @@ def test_measure_reports_oom_error_and_fail_with_a_fake_backend():
 
     def broken(i):
         raise RuntimeError("No available kernel. Aborting execution.")
-    r_good = bench.measure(good, cfg, sets, be, policy)
-    r_wrong = bench.measure(wrong, cfg, sets, be, policy)
-    r_oom = bench.measure(bench.Method("cupy-naive", "peer", oom), cfg, sets, be, policy)
-    r_ref = bench.measure(bench.Method("torch-flash", "peer", broken,
+    r_good = runner.measure(good, cfg, sets, be, policy)
+    r_wrong = runner.measure(wrong, cfg, sets, be, policy)
+    r_oom = runner.measure(methods.Method("cupy-naive", "peer", oom), cfg, sets, be, policy)
+    r_ref = runner.measure(methods.Method("torch-flash", "peer", broken,
                                        refusal=lambda e: f"refused: {e}"), cfg, sets, be, policy)
-    r_err = bench.measure(bench.Method("torch-math", "peer", broken), cfg, sets, be, policy)
+    r_err = runner.measure(methods.Method("torch-math", "peer", broken), cfg, sets, be, policy)
     assert r_good["status"] == "ok" and r_good["reps"] == 3 and r_good["check"]["ok"]
     assert r_wrong["status"] == "FAIL" and r_wrong["check"]["max_err"] == pytest.approx(1e-2,
                                                                                       rel=1e-3)
@@ -448,10 +450,10 @@ def test_measure_reports_oom_error_and_fail_with_a_fake_backend():
     assert r_ref["status"] == "skipped" and r_ref["note"].startswith("refused")
     assert r_err["status"] == "ERROR" and "No available kernel" in r_err["note"]
     assert len(cleaned) == 3  # memory is released after every failed method
-    recs = bench.attach_ratios([r_good, r_wrong, r_oom, r_ref, r_err])
-    assert r_wrong["speedup"] == {} and bench.speedup_text(r_wrong) == "FAIL"
+    recs = runner.attach_ratios([r_good, r_wrong, r_oom, r_ref, r_err])
+    assert r_wrong["speedup"] == {} and report.speedup_text(r_wrong) == "FAIL"
     assert not math.isnan(r_good["time_ms"]["median"])
-    table = bench.markdown_table(recs, "grid", "cuda")
+    table = report.markdown_table(recs, "grid", "cuda")
     assert "OOM: OutOfMemoryError" in table and "ERROR: RuntimeError" in table
 
 
@@ -492,32 +494,32 @@ def test_others_cpu_share_sees_a_busy_process(tmp_path):
     import subprocess
     import sys
     import time
-    before = bench._proc_jiffies()
+    before = timing.proc_jiffies()
     assert before is not None
     t0 = time.time()
     while time.time() - t0 < 0.3:  # this process busy: not counted as others
         pass
-    quiet = bench.others_cpu_share(before, bench._proc_jiffies())
+    quiet = timing.others_cpu_share(before, timing.proc_jiffies())
     hog = subprocess.Popen([sys.executable, "-c",
                             "import time\nt=time.time()\nwhile time.time()-t<0.6: pass"])
     try:
-        before = bench._proc_jiffies()
+        before = timing.proc_jiffies()
         time.sleep(0.5)
-        busy = bench.others_cpu_share(before, bench._proc_jiffies())
+        busy = timing.others_cpu_share(before, timing.proc_jiffies())
     finally:
         hog.wait()
     ncpu = os.cpu_count() or 1
     assert 0.0 <= quiet <= 1.0
     assert busy >= 0.5 / ncpu  # one spinning process alone takes about 1/ncpu of the machine
     # busy 200 jiffies of 400, of which this process 100: others took a quarter
-    assert bench.others_cpu_share((100, 1000, 10), (300, 1400, 110)) == pytest.approx(0.25)
-    assert bench.others_cpu_share(None, before) is None
+    assert timing.others_cpu_share((100, 1000, 10), (300, 1400, 110)) == pytest.approx(0.25)
+    assert timing.others_cpu_share(None, before) is None
 
 
 def test_plain_naive_peer_is_exact_attention(rng):
     """The textbook naive peer (the performance issue's "CuPy naive") on NumPy, with and without
     the causal mask."""
-    from numflash.bench import causal_hidden, plain_naive_attention
+    from numflash.bench.baselines import causal_hidden, plain_naive_attention
     q, k, v = (rng.standard_normal((1, 2, 33, 16)).astype(np.float32) for _ in range(3))
     assert check(plain_naive_attention(np, q, k, v, 0.25), q, k, v, softmax_scale=0.25).ok
     hidden = causal_hidden(np, 33, 33)

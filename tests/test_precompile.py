@@ -123,16 +123,30 @@ def test_a_shipped_file_that_cannot_link_is_warned_once_and_compiled_from_source
     assert kernel.status(sig, (8, 0)) == "compile"  # no further attempts in this process
 
 
-def test_an_edited_kernel_source_makes_only_its_own_files_stale(monkeypatch):
+def test_an_edited_kernel_makes_only_its_own_files_stale(monkeypatch):
+    """A SIMT kernel's key hashes its module and the numflash.cuda modules it imports; the
+    tensor-core generator's key hashes the source it generates, so a refactor of the generator
+    that leaves that source alike reships nothing."""
     found = common_targets()
-    mma_file = launch._CUDA_DIR / "mma.py"
-    assert mma_file in launch._sources(mma_file) and launch._CUDA_DIR / "ptx.py" in \
-        launch._sources(mma_file) and launch._CUDA_DIR / "block.py" not in launch._sources(mma_file)
-    # as after an edit of cuda/mma.py: its digest changes, the backward kernels' does not
-    monkeypatch.setitem(launch._DIGESTS, "numflash.cuda.mma", "0" * 16)
-    for kernel, sig, cc, _ in found:
-        shipped = prebuilt.find(kernel.prebuilt_key(sig), cc)
-        assert (shipped is None) == (kernel.name == "cuda.mma"), kernel.name
+    cuda_dir = launch._CUDA_DIR
+    row_backward = launch._sources(cuda_dir / "row_backward.py")
+    assert cuda_dir / "common.py" in row_backward and cuda_dir / "block.py" not in row_backward
+    mma_parts = launch._sources(cuda_dir / "mma" / "__init__.py")
+    assert {cuda_dir / "mma" / f for f in ("forward.py", "operands.py", "staging.py")} <= \
+        set(mma_parts) and cuda_dir / "row.py" not in mma_parts
+
+    def stale():
+        return {kernel.name for kernel, sig, cc, _ in found
+                if prebuilt.find(kernel.prebuilt_key(sig), cc) is None}
+    assert stale() == set()
+    from numflash.cuda.mma import forward
+    generate = forward.kernel_source
+    with monkeypatch.context() as m:  # the generated source changes
+        m.setattr(forward, "kernel_source", lambda cfg: generate(cfg) + "# edited\n")
+        assert stale() == {"cuda.mma"}
+    with monkeypatch.context() as m:  # as after an edit of cuda/row_backward.py
+        m.setitem(launch._DIGESTS, "numflash.cuda.row_backward", "0" * 16)
+        assert stale() == {"cuda.row.backward_keys", "cuda.row.backward_queries"}
 
 
 def test_planned_argument_types_are_the_launched_ones(monkeypatch, rng):

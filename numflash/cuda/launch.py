@@ -42,9 +42,19 @@ def cache_dir():
 _NOT_CODE = ("launch.py", "fastpath.py", "prebuilt.py")
 
 
+def _module_file(directory, name):
+    """The file of module ``name`` (dotted, relative) under ``directory``: a module or a
+    package's __init__; None if neither exists."""
+    base = directory.joinpath(*name.split("."))
+    for path in (base.with_suffix(".py"), base / "__init__.py"):
+        if path.exists():
+            return path
+    return None
+
+
 def _sources(path):
     """A kernel module's file and every numflash.cuda module it imports, transitively (read from
-    its source, imports inside functions included), but for those in _NOT_CODE."""
+    its source, relative imports inside functions included), but for those in _NOT_CODE."""
     import ast
     seen, todo = set(), [pathlib.Path(path)]
     while todo:
@@ -52,14 +62,20 @@ def _sources(path):
         if path in seen or path.name in _NOT_CODE:
             continue
         seen.add(path)
-        if path.parent != _CUDA_DIR:
+        if _CUDA_DIR not in path.parents:
             continue
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.level == 1:
-                for name in ([node.module] if node.module else [a.name for a in node.names]):
-                    dep = _CUDA_DIR / f"{name.split('.')[0]}.py"
-                    if dep.exists():
-                        todo.append(dep)
+            if not (isinstance(node, ast.ImportFrom) and node.level >= 1):
+                continue
+            here = path.parent
+            for _ in range(node.level - 1):
+                here = here.parent
+            names = ([f"{node.module}.{a.name}" for a in node.names] + [node.module]
+                     if node.module else [a.name for a in node.names])
+            for name in names:
+                dep = _module_file(here, name)
+                if dep is not None and (dep.parent == _CUDA_DIR or _CUDA_DIR in dep.parents):
+                    todo.append(dep)
     return sorted(seen)
 
 
@@ -352,9 +368,13 @@ class Kernel:
         return self._pyfunc
 
     def _identity(self, argtypes):
-        """What decides this variant's PTX: name, config, argument types, sources, fastmath."""
-        return [self.name, sorted(self.config.items()), [str(t) for t in argtypes],
-                source_digest(self.factory.__module__), self.fastmath]
+        """What decides this variant's PTX: name, config, argument types, code, fastmath. The
+        code is the factory's ``code_identity(**config)`` where it has one (a generator hashes
+        the source it generates), else the sources of the factory's module and its imports."""
+        code = getattr(self.factory, "code_identity", None)
+        code = code(**self.config) if code else source_digest(self.factory.__module__)
+        return [self.name, sorted(self.config.items()), [str(t) for t in argtypes], code,
+                self.fastmath]
 
     def cache_key(self, argtypes, cc):
         """The disk cache's key: the variant's identity, the architecture and numba-cuda's

@@ -3,9 +3,9 @@ it (nvJitLink/ptxas, about a second) instead of compiling the Python source (num
 lowering plus NVVM: 5-60 s, 95% of a cold first call, bench/RESULTS.md).
 
 Each file is one kernel variant's PTX, xz-compressed, under ptx/, named by its key
-(launch.Kernel.prebuilt_key: kernel name, config, argument types, and the digest of its kernel
-module's source, of the numflash.cuda modules that imports and of launch.compile_ptx) and the
-architecture it was
+(launch.Kernel.prebuilt_key: kernel name, config, argument types, and the digest of its code: the
+kernel module's source and the numflash.cuda modules it imports, or for a generated kernel the
+source it generates; with launch.compile_ptx either way) and the architecture it was
 generated for; ptx/manifest.json lists them. After an edit of a kernel's sources its key no
 longer matches, so its shipped file is not used (it compiles from source as before), and
 tests/test_precompile.py fails until ``python -m numflash.precompile --ship`` has made the

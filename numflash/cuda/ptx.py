@@ -8,8 +8,8 @@ fight numba's integer promotion rules. Packed 16-bit halves are carried as uint3
 index).
 
 None of these run in numba's CUDA simulator (the kernel that uses them is declared
-``runs_in_simulator=False``). Each is unit-tested on the GPU by tests/test_cuda_mma.py,
-tests/test_cuda_f64.py and bench/mma_probe.py.
+``runs_in_simulator=False``). Each is unit-tested alone on the GPU by the tensor-core tests
+(tests/test_mma_*.py).
 
 Fragment layouts of ``mma.sync.aligned.m16n8k16.row.col`` (lane = 4 g + t, g in 0..7, t in 0..3;
 each register holds two consecutive halves, the lower column/row index in the low 16 bits):

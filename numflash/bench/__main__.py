@@ -1,0 +1,6 @@
+"""``python -m numflash.bench``."""
+import sys
+
+from .cli import main
+
+sys.exit(main())

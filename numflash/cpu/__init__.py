@@ -1,0 +1,1 @@
+"""The numba.njit CPU path: the tiled forward and its backward."""

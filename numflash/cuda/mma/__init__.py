@@ -1,0 +1,80 @@
+"""cuda.mma: FlashAttention-2 on tensor cores, compute capability >= 8.0, generated as Python
+source per compile-time config and compiled by numba: float16 / bfloat16 on m16n8k16; float64 on
+float64 tensor cores (exact IEEE products); float32 on tf32 tensor cores as 3xTF32
+(float32-level accuracy) or, with precision="tf32", one tf32 mma per product.
+
+The generator is split by concern, so the backward and a Hopper kernel can be composed from the
+same pieces:
+
+    emit.py      the source buffer, constants, the prologue (indices, per-head views)
+    mask.py      each row's key range, boundary/causal -inf on the fragments
+    softmax.py   accumulators, the online softmax update, the epilogue (normalize, lse)
+    staging.py   cp.async row copies, the double-buffered K/V tile loop, Q ready
+    operands.py  operand kinds (16-bit pairs, tf32 / float64 words, 3xTF32 splits): staging into
+                 words, fragment loads, products, P V, O stores
+    forward.py   the forward kernel composed over those; make_kernel; the code identity
+    tiles.py     MmaConfig, the tile tables, shared memory per config
+    config.py    a problem -> its MmaConfig, or the reason it cannot run
+
+Head dims are padded (zero-filled) up to the next of 32, 64, 96, 128, 256.
+"""
+import math
+
+import numpy as np
+
+from .config import F64_MAX_HEAD_DIM, TF32_MAX_HEAD_DIM, config, vector_ok
+from .forward import kernel_source, make_kernel
+from .tiles import HEAD_DIMS, NAME, X3_CCS, MmaConfig, choose_tile, head_dim_pad, shared_bytes
+
+__all__ = ["NAME", "HEAD_DIMS", "X3_CCS", "MmaConfig", "head_dim_pad", "choose_tile", "shared_bytes",
+           "config", "vector_ok", "TF32_MAX_HEAD_DIM", "F64_MAX_HEAD_DIM", "kernel_source",
+           "make_kernel", "signature", "compiled_kernels", "run"]
+
+_dummy = {}
+
+
+def _as_bits(a):
+    import cupy
+    return a.view(cupy.uint16)
+
+
+def signature(dtype):
+    """The kernel's argument types: q, k, v, out (16-bit inputs as their bits), lse, a float32
+    debug array, the exp2 and natural scales, causal, causal_offset."""
+    from numba import types
+    from ...inputs import lse_dtype
+    from ..launch import array_type
+    arr = array_type("uint16" if np.dtype(dtype).itemsize == 2 else dtype)
+    return (arr, arr, arr, arr, array_type(lse_dtype(dtype), 3), array_type("float32"),
+            types.float64, types.float64, types.int64, types.int64)
+
+
+def compiled_kernels(cfg, dtype):
+    """What run() launches for this config and input dtype: [(Kernel, numba argument types)],
+    for `numflash.precompile` and `explain`'s cache status."""
+    from .. import launch
+    return [(launch.get_kernel(NAME, make_kernel, cfg), signature(dtype))]
+
+
+def run(problem, cfg, device, debug=None):
+    """Launch; returns lse. ``debug``: a float32 (B, H, Nq, BC) CuPy array to receive the masked
+    raw scores of key tile 0 (only with cfg.DBG = 1)."""
+    import cupy
+    from .. import fastpath
+    p = problem
+    B, H, Nq, Nk, d, dv = p.shape
+    (kernel, _), = compiled_kernels(cfg, p.dtype_name)
+    lse = p.empty_lse()
+    if debug is None:
+        key = p.q.device.id
+        if key not in _dummy:
+            _dummy[key] = fastpath.keep(cupy.zeros((1, 1, 1, 1), dtype=cupy.float32))
+        debug = _dummy[key]
+    grid = (-(-Nq // cfg.BR), B * H)
+    # 16-bit kernels take the bits; tf32, 3xTF32 and float64 read their inputs as they are
+    bits = _as_bits if cfg.DT in ("f16", "bf16") else (lambda a: a)
+    kernel(grid, (cfg.NT,), shared_bytes(cfg),
+           (bits(p.q), bits(p.k), bits(p.v), bits(p.out), lse, debug,
+            float(p.scale * math.log2(math.e)), float(p.scale), int(p.causal),
+            int(p.causal_offset)), device)
+    return lse

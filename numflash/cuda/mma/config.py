@@ -1,0 +1,86 @@
+"""Choosing a tensor-core config for a problem on a device, or refusing it with the reason.
+
+What the operator declares (numflash.kernels: dtypes, compute capability, no simulator, tf32 and
+precision="ieee") is checked before config() is asked; here only this kernel's own limits."""
+from ...device import Unsupported
+from .tiles import NAME, X3_CCS, MmaConfig, choose_tile, head_dim_pad, shared_bytes
+
+#: float32 (3xTF32, or tf32 with precision="tf32") takes head dims up to this (d=256 would keep
+#: 128 O accumulators per thread and spill).
+TF32_MAX_HEAD_DIM = 128
+#: float64 takes head dims up to these, by mma form: its fragments take two registers per value,
+#: so d=256 would keep 256 registers of O per thread; on sm_80 (four m8n8k4 per product) ptxas
+#: spills already at dv=128.
+F64_MAX_HEAD_DIM = {"m16n8k8": 128, "m8n8k4": 64}
+
+
+def vector_ok(problem):
+    """None if 16-byte cp.async can read every row of q, k, v, else why not (then VEC=0)."""
+    for name in ("q", "k", "v"):
+        a = getattr(problem, name)
+        item = a.itemsize
+        if a.strides[-1] != item and a.shape[-1] > 1:
+            return f"{name}'s last axis is strided"
+        if a.shape[-1] % (16 // item):  # a 16-byte chunk never straddles the row's end
+            return f"{name}'s head dim {a.shape[-1]} is not a multiple of {16 // item}"
+        if a.data.ptr % 16:
+            return f"{name} is not 16-byte aligned"
+        for n, st in zip(a.shape[:-1], a.strides[:-1]):
+            if n > 1 and st % 16:
+                return f"{name} has a row stride of {st} bytes, not a multiple of 16"
+    return None
+
+
+def config(problem, device):
+    """The MmaConfig for ``problem`` on ``device`` (one the operator's declarations admit);
+    raises Unsupported saying why not."""
+    dt = problem.dtype.name
+    precision = getattr(problem, "precision", "auto")
+    B, H, Nq, Nk, d, dv = problem.shape
+    if problem.k.shape[1] == 0 or H % problem.k.shape[1]:
+        raise Unsupported(f"{NAME}: {H} query heads do not divide into {problem.k.shape[1]} "
+                          "K/V heads")
+    D, DV = head_dim_pad(d), head_dim_pad(dv)
+    vector = problem.on_device and vector_ok(problem) is None
+    form = None
+    if dt == "float32":
+        DT = "tf32" if precision == "tf32" else "3xtf32"
+        if max(D, DV) > TF32_MAX_HEAD_DIM:
+            raise Unsupported(f"{NAME} takes float32 head dims up to {TF32_MAX_HEAD_DIM}; got "
+                              f"d={d}, dv={dv} (with precision='auto' cuda.block takes float32 "
+                              "up to d=256)")
+        if DT == "3xtf32" and device.cc is not None and device.cc not in X3_CCS:
+            raise Unsupported(
+                f"{NAME} runs float32 as 3xTF32 (three tf32 mma per product) only on compute "
+                f"capability 8.0 / 9.0, where tf32 tensor cores outrun the FMA units ~8x; on "
+                f"{device.name} cuda.block is faster (precision='tf32' takes the tensor cores "
+                "with one tf32 mma per product)")
+        if DT == "3xtf32" and not vector:
+            raise Unsupported(
+                f"{NAME} runs float32 (3xTF32) only with 16-byte cp.async staging, and "
+                f"{vector_ok(problem) or 'these are not device arrays'}: staged with scalar "
+                "loads it is slower than cuda.block (a contiguous last axis, d and dv multiples "
+                "of 4 and 16-byte aligned rows take the tensor cores)")
+        VEC = int(DT == "3xtf32")  # tf32 rounds its operands on the way into shared memory
+    elif dt == "float64":
+        form = "m16n8k8" if device.cc is not None and device.cc >= (9, 0) else "m8n8k4"
+        limit = F64_MAX_HEAD_DIM[form]
+        if max(D, DV) > limit:
+            raise Unsupported(f"{NAME} takes float64 head dims up to {limit} on {device.name} "
+                              f"(mma {form}); got d={d}, dv={dv} (cuda.block takes float64 up to "
+                              "d=256)")
+        DT, VEC = "f64", int(vector)
+        tile = choose_tile(D, DV, DT, device.smem_per_block_optin, VEC)
+        if VEC and shared_bytes(MmaConfig(D, DV, *tile, DT, 1)) > device.smem_per_block_optin:
+            VEC = 0  # double-buffered cp.async does not fit: stage with scalar loads instead
+    else:
+        DT = "bf16" if dt == "bfloat16" else "f16"
+        VEC = int(vector)
+    NW, BC, HOLDQ = choose_tile(D, DV, DT, device.smem_per_block_optin, VEC, device.cc)
+    cfg = MmaConfig(D, DV, NW, BC, HOLDQ, DT, VEC, MMA=form)
+    need = shared_bytes(cfg)
+    if need > device.smem_per_block_optin:
+        raise Unsupported(f"{NAME}: needs {need} bytes of shared memory for d={d}, dv={dv}, more "
+                          f"than the {device.smem_per_block_optin} a block may use on "
+                          f"{device.name}")
+    return cfg

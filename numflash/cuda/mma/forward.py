@@ -1,0 +1,147 @@
+"""The FlashAttention-2 forward on tensor cores, composed once over the operand kinds.
+
+A block of NW warps owns BR = 16 NW query rows; each warp owns 16 of them. K and V tiles of BC
+keys are staged in shared memory; per tile each warp computes its 16 x BC block of S = Q K^T on
+the tensor cores (float32 accumulators; float64 for float64), masks the boundary tiles, runs the
+online softmax on the accumulator fragments in registers, and feeds P straight back as the A
+operand of P V, accumulating O in registers. O is normalized once at the end; lse is written.
+Tiles no row of the block can see are never loaded, and warps skip tiles none of their rows see.
+A row that sees no key gives zeros and lse = -inf.
+"""
+import hashlib
+import linecache
+import math
+
+import numpy as np
+
+from .emit import Source, emit_prologue
+from .mask import emit_debug_dump, emit_row_bounds, emit_score_mask
+from .operands import operands_for
+from .softmax import emit_accumulators, emit_epilogue, emit_online_update
+from .staging import emit_q_ready, tile_loop
+from .tiles import MmaConfig
+
+ARGUMENTS = "q, k, v, out, lse, dbg, scale_log2_in, scale_in, causal, causal_offset"
+
+
+def kernel_source(cfg):
+    """Python source of the forward kernel for one MmaConfig (``print`` it to read it)."""
+    ops = operands_for(cfg)
+    L = ops.lay
+    NKK, NN, NVN, NPK = cfg.D // ops.k_step, cfg.BC // 8, cfg.DV // 8, cfg.BC // ops.k_step
+
+    s = Source()
+    s(f"def mma_attention({ARGUMENTS}):")
+    with s.block():
+        emit_prologue(s, cfg.BR, ops.float, ops.word)
+        ops.stage_q(s)
+        emit_row_bounds(s, cfg.BR)
+        ops.q_fragments(s)
+        emit_q_ready(s, cfg.VEC, cfg.HOLDQ, NKK, lambda kk, names: ops.load_q(s, kk, names))
+        emit_accumulators(s, NVN)
+
+        def stage_kv(j0u, buf):
+            return ops.stage_kv(s, j0u, buf)
+
+        with tile_loop(s, stage_kv, cfg.BC, L.kv_words, cfg.VEC, L.kv_off, L.KW) as \
+                (k_off, v_off, kb):
+            s("if j0 < warp_keys:")
+            with s.block():
+                # ---- S = Q K^T
+                ops.zero_scores(s, NN)
+                ops.k_fragments(s, kb, k_off)
+                for kk in range(NKK):
+                    if cfg.HOLDQ:
+                        qa = [f"qf_{kk}_{r}" for r in range(4)]
+                    else:
+                        qa = [f"qa{r}" for r in range(4)]
+                        ops.load_q(s, kk, qa)
+                    for n in range(NN):
+                        b = ops.load_k(s, kk, n)
+                        ops.product(s, [f"s_{n}_{r}" for r in range(4)], qa, b,
+                                    [f"c_{n}_{r}" for r in range(4)])
+                ops.finish_scores(s, NN)
+                # ---- mask, online softmax, O += P V
+                emit_score_mask(s, NN, cfg.BC)
+                if cfg.DBG:
+                    emit_debug_dump(s, NN)
+                emit_online_update(s, NN, NVN, rescale_o=ops.rescales_o_in_softmax)
+                ops.accumulate_pv(s, kb, v_off, NVN, NPK)
+
+        emit_epilogue(s, NVN, lambda n, ra, rb, half: ops.store_o(s, n, ra, rb, half))
+    return s.text()
+
+
+def _namespace(cfg):
+    """The names the generated source calls: numba types, the inline-PTX intrinsics and
+    numflash.cuda.common's device functions, bound for this config."""
+    from numba import cuda, float32, float64, int64, uint16, uint32, uint64
+    from .. import ptx
+    from ..common import key_end
+    real = np.float64 if cfg.DT == "f64" else np.float32
+    return {
+        "cuda": cuda, "math": math, "U": uint64, "I": int64, "uint32": uint32, "uint16": uint16,
+        "float32": float32, "float64": float64,
+        "ZERO": real(0), "ONE": real(1), "NEG_INF": real(-np.inf),
+        "FULL": 0xFFFFFFFF, "key_end": key_end, "kv_head": _kv_head_device(),
+        "mma_f16": ptx.mma_f16, "mma_bf16": ptx.mma_bf16, "mma_tf32": ptx.mma_tf32,
+        "to_tf32": ptx.to_tf32, "split_tf32": ptx.split_tf32,
+        "mma_f64": ptx.mma_f64_m16n8k8 if cfg.MMA == "m16n8k8" else ptx.mma_f64_m8n8k4x4,
+        "pack_f16x2": ptx.pack_f16x2, "pack_bf16x2": ptx.pack_bf16x2,
+        # float64 needs the exact exp2 (libdevice), not ex2.approx.f32
+        "ex2": math.exp2 if cfg.DT == "f64" else ptx.ex2,
+        "ldmatrix_x4": ptx.ldmatrix_x4, "ldmatrix_x4_trans": ptx.ldmatrix_x4_trans,
+        "shared_addr": ptx.shared_addr, "global_addr2": ptx.global_addr2,
+        "cp_async_16": ptx.cp_async_16, "cp_async_commit": ptx.cp_async_commit,
+        "cp_async_wait_0": ptx.cp_async_wait_0, "cp_async_wait_1": ptx.cp_async_wait_1,
+    }
+
+
+def kv_head(h, H, Hkv):
+    """The K/V head serving query head h (GQA: H / Hkv query heads share one)."""
+    return h // (H // Hkv)
+
+
+_device_functions = {}
+
+
+def _kv_head_device():
+    if "kv_head" not in _device_functions:
+        from numba import cuda
+        _device_functions["kv_head"] = cuda.jit(device=True)(kv_head)
+    return _device_functions["kv_head"]
+
+
+_counter = [0]
+
+
+def make_kernel(**config):
+    """The kernel function for one config (numba compiles it; see launch.py)."""
+    cfg = MmaConfig(**config)
+    assert (cfg.MMA is not None) == (cfg.DT == "f64"), "MMA names the float64 instruction only"
+    src = kernel_source(cfg)
+    _counter[0] += 1
+    filename = f"<numflash.cuda.mma {' '.join(f'{k}{v}' for k, v in cfg.items())} " \
+               f"#{_counter[0]}>"
+    linecache.cache[filename] = (len(src), None, src.splitlines(True), filename)
+    ns = _namespace(cfg)
+    exec(compile(src, filename, "exec"), ns)
+    return ns["mma_attention"]
+
+
+def code_identity(**config):
+    """What decides this variant's PTX besides the launcher: the generated source, and the code
+    that binds its names (this module's _namespace and the device-function modules it binds,
+    numflash.cuda.ptx and .common). An edit of the generator that leaves the source alike keeps
+    every cached cubin and shipped PTX valid."""
+    import inspect
+    from .. import common, launch, ptx
+    h = hashlib.sha256(kernel_source(MmaConfig(**config)).encode())
+    for fn in (_namespace, kv_head):
+        h.update(inspect.getsource(fn).encode())
+    h.update(launch.source_digest(ptx.__name__).encode())
+    h.update(launch.source_digest(common.__name__).encode())
+    return h.hexdigest()[:16]
+
+
+make_kernel.code_identity = code_identity

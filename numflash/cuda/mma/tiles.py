@@ -1,0 +1,126 @@
+"""Tile configurations of the tensor-core kernels: the frozen config every piece reads, the tile
+tables (chosen by measurement, cited below), and the shared memory a config occupies."""
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+
+from ...device import Unsupported
+
+NAME = "cuda.mma"
+#: head dims are zero-padded up to the next of these
+HEAD_DIMS = (32, 64, 96, 128, 256)
+
+
+def head_dim_pad(n):
+    for size in HEAD_DIMS:
+        if n <= size:
+            return size
+    raise Unsupported(f"{NAME} takes head dims up to {HEAD_DIMS[-1]}; got {n}")
+
+
+@dataclass(frozen=True)
+class MmaConfig(Mapping):
+    """One compile-time variant of a tensor-core kernel.
+
+    D, DV: padded head dims of q/k and v. NW warps a block, each owning 16 query rows (BR = 16 NW
+    rows, NT = 32 NW threads); BC keys a K/V tile. HOLDQ: Q's A fragments stay in registers (K/V
+    then reuse Q's shared memory). DT: the operand kind ("f16", "bf16", "tf32", "3xtf32", "f64").
+    VEC: 16-byte cp.async staging with double-buffered K/V (else scalar loads). MMA: float64's
+    instruction ("m16n8k8" on sm_90, "m8n8k4" on sm_80). DBG: dump key tile 0's masked scores.
+
+    A read-only mapping too (``cfg["D"]``, ``dict(cfg)``, ``f(**cfg)``) for code that treats
+    every kernel's config alike (the launcher's cache key, ``explain``); unset MMA and DBG=0 are
+    left out of it.
+    """
+    D: int
+    DV: int
+    NW: int
+    BC: int
+    HOLDQ: int
+    DT: str
+    VEC: int
+    MMA: str = None
+    DBG: int = 0
+
+    @property
+    def BR(self):
+        return 16 * self.NW
+
+    @property
+    def NT(self):
+        return 32 * self.NW
+
+    def _items(self):
+        return {f.name: getattr(self, f.name) for f in fields(self)
+                if not (f.name == "MMA" and self.MMA is None)
+                and not (f.name == "DBG" and not self.DBG)}
+
+    def __getitem__(self, key):
+        return self._items()[key]
+
+    def __iter__(self):
+        return iter(self._items())
+
+    def __len__(self):
+        return len(self._items())
+
+
+def shared_bytes(cfg):
+    """Dynamic shared memory of a config (an MmaConfig or a mapping of its fields), in bytes."""
+    from .operands import operands_for
+    ops = operands_for(cfg if isinstance(cfg, MmaConfig) else MmaConfig(**cfg))
+    return ops.word_bytes * ops.lay.total
+
+
+#: float64 tiles (NW, BC, HOLDQ) by largest head dim, fastest first, from the f64 tile sweep on an
+#: H200 (B4 H16 N4096: d=64 9.8 / 10.5 ms, d=128 18.3 / 29.2 ms; bench/NOTES.md); the second is
+#: for less shared memory (d=64: the 99 KB a block gets on sm_86/89). A float64 fragment takes two
+#: registers per value, so ~250 registers a thread allow one 8-warp block per SM: 8 warps share
+#: each K/V tile.
+F64_TILES = {64: ((8, 64, 0), (8, 32, 1)), 128: ((8, 16, 0), (4, 16, 0))}
+#: Where 3xTF32 can beat the FMA units: tf32 mma.sync at >= 8x the fp32 FMA rate on the A100 /
+#: H100 class (timed on the H100 only); on sm_86 / 89 / 12x tf32 tensor cores run at about the
+#: FMA rate, so three mma per product lose.
+X3_CCS = ((8, 0), (9, 0))
+
+
+def _first_that_fits(tiles, D, DV, DT, VEC, smem_limit):
+    """The first (NW, BC, HOLDQ) of ``tiles`` whose shared memory fits ``smem_limit``; else the
+    last, which config() then refuses, naming the shared memory it needs."""
+    for NW, BC, HOLDQ in tiles:
+        if smem_limit is None or shared_bytes(MmaConfig(D, DV, NW, BC, HOLDQ, DT, VEC)) <= smem_limit:
+            return NW, BC, HOLDQ
+    return tiles[-1]
+
+
+def _x3_tiles(D, DV, cc):
+    """3xTF32 tiles, widest first. Timed on the H100 (x3 tile sweep, B4 H16 N4096): d=64
+    (8, 64, 0) 6.05 ms, d=128 (8, 64, 0) 11.86 ms, (8, 32, 0) 13.42 ms. 8 warps share each K/V
+    tile; Q is re-read from shared memory (held, its hi / lo halves would take D/2 more
+    registers). Each thread holds O (DV/2), S (2 x BC/2) and the split P (BC) in registers, so the
+    wide tile is kept to head dims where ptxas fits it in 255 with no spill (checked by the
+    compile tests): BC=64 spills 12-24 bytes at d=96 or DV > D on sm_90, BC=32 at d=96 / dv=128
+    on sm_90, and on sm_80 ptxas needs more registers than on sm_90 for the same source (BC=32
+    spills at dv=128 there; BC=16 does not). d=128 (8, 64, 0) also needs the 202 KB of sm_90."""
+    tiles = []
+    if max(D, DV) <= 64 or D == DV == 128:
+        tiles.append((8, 64, 0))
+    wide_v = DV == 128 and (D != DV or (cc is not None and cc < (9, 0)))
+    tiles.append((8, 16, 0) if wide_v else (8, 32, 0))
+    return tiles
+
+
+def choose_tile(D, DV, DT=None, smem_limit=None, VEC=0, cc=None):
+    """(NW, BC, HOLDQ) for padded head dims, chosen for registers: O (DV/2 floats), S (BC/2) and,
+    when HOLDQ, Q (D/4 words; tf32: D/2) per thread. float64 takes the first of F64_TILES whose
+    shared memory fits smem_limit (sm_80 allows 163 KB a block, sm_86/89 99 KB); 3xTF32 the first
+    of ``_x3_tiles``, which also depend on the compute capability ``cc``."""
+    if DT == "tf32":
+        return (4, 64, 1) if max(D, DV) <= 64 else (4, 64, 0)
+    if DT == "3xtf32":
+        return _first_that_fits(_x3_tiles(D, DV, cc), D, DV, DT, 1, smem_limit)
+    if DT == "f64":
+        return _first_that_fits(F64_TILES[64 if max(D, DV) <= 64 else 128], D, DV, DT, VEC,
+                                smem_limit)
+    if max(D, DV) <= 128:
+        return 4, 64, 1
+    return 4, 32, 0

@@ -1,0 +1,150 @@
+"""Every kernel numflash has, as an operator that declares what it supports (like xformers' fmha
+operators): dtypes, head dims, compute capability, simulator, tf32, modifications, direction.
+
+The planner (plan.py) walks FORWARD or BACKWARD in order -- for "auto" the first operator of the
+backend that takes the problem wins -- and asks each why it cannot take a problem before its
+module is imported or anything compiled, so ``explain`` can give every reason in words. An
+operator's ``config`` checks those declarations first, then asks its kernel module for the tile
+config (which refuses only for kernel-specific reasons: shared memory, layouts). A kernel module
+provides config(problem, device), run(problem, config, device) and, on CUDA,
+compiled_kernels(config, dtype). Adding a kernel is one module plus its entry here.
+
+The modules load on first use: the CUDA ones need numba-cuda, which a CPU-only install lacks.
+"""
+from dataclasses import dataclass
+
+from .device import Unsupported
+from .inputs import IEEE_REASON
+
+
+@dataclass(frozen=True)
+class Operator:
+    name: str
+    backend: str
+    algorithm: str
+    load: object                      # () -> the kernel module, imported on first use
+    dtypes: tuple
+    direction: str = "forward"        # "backward": run() fills problem.dq, dk, dv
+    max_head_dim: int = None          # for both d and dv
+    min_cc: tuple = None
+    min_cc_why: str = ""              # what the kernel uses that older GPUs lack
+    runs_in_simulator: bool = True
+    tf32: bool = False                # float32 on tensor cores: 3xTF32, or one tf32 mma per
+    #                                   product with precision="tf32"; not precision="ieee"
+    mods: bool = False                # takes score / mask modifications (numflash.mods)
+    summary: str = ""
+
+    @property
+    def module(self):
+        return self.load()
+
+    def why_not(self, problem, device):
+        """None if the declarations admit the problem on the device, else the reason in words."""
+        dt = problem.dtype_name
+        mods = getattr(problem, "mods", None)
+        if mods is not None and not self.mods:
+            return (f"{self.name} does not take score/mask modifications yet ({mods}); the CPU "
+                    f"path (cpu.tiled, NumPy arrays) does")
+        precision = getattr(problem, "precision", "auto")
+        if precision == "tf32" and not self.tf32:
+            return (f"{self.name} computes in exact {dt}; precision='tf32' runs on cuda.mma only "
+                    f"(CuPy float32 arrays, compute capability >= 8.0)")
+        if self.tf32 and dt == "float32" and precision == "ieee":
+            return IEEE_REASON
+        if dt not in self.dtypes:
+            return f"{self.name} takes {', '.join(self.dtypes)}, not {dt}"
+        B, H, Nq, Nk, d, dv = problem.shape
+        if self.max_head_dim is not None and max(d, dv) > self.max_head_dim:
+            return (f"{self.name} takes head dims up to {self.max_head_dim} (d={d}, dv={dv}); "
+                    f"the CPU path takes any head dim")
+        if self.backend == "cuda":
+            if device.simulator and not self.runs_in_simulator:
+                return (f"{self.name} uses inline PTX, which numba's CUDA simulator cannot run; "
+                        f"unset NUMBA_ENABLE_CUDASIM and run on a GPU, or use algorithm='block'")
+            if self.min_cc and device.cc is not None and device.cc < self.min_cc:
+                why = f" ({self.min_cc_why})" if self.min_cc_why else ""
+                return (f"{self.name} needs compute capability >= {self.min_cc[0]}.{self.min_cc[1]}"
+                        f"{why}; {device.name} is {device.cc[0]}.{device.cc[1]}")
+        return None
+
+    def config(self, problem, device):
+        """The kernel's config for the problem on the device; raises Unsupported saying why not
+        (the declarations first, then the kernel's own limits)."""
+        why = self.why_not(problem, device)
+        if why is not None:
+            raise Unsupported(why)
+        return self.module.config(problem, device)
+
+
+def _cpu_tiled():
+    from .cpu import tiled
+    return tiled
+
+
+def _cpu_backward():
+    from .cpu import backward
+    return backward
+
+
+def _cuda_mma():
+    from .cuda import mma
+    return mma
+
+
+def _cuda_block():
+    from .cuda import block
+    return block
+
+
+def _cuda_row():
+    from .cuda import row
+    return row
+
+
+def _cuda_row_backward():
+    from .cuda import row_backward
+    return row_backward
+
+
+FORWARD = (
+    Operator("cuda.mma", "cuda", "mma", _cuda_mma,
+             dtypes=("float16", "bfloat16", "float32", "float64"), max_head_dim=256,
+             min_cc=(8, 0), min_cc_why="mma.sync bf16 / f64, cp.async", runs_in_simulator=False,
+             tf32=True,
+             summary="FlashAttention-2 on tensor cores: mma.sync m16n8k16, register online "
+                     "softmax, cp.async double-buffered K/V, ldmatrix; float64 (d <= 128, 64 on "
+                     "sm_8x) on float64 mma.sync; float32 (d <= 128, cc 8.0 / 9.0) as 3xTF32 "
+                     "on m16n8k8 tf32, or one tf32 mma per product with precision='tf32'"),
+    Operator("cpu.tiled", "cpu", "block", _cpu_tiled,
+             dtypes=("float16", "float32", "float64"), mods=True,
+             summary="numba.njit block-tiled online softmax, parallel over (batch, head, query "
+                     "block)"),
+    Operator("cuda.block", "cuda", "block", _cuda_block,
+             dtypes=("float16", "float32", "float64"), max_head_dim=256,
+             summary="block-tiled: Q blocks across the grid, K/V tiles in shared memory, "
+                     "register micro-tiles, online softmax per row"),
+    Operator("cuda.row", "cuda", "row", _cuda_row,
+             dtypes=("float16", "float32", "float64"), max_head_dim=256,
+             summary="FA1 per-row: one thread owns one query row, K/V tiles in shared memory"),
+)
+
+BACKWARD = (
+    Operator("cpu.tiled", "cpu", "block", _cpu_backward,
+             dtypes=("float16", "float32", "float64"), direction="backward", mods=True,
+             summary="numba.njit FlashAttention-2 backward: parallel over (batch, head, key-block "
+                     "split), P recomputed from lse tile by tile, dQ per split summed in a "
+                     "fixed order (always deterministic)"),
+    Operator("cuda.row", "cuda", "row", _cuda_row_backward,
+             dtypes=("float16", "bfloat16", "float32", "float64"), max_head_dim=256,
+             direction="backward",
+             summary="FMA FlashAttention-2 backward, one thread a row: a key pass (dK, dV) and a "
+                     "query pass (dQ) that recomputes S, no atomics (always deterministic)"),
+)
+
+_BY_NAME = {"forward": {op.name: op for op in FORWARD},
+            "backward": {op.name: op for op in BACKWARD}}
+
+
+def operators(direction="forward"):
+    """{name: Operator} of one direction, in the order "auto" tries them."""
+    return _BY_NAME[direction]
