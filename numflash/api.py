@@ -56,7 +56,9 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, layout="bhsd", backe
         needs CuPy arrays on a GPU of compute capability >= 8.0; any other dtype or backend with
         "tf32" raises ValueError. Other dtypes ignore "auto" / "ieee".
 
-    Modifications (:mod:`numflash.mods`; the CPU path takes them, the CUDA kernels not yet):
+    Modifications (:mod:`numflash.mods`; the CPU path takes them all, forward and backward;
+    cuda.mma takes window_size in the forward, skipping the key tiles outside the window; the
+    other CUDA kernels refuse them, saying so):
     score_mod(score, b, h, q_idx, kv_idx, *mod_args) -> score, applied to the scaled score;
     mask_mod(b, h, q_idx, kv_idx, *mod_args) -> bool (True = the pair takes part); mod_args: a
     tuple of arrays and scalars both read; score_mod_grad: d score_mod / d score, same signature

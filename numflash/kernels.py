@@ -31,7 +31,8 @@ class Operator:
     runs_in_simulator: bool = True
     tf32: bool = False                # float32 on tensor cores: 3xTF32, or one tf32 mma per
     #                                   product with precision="tf32"; not precision="ieee"
-    mods: bool = False                # takes score / mask modifications (numflash.mods)
+    mods: object = ()                 # the modification kinds it takes (numflash.mods.Mods
+    #                                   kinds, e.g. ("window_size",)), or "all"
     summary: str = ""
 
     @property
@@ -42,9 +43,13 @@ class Operator:
         """None if the declarations admit the problem on the device, else the reason in words."""
         dt = problem.dtype_name
         mods = getattr(problem, "mods", None)
-        if mods is not None and not self.mods:
+        refused = [] if mods is None or self.mods == "all" else sorted(mods.kinds - set(self.mods))
+        if refused and not self.mods:
             return (f"{self.name} does not take score/mask modifications yet ({mods}); the CPU "
                     f"path (cpu.tiled, NumPy arrays) does")
+        if refused:
+            return (f"{self.name} takes {', '.join(self.mods)} of the modifications, not "
+                    f"{', '.join(refused)}; the CPU path (cpu.tiled, NumPy arrays) takes them all")
         precision = getattr(problem, "precision", "auto")
         if precision == "tf32" and not self.tf32:
             return (f"{self.name} computes in exact {dt}; precision='tf32' runs on cuda.mma only "
@@ -110,13 +115,14 @@ FORWARD = (
     Operator("cuda.mma", "cuda", "mma", _cuda_mma,
              dtypes=("float16", "bfloat16", "float32", "float64"), max_head_dim=256,
              min_cc=(8, 0), min_cc_why="mma.sync bf16 / f64, cp.async", runs_in_simulator=False,
-             tf32=True,
+             tf32=True, mods=("window_size",),
              summary="FlashAttention-2 on tensor cores: mma.sync m16n8k16, register online "
                      "softmax, cp.async double-buffered K/V, ldmatrix; float64 (d <= 128, 64 on "
                      "sm_8x) on float64 mma.sync; float32 (d <= 128, cc 8.0 / 9.0) as 3xTF32 "
-                     "on m16n8k8 tf32, or one tf32 mma per product with precision='tf32'"),
+                     "on m16n8k8 tf32, or one tf32 mma per product with precision='tf32'; "
+                     "sliding windows skip the key tiles outside them"),
     Operator("cpu.tiled", "cpu", "block", _cpu_tiled,
-             dtypes=("float16", "float32", "float64"), mods=True,
+             dtypes=("float16", "float32", "float64"), mods="all",
              summary="numba.njit block-tiled online softmax, parallel over (batch, head, query "
                      "block)"),
     Operator("cuda.block", "cuda", "block", _cuda_block,
@@ -130,7 +136,7 @@ FORWARD = (
 
 BACKWARD = (
     Operator("cpu.tiled", "cpu", "block", _cpu_backward,
-             dtypes=("float16", "float32", "float64"), direction="backward", mods=True,
+             dtypes=("float16", "float32", "float64"), direction="backward", mods="all",
              summary="numba.njit FlashAttention-2 backward: parallel over (batch, head, key-block "
                      "split), P recomputed from lse tile by tile, dQ per split summed in a "
                      "fixed order (always deterministic)"),

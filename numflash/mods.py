@@ -16,8 +16,10 @@ one call are composed into one :class:`Mods`: masks are and-ed, score_mods appli
 every (query, key) pair they compute; the reference (numflash.reference) calls the same functions
 in plain Python.
 
-Which kernels take modifications: the CPU path (cpu.tiled, forward and backward). The CUDA kernels
-refuse them with a reason (``numflash.explain`` shows it). A new modification compiles a new CPU
+Which kernels take modifications (each declares the kinds it takes, numflash.kernels): the CPU path
+(cpu.tiled, forward and backward) takes them all; the tensor-core forward (cuda.mma) takes
+``window_size`` as a key range per row (:func:`window_key_range`), skipping the key tiles outside
+it; the other CUDA kernels refuse them with a reason (``numflash.explain`` shows it). A new modification compiles a new CPU
 kernel (a few seconds) once per process and combination of argument types; it is not cached on
 disk (numba cannot key a disk cache on a user's function).
 """
@@ -33,6 +35,16 @@ __all__ = ["Mods", "build", "document_mask", "prefix_lm_mask"]
 def _window_mask(b, h, i, j, left, right, offset):
     c = i + offset  # the key aligned with query i
     return (left < 0 or j >= c - left) and (right < 0 or j <= c + right)
+
+
+def window_key_range(i, nk, left, right, offset):
+    """[first, end) of the keys query row i sees through a window alone (-1 = unbounded side):
+    the key range form of ``_window_mask``, for kernels that skip whole key tiles (the CUDA
+    tensor-core kernel generates the same arithmetic)."""
+    c = i + offset
+    first = 0 if left < 0 else max(0, c - left)
+    end = nk if right < 0 else max(0, min(nk, c + right + 1))
+    return first, end
 
 
 def _softcap_score(x, b, h, i, j, cap):
@@ -98,12 +110,20 @@ def prefix_lm_mask(prefix_lengths):
 
 class Mods:
     """The modifications of one call: masks (function, args) and score_mods (function, grad,
-    args), in the order they apply, and their names (for explain and errors)."""
+    args), in the order they apply, their names (for explain and errors) and kinds (which
+    built-in or user modification each is: what a kernel declares it takes).
 
-    def __init__(self, masks, scores, names):
+    ``window``: (left, right) of ``window_size``, or None. Besides its mask function, a window is
+    a key range per query row, [i + offset - left, i + offset + right] (see
+    :func:`window_key_range`): a kernel can skip the key tiles outside it instead of masking them.
+    """
+
+    def __init__(self, masks, scores, names, kinds=(), window=None):
         self.masks = tuple(masks)      # ((fn, args), ...)
         self.scores = tuple(scores)    # ((fn, grad or None, args), ...)
         self.names = tuple(names)
+        self.kinds = frozenset(kinds)  # e.g. {"window_size", "softcap", "mask_mod"}
+        self.window = window
 
     @property
     def args(self):
@@ -270,7 +290,7 @@ def build(problem_shape, kind, causal_offset, *, score_mod=None, mask_mod=None, 
     """The :class:`Mods` of one call, or None when it has none (checked: each argument named in
     its error)."""
     B, H, Nq, Nk = problem_shape[:4]
-    masks, scores, names = [], [], []
+    masks, scores, names, kinds, window = [], [], [], [], None
     full = (B, H, Nq, Nk)
     if window_size is not None:
         try:
@@ -284,17 +304,21 @@ def build(problem_shape, kind, causal_offset, *, score_mod=None, mask_mod=None, 
         if (left, right) != (-1, -1):
             masks.append((_window_mask, (left, right, causal_offset)))
             names.append(f"window_size=({left}, {right})")
+            kinds.append("window_size")
+            window = (left, right)
     if attn_mask is not None:
         m = _host_array("attn_mask", attn_mask, kind)
         if m.dtype != np.bool_:
             raise TypeError(f"attn_mask must be a boolean array (True = take part); got {m.dtype}")
         masks.append((_bool_mask, (_broadcast("attn_mask", m, full, "(B, H, Nq, Nk)"),)))
         names.append("attn_mask")
+        kinds.append("attn_mask")
     if mask_mod is not None:
         if not callable(mask_mod):
             raise TypeError(f"mask_mod must be a function; got {type(mask_mod).__name__}")
         masks.append((mask_mod, _user_args(mod_args)))
         names.append(f"mask_mod={getattr(mask_mod, '__name__', 'fn')}")
+        kinds.append("mask_mod")
     if softcap is not None and softcap != 0:
         cap = float(softcap)
         if not (math.isfinite(cap) and cap > 0):
@@ -302,6 +326,7 @@ def build(problem_shape, kind, causal_offset, *, score_mod=None, mask_mod=None, 
                              f"{softcap!r}")
         scores.append((_softcap_score, _softcap_grad, (cap,)))
         names.append(f"softcap={cap:g}")
+        kinds.append("softcap")
     if alibi_slopes is not None:
         s = _host_array("alibi_slopes", alibi_slopes, kind)
         if s.dtype.kind != "f" or s.shape not in ((H,), (B, H)):
@@ -310,6 +335,7 @@ def build(problem_shape, kind, causal_offset, *, score_mod=None, mask_mod=None, 
         scores.append((_alibi_score, _unit_grad,
                        (np.broadcast_to(s.astype(np.float64), (B, H)), causal_offset)))
         names.append("alibi_slopes")
+        kinds.append("alibi_slopes")
     if attn_bias is not None:
         bias = _host_array("attn_bias", attn_bias, kind)
         if bias.dtype.kind != "f":
@@ -317,6 +343,7 @@ def build(problem_shape, kind, causal_offset, *, score_mod=None, mask_mod=None, 
         scores.append((_bias_score, _unit_grad,
                        (_broadcast("attn_bias", bias, full, "(B, H, Nq, Nk)"),)))
         names.append("attn_bias")
+        kinds.append("attn_bias")
     if score_mod is not None:
         if not callable(score_mod):
             raise TypeError(f"score_mod must be a function; got {type(score_mod).__name__}")
@@ -325,13 +352,14 @@ def build(problem_shape, kind, causal_offset, *, score_mod=None, mask_mod=None, 
                             f"{type(score_mod_grad).__name__}")
         scores.append((score_mod, score_mod_grad, _user_args(mod_args)))
         names.append(f"score_mod={getattr(score_mod, '__name__', 'fn')}")
+        kinds.append("score_mod")
     elif score_mod_grad is not None:
         raise ValueError("score_mod_grad was given without a score_mod")
     if mod_args and score_mod is None and mask_mod is None:
         raise ValueError("mod_args were given without a score_mod or mask_mod to read them")
     if not masks and not scores:
         return None
-    return Mods(masks, scores, names)
+    return Mods(masks, scores, names, kinds, window)
 
 
 def _user_args(mod_args):

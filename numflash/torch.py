@@ -404,9 +404,10 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, layout="bhsd", backe
 
     ``mods``: numflash's modification options (window_size, softcap, alibi_slopes, attn_bias,
     attn_mask, score_mod, mask_mod, mod_args, score_mod_grad; see :func:`numflash.attention`),
-    tensors allowed. They run where numflash runs them (the CPU path for now) and are
-    differentiable in q, k and v, not in the modification tensors (one that requires grad is
-    refused), and not through torch.compile yet.
+    tensors allowed. They run where numflash runs them (the CPU path takes them all; on CUDA
+    tensors the tensor-core forward takes window_size, and no CUDA backward takes any yet: the
+    gradient raises, naming them) and are differentiable in q, k and v, not in the modification
+    tensors (one that requires grad is refused), and not through torch.compile yet.
     """
     mods = {name: value for name, value in mods.items() if value is not None}
     unknown = set(mods) - set(_api.MOD_OPTIONS)
@@ -581,7 +582,8 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     ``return_attn_probs=True`` returns (out, softmax_lse, probs) with softmax_lse (B, H, Nq) and
     the exact probabilities (B, H, Nq, Nk) (:func:`attention_probabilities`). k and v may have
     fewer heads than q (GQA / MQA). ``window_size``, ``softcap`` and ``alibi_slopes`` run as
-    numflash modifications (the CPU path for now; gradients for q, k, v). Refused with
+    numflash modifications (the CPU path, gradients for q, k, v; on CUDA tensors a window runs
+    on the tensor-core forward, with no CUDA backward yet). Refused with
     NotImplementedError naming the option: ``dropout_p > 0``, and a window or ALiBi with
     causal=False and Nq != Nk (see :func:`_flash_attn_mods`).
     """

@@ -285,17 +285,19 @@ class Emu:
                     raise RuntimeError(errs[0])
 
 
-def run_word_kernel(q, k, v, DT, causal=False, causal_offset=0, scale=None, VEC=0, tile=None):
+def run_word_kernel(q, k, v, DT, causal=False, causal_offset=0, scale=None, VEC=0, tile=None,
+                    window=None):
     """Run mma.kernel_source of operand kind DT "tf32" / "3xtf32" (float32 q, k, v) or "f64"
     (float64) under the emulator; returns (out, lse). VEC=1 runs the cp.async /
-    double-buffered staging; ``tile`` (NW, BC, HOLDQ) overrides the default tile."""
+    double-buffered staging; ``tile`` (NW, BC, HOLDQ) overrides the default tile; ``window``:
+    a sliding window's (left, right) (the WINDOW variant)."""
     from numflash.cuda import mma
     from numflash.cuda.common import key_end
     B, H, Nq, d = q.shape
     dv = v.shape[3]
     D, DV = mma.head_dim_pad(d), mma.head_dim_pad(dv)
     NW, BC, HOLDQ = tile or mma.choose_tile(D, DV, DT)
-    cfg = mma.MmaConfig(D, DV, NW, BC, HOLDQ, DT, VEC)
+    cfg = mma.MmaConfig(D, DV, NW, BC, HOLDQ, DT, VEC, WINDOW=int(window is not None))
     src = mma.kernel_source(cfg)
     f64 = DT == "f64"
     real = np.float64 if f64 else np.float32
@@ -319,5 +321,5 @@ def run_word_kernel(q, k, v, DT, causal=False, causal_offset=0, scale=None, VEC=
     scale = 1 / math.sqrt(d) if scale is None else scale
     with np.errstate(all="ignore"):
         emu.run(ns["mma_attention"], (q, k, v, out, lse, None, scale * math.log2(math.e), scale,
-                                      int(causal), int(causal_offset)))
+                                      int(causal), int(causal_offset)) + tuple(window or ()))
     return out, lse

@@ -140,3 +140,53 @@ def test_word_kernel_source_emulated_on_cpu(rng, DT, shape, VEC, tile):
     assert np.array_equal(np.isneginf(lse), inf)
     tol = {"tf32": 1e-3, "3xtf32": 1e-5, "f64": 1e-12}[DT]  # lse is float64 for float64
     assert np.allclose(lse[~inf], ref_lse[~inf], rtol=tol, atol=tol)
+
+
+# ------------------------------------------------------------------------------- sliding window
+
+WINDOW_CASES = [  # (B, H, Nq, Nk, d, causal, window_size, VEC, tile): tiles of 16 keys, so
+    # windows skip whole tiles on both sides; rows with no key (bottom-right, Nq > Nk)
+    pytest.param(1, 1, 70, 90, 32, False, (5, 3), 0, (2, 16, 0), id="both-sides-scalar"),
+    pytest.param(1, 1, 70, 90, 32, "bottom_right", (20, -1), 1, (2, 16, 0),
+                 id="left-bottom_right-cp.async"),
+    pytest.param(1, 2, 90, 50, 32, True, (7, -1), 1, (2, 16, 1), id="left-causal-q-held"),
+    pytest.param(1, 1, 40, 64, 32, False, (-1, 2), 0, (2, 16, 0), id="right-only"),
+    pytest.param(1, 1, 60, 40, 32, "bottom_right", (0, 0), 1, (2, 16, 0),
+                 id="diagonal-only-empty-rows"),
+    pytest.param(1, 1, 33, 70, 64, False, (200, 200), 0, (2, 16, 0), id="wider-than-keys"),
+]
+
+
+@pytest.mark.parametrize("DT", ["f64", "3xtf32"])
+@pytest.mark.parametrize("B, H, Nq, Nk, d, causal, window, VEC, tile", WINDOW_CASES)
+def test_window_source_emulated_on_cpu(rng, DT, B, H, Nq, Nk, d, causal, window, VEC, tile):
+    """The WINDOW variant (each row's key range, the tile loop starting at the block's first
+    key, warps skipping tiles outside their rows' ranges, both edges masked) against the
+    float64 reference with the same window_size, under the warp emulator."""
+    from mma_tools import run_word_kernel
+    from numflash.inputs import parse_causal
+    from numflash.reference import attention as ref
+    from numflash.testing import check
+    dtype = np.float64 if DT == "f64" else np.float32
+    q, k, v = (rng.standard_normal((B, H, n, d)).astype(dtype) for n in (Nq, Nk, Nk))
+    is_causal, off = parse_causal(causal, Nq, Nk)
+    out, lse = run_word_kernel(q, k, v, DT, is_causal, off, VEC=VEC, tile=tile, window=window)
+    rep = check(out, q, k, v, causal=causal, window_size=window)
+    assert rep.ok, str(rep)
+    _, ref_lse = ref(q, k, v, causal=causal, window_size=window, return_lse=True)
+    empty = np.isneginf(ref_lse)
+    assert np.array_equal(np.isneginf(lse), empty) and np.all(out[empty] == 0)
+    assert np.allclose(lse[~empty], ref_lse[~empty], rtol=1e-6, atol=1e-6)
+
+
+def test_window_source_is_a_separate_variant():
+    """Without a window the generated source is the plain kernel's (WINDOW=0 is left out of the
+    config's mapping, so its cache keys and shipped PTX stay); with one, the two sizes are
+    arguments and the tile loop starts at the block's first key."""
+    from numflash.cuda.mma import MmaConfig, kernel_source
+    plain = MmaConfig(64, 64, 4, 64, 1, "f16", 1)
+    windowed = MmaConfig(64, 64, 4, 64, 1, "f16", 1, WINDOW=1)
+    assert dict(plain) == {k: v for k, v in dict(windowed).items() if k != "WINDOW"}
+    assert "WINDOW" not in dict(plain) and "window_left" not in kernel_source(plain)
+    src = kernel_source(windowed)
+    assert "window_left, window_right):" in src and "t_first = block_first // 64" in src

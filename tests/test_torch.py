@@ -487,3 +487,20 @@ def test_explain_takes_torch_tensors():
     assert "backward plan: cpu.tiled" in str(numflash.explain(q, k, v, backward=True))
     with pytest.raises(TypeError, match="bfloat16 CPU tensor"):
         numflash.explain(q.bfloat16(), k.bfloat16(), v.bfloat16())
+
+
+@pytest.mark.gpu
+def test_cuda_flash_attn_window_runs_on_tensor_cores_and_its_backward_is_refused():
+    """flash_attn_func's window_size on CUDA tensors: the tensor-core forward (a key range per
+    row) against flash-attn's semantics in float64; no CUDA backward takes a window yet, so
+    the gradient raises, naming the modification, instead of training without it."""
+    q, k, v = tensors((2, 300, 4, 64), (2, 457, 4, 64), torch.float16, device="cuda", grad=True)
+    out = nt.flash_attn_func(q, k, v, causal=True, window_size=(50, 0))
+    ref = _flash_reference(*(t.detach().double().cpu() for t in (q, k, v)), True, 64 ** -0.5,
+                           (50, 0))
+    assert (out.double().cpu() - ref).abs().max().item() < 3e-3
+    plan = numflash.explain(*(t.detach() for t in (q, k, v)), layout="bshd",
+                            causal="bottom_right", window_size=(50, 0))
+    assert plan.kernel == "cuda.mma" and plan.config["WINDOW"] == 1, str(plan)
+    with pytest.raises(ValueError, match="window_size"):
+        out.sum().backward()

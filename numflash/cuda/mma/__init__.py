@@ -16,7 +16,9 @@ same pieces:
     tiles.py     MmaConfig, the tile tables, shared memory per config
     config.py    a problem -> its MmaConfig, or the reason it cannot run
 
-Head dims are padded (zero-filled) up to the next of 32, 64, 96, 128, 256.
+Head dims are padded (zero-filled) up to the next of 32, 64, 96, 128, 256. A sliding window
+(``window_size``) is a key range per row (mask.py): the key tiles outside every row's range of a
+block are never loaded, so its cost grows as N x window, not N^2.
 """
 import math
 
@@ -38,22 +40,24 @@ def _as_bits(a):
     return a.view(cupy.uint16)
 
 
-def signature(dtype):
+def signature(dtype, window=False):
     """The kernel's argument types: q, k, v, out (16-bit inputs as their bits), lse, a float32
-    debug array, the exp2 and natural scales, causal, causal_offset."""
+    debug array, the exp2 and natural scales, causal, causal_offset (and with a window its left
+    and right sizes)."""
     from numba import types
     from ...inputs import lse_dtype
     from ..launch import array_type
     arr = array_type("uint16" if np.dtype(dtype).itemsize == 2 else dtype)
     return (arr, arr, arr, arr, array_type(lse_dtype(dtype), 3), array_type("float32"),
-            types.float64, types.float64, types.int64, types.int64)
+            types.float64, types.float64, types.int64, types.int64) + \
+        ((types.int64, types.int64) if window else ())
 
 
 def compiled_kernels(cfg, dtype):
     """What run() launches for this config and input dtype: [(Kernel, numba argument types)],
     for `numflash.precompile` and `explain`'s cache status."""
     from .. import launch
-    return [(launch.get_kernel(NAME, make_kernel, cfg), signature(dtype))]
+    return [(launch.get_kernel(NAME, make_kernel, cfg), signature(dtype, cfg.WINDOW))]
 
 
 def run(problem, cfg, device, debug=None):
@@ -73,8 +77,9 @@ def run(problem, cfg, device, debug=None):
     grid = (-(-Nq // cfg.BR), B * H)
     # 16-bit kernels take the bits; tf32, 3xTF32 and float64 read their inputs as they are
     bits = _as_bits if cfg.DT in ("f16", "bf16") else (lambda a: a)
+    window = p.mods.window if cfg.WINDOW else None
     kernel(grid, (cfg.NT,), shared_bytes(cfg),
            (bits(p.q), bits(p.k), bits(p.v), bits(p.out), lse, debug,
             float(p.scale * math.log2(math.e)), float(p.scale), int(p.causal),
-            int(p.causal_offset)), device)
+            int(p.causal_offset)) + (tuple(int(w) for w in window) if window else ()), device)
     return lse

@@ -77,7 +77,8 @@ def config(problem, device):
         DT = "bf16" if dt == "bfloat16" else "f16"
         VEC = int(vector)
     NW, BC, HOLDQ = choose_tile(D, DV, DT, device.smem_per_block_optin, VEC, device.cc)
-    cfg = MmaConfig(D, DV, NW, BC, HOLDQ, DT, VEC, MMA=form)
+    mods = getattr(problem, "mods", None)  # the operator admits a sliding window alone
+    cfg = MmaConfig(D, DV, NW, BC, HOLDQ, DT, VEC, MMA=form, WINDOW=int(mods is not None))
     need = shared_bytes(cfg)
     if need > device.smem_per_block_optin:
         raise Unsupported(f"{NAME}: needs {need} bytes of shared memory for d={d}, dv={dv}, more "

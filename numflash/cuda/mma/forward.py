@@ -15,13 +15,14 @@ import math
 import numpy as np
 
 from .emit import Source, emit_prologue
-from .mask import emit_debug_dump, emit_row_bounds, emit_score_mask
+from .mask import emit_debug_dump, emit_row_bounds, emit_score_mask, warp_sees_tile
 from .operands import operands_for
 from .softmax import emit_accumulators, emit_epilogue, emit_online_update
 from .staging import emit_q_ready, tile_loop
 from .tiles import MmaConfig
 
 ARGUMENTS = "q, k, v, out, lse, dbg, scale_log2_in, scale_in, causal, causal_offset"
+WINDOW_ARGUMENTS = ", window_left, window_right"  # -1 = unbounded (numflash.mods.window_key_range)
 
 
 def kernel_source(cfg):
@@ -30,12 +31,13 @@ def kernel_source(cfg):
     L = ops.lay
     NKK, NN, NVN, NPK = cfg.D // ops.k_step, cfg.BC // 8, cfg.DV // 8, cfg.BC // ops.k_step
 
+    window = bool(cfg.WINDOW)
     s = Source()
-    s(f"def mma_attention({ARGUMENTS}):")
+    s(f"def mma_attention({ARGUMENTS}{WINDOW_ARGUMENTS if window else ''}):")
     with s.block():
         emit_prologue(s, cfg.BR, ops.float, ops.word)
         ops.stage_q(s)
-        emit_row_bounds(s, cfg.BR)
+        emit_row_bounds(s, cfg.BR, window)
         ops.q_fragments(s)
         emit_q_ready(s, cfg.VEC, cfg.HOLDQ, NKK, lambda kk, names: ops.load_q(s, kk, names))
         emit_accumulators(s, NVN)
@@ -43,9 +45,9 @@ def kernel_source(cfg):
         def stage_kv(j0u, buf):
             return ops.stage_kv(s, j0u, buf)
 
-        with tile_loop(s, stage_kv, cfg.BC, L.kv_words, cfg.VEC, L.kv_off, L.KW) as \
+        with tile_loop(s, stage_kv, cfg.BC, L.kv_words, cfg.VEC, L.kv_off, L.KW, window) as \
                 (k_off, v_off, kb):
-            s("if j0 < warp_keys:")
+            s(f"if {warp_sees_tile(cfg.BC, window)}:")
             with s.block():
                 # ---- S = Q K^T
                 ops.zero_scores(s, NN)
@@ -62,7 +64,7 @@ def kernel_source(cfg):
                                     [f"c_{n}_{r}" for r in range(4)])
                 ops.finish_scores(s, NN)
                 # ---- mask, online softmax, O += P V
-                emit_score_mask(s, NN, cfg.BC)
+                emit_score_mask(s, NN, cfg.BC, window)
                 if cfg.DBG:
                     emit_debug_dump(s, NN)
                 emit_online_update(s, NN, NVN, rescale_o=ops.rescales_o_in_softmax)

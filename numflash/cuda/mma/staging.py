@@ -29,36 +29,45 @@ def emit_cp_async_rows(s, src, rows, row, first, limit, width, dim, off, W, chun
 
 
 @contextlib.contextmanager
-def tile_loop(s, stage_kv, BC, kv_words, VEC, KV_OFF, KW):
+def tile_loop(s, stage_kv, BC, kv_words, VEC, KV_OFF, KW, window=False):
     """Emit the K/V tile loop's head and enter its body, yielding the word offsets of the tile
     being read (k_off, v_off) and the source prefix of its buffer (kb): VEC double-buffers with
-    cp.async; otherwise each tile is staged synchronously between two barriers."""
-    s(f"ntiles = (block_keys + {BC - 1}) // {BC}")
+    cp.async; otherwise each tile is staged synchronously between two barriers. The loop visits
+    the tiles from 0 (with a window: from the one holding block_first) up to block_keys."""
+    if window:
+        s(f"t_first = block_first // {BC}",
+          f"ntiles = max(0, (block_keys - t_first * {BC} + {BC - 1}) // {BC})")
+        first = f"(t_first + it) * {BC}"
+    else:
+        s(f"ntiles = (block_keys + {BC - 1}) // {BC}")
+        first = f"it * {BC}"
     if VEC:
-        _emit_double_buffered_loop(s, stage_kv, BC, kv_words)
+        _emit_double_buffered_loop(s, stage_kv, BC, kv_words, first,
+                                   f"U(t_first * {BC})" if window else U(0))
     else:
         s("for it in range(ntiles):")
     with s.block():
         if VEC:
             yield KV_OFF, KV_OFF + BC * KW, "buf + "
             return
-        s(f"j0 = it * {BC}", "j0u = U(j0)")
+        s(f"j0 = {first}", "j0u = U(j0)")
         s("cuda.syncthreads()  # the previous tile is no longer read")
         k_off, v_off = stage_kv("j0u", 0)
         s("cuda.syncthreads()")
         yield k_off, v_off, ""
 
 
-def _emit_double_buffered_loop(s, stage_kv, BC, kv_words):
-    """Emit the head of the K/V tile loop with cp.async double buffering: tile 0 is put in flight
-    before the loop; each iteration starts tile it+1 in the other buffer, then waits for tile it.
-    The body that follows reads the tile at word offset ``buf``."""
+def _emit_double_buffered_loop(s, stage_kv, BC, kv_words, first, first_key):
+    """Emit the head of the K/V tile loop with cp.async double buffering: the first tile (at key
+    ``first_key``) is put in flight before the loop; each iteration starts tile it+1 in the other
+    buffer, then waits for tile it. The body that follows reads the tile at word offset ``buf``;
+    ``first``: the source of its first key, j0."""
     s("if ntiles > 0:")
     with s.block():
-        stage_kv(U(0), 0)
+        stage_kv(first_key, 0)
     s("for it in range(ntiles):")
     with s.block():
-        s(f"j0 = it * {BC}")
+        s(f"j0 = {first}")
         s(f"buf = U(it % 2) * {U(kv_words)}")
         s("cuda.syncthreads()  # everyone is done reading the buffer refilled next")
         s("if it + 1 < ntiles:")

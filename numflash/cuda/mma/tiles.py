@@ -26,10 +26,12 @@ class MmaConfig(Mapping):
     then reuse Q's shared memory). DT: the operand kind ("f16", "bf16", "tf32", "3xtf32", "f64").
     VEC: 16-byte cp.async staging with double-buffered K/V (else scalar loads). MMA: float64's
     instruction ("m16n8k8" on sm_90, "m8n8k4" on sm_80). DBG: dump key tile 0's masked scores.
+    WINDOW: a sliding window's key range per row (its two sizes are run-time arguments), the key
+    tiles outside every row's range of a block skipped.
 
     A read-only mapping too (``cfg["D"]``, ``dict(cfg)``, ``f(**cfg)``) for code that treats
-    every kernel's config alike (the launcher's cache key, ``explain``); unset MMA and DBG=0 are
-    left out of it.
+    every kernel's config alike (the launcher's cache key, ``explain``); unset MMA, DBG=0 and
+    WINDOW=0 are left out of it.
     """
     D: int
     DV: int
@@ -40,6 +42,7 @@ class MmaConfig(Mapping):
     VEC: int
     MMA: str = None
     DBG: int = 0
+    WINDOW: int = 0
 
     @property
     def BR(self):
@@ -52,7 +55,7 @@ class MmaConfig(Mapping):
     def _items(self):
         return {f.name: getattr(self, f.name) for f in fields(self)
                 if not (f.name == "MMA" and self.MMA is None)
-                and not (f.name == "DBG" and not self.DBG)}
+                and not (f.name in ("DBG", "WINDOW") and not getattr(self, f.name))}
 
     def __getitem__(self, key):
         return self._items()[key]

@@ -1,0 +1,47 @@
+"""Sliding-window attention on cuda.mma against the causal kernel, N = 8192 .. 65536: a window's
+time should grow as N x window, the causal kernel's as N^2 (issue 15's block-sparsity goal).
+
+    python bench/window_scaling.py [--window 1024] [--dtype float16] [--d 128] [--heads 16]
+
+Times by CUDA events (numflash.bench.timing.median_ms: warm-up, median of repeats); the windowed
+output at the first size is checked against the float64 reference on sampled rows (the GPU tests
+check the kernel across sizes and options).
+"""
+import argparse
+
+import numpy as np
+
+
+def main():
+    import cupy
+    import numflash
+    from numflash.bench.timing import median_ms
+    from numflash.testing import check
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--window", type=int, default=1024)
+    ap.add_argument("--dtype", default="float16")
+    ap.add_argument("--d", type=int, default=128)
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--sizes", default="8192,16384,32768,65536")
+    a = ap.parse_args()
+    rng = np.random.default_rng(0)
+    print(f"| N | causal ms | window ({a.window}, 0) ms | window / causal | window ms per "
+          f"1k tokens | checked |")
+    print("|---|---|---|---|---|---|")
+    for i, N in enumerate(int(n) for n in a.sizes.split(",")):
+        q, k, v = (cupy.asarray(rng.standard_normal((1, a.heads, N, a.d)).astype(np.float32))
+                   .astype(a.dtype) for _ in range(3))
+        opts = dict(causal=True, window_size=(a.window, 0))
+        causal = median_ms(lambda: numflash.attention(q, k, v, causal=True))
+        window = median_ms(lambda: numflash.attention(q, k, v, **opts))
+        checked = "-"
+        if i == 0:
+            rows = np.unique(np.r_[0:8, N - 8:N, rng.choice(N, 48, replace=False)])
+            rep = check(numflash.attention(q, k, v, **opts), q, k, v, rows=rows, **opts)
+            checked = "ok" if rep.ok else f"FAILED {rep}"
+        print(f"| {N} | {causal:.3f} | {window:.3f} | {window / causal:.3f} | "
+              f"{window / N * 1024:.4f} | {checked} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
