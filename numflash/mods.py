@@ -16,8 +16,8 @@ one call are composed into one :class:`Mods`: masks are and-ed, score_mods appli
 every (query, key) pair they compute; the reference (numflash.reference) calls the same functions
 in plain Python.
 
-Which kernels take modifications (each declares the kinds it takes, numflash.kernels): the CPU path
-(cpu.tiled, forward and backward) takes them all; the tensor-core forward (cuda.mma) takes
+Which kernels take modifications (each declares the kinds it takes, numflash.kernels): the CPU
+path (cpu.tiled, forward and backward) takes them all; the tensor-core forward (cuda.mma) takes
 ``window_size`` as a key range per row (:func:`window_key_range`), skipping the key tiles outside
 it; the other CUDA kernels refuse them with a reason (``numflash.explain`` shows it). A new modification compiles a new CPU
 kernel (a few seconds) once per process and combination of argument types; it is not cached on
@@ -118,11 +118,14 @@ class Mods:
     :func:`window_key_range`): a kernel can skip the key tiles outside it instead of masking them.
     """
 
-    def __init__(self, masks, scores, names, kinds=(), window=None):
+    def __init__(self, masks, scores, names, kinds, window=None):
         self.masks = tuple(masks)      # ((fn, args), ...)
         self.scores = tuple(scores)    # ((fn, grad or None, args), ...)
         self.names = tuple(names)
         self.kinds = frozenset(kinds)  # e.g. {"window_size", "softcap", "mask_mod"}
+        if (self.masks or self.scores) and not self.kinds:  # never admitted by default
+            raise ValueError("Mods needs the kinds of its modifications (numflash.kernels "
+                             "decides by them which kernel may run it)")
         self.window = window
 
     @property
@@ -301,6 +304,10 @@ def build(problem_shape, kind, causal_offset, *, score_mod=None, mask_mod=None, 
         if left < -1 or right < -1:
             raise ValueError(f"window_size entries must be >= -1 (-1 = unbounded); got "
                              f"{window_size!r}")
+        # wider than any distance between a query and a key: the same window, and the kernels'
+        # int64 arithmetic (i + offset + right + 1) cannot overflow
+        widest = Nq + Nk + abs(int(causal_offset))
+        left, right = (min(w, widest) for w in (left, right))
         if (left, right) != (-1, -1):
             masks.append((_window_mask, (left, right, causal_offset)))
             names.append(f"window_size=({left}, {right})")

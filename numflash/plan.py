@@ -61,9 +61,9 @@ class Plan:
         cache = self.cache_status()
         if cache:
             lines.append(f"  kernel cache: {cache}")
-        if self.mods and self.backend == "cuda":  # cuda.mma's window: run-time sizes
-            lines.append(f"  modifications: {self.mods} (a key range per row: the key tiles "
-                         f"outside it are skipped; the sizes are run-time arguments)")
+        if self.mods and self.backend == "cuda":
+            lines.append(f"  modifications: {self.mods} (run-time arguments of the compiled "
+                         f"kernel; a window's key tiles outside it are skipped)")
         elif self.mods:
             lines.append(f"  modifications: {self.mods} (compiled into the kernel on first use "
                          f"in a process, a few seconds, not cached on disk)")

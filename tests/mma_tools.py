@@ -30,16 +30,16 @@ SMEM_LIMIT = {(9, 0): 227 * 1024, (8, 0): 163 * 1024}
 
 # ------------------------------------------------------------------------------- configs
 
-def tile_config(DT, D, DV=None, cc=(9, 0), VEC=None, DBG=0):
+def tile_config(DT, D, DV=None, cc=(9, 0), VEC=None, DBG=0, WINDOW=0):
     """The MmaConfig of operand kind DT for padded head dims D, DV on compute capability ``cc``
     with the tile ``choose_tile`` picks there. VEC defaults to what the planner prefers (tf32:
     0, the rest 1); float64 gets its mma form by ``cc``."""
     from numflash.cuda.mma import MmaConfig, choose_tile
     DV = DV or D
     VEC = int(DT != "tf32") if VEC is None else VEC
-    tile = choose_tile(D, DV, DT, SMEM_LIMIT[cc], VEC, cc)
+    tile = choose_tile(D, DV, DT, SMEM_LIMIT[cc], VEC, cc, bool(WINDOW))
     form = ("m16n8k8" if cc >= (9, 0) else "m8n8k4") if DT == "f64" else None
-    return MmaConfig(D, DV, *tile, DT, VEC, MMA=form, DBG=DBG)
+    return MmaConfig(D, DV, *tile, DT, VEC, MMA=form, DBG=DBG, WINDOW=WINDOW)
 
 
 def config_id(cfg, cc=None):
@@ -48,6 +48,7 @@ def config_id(cfg, cc=None):
              f"NW{cfg.NW}-BC{cfg.BC}-HOLDQ{cfg.HOLDQ}", "cp.async" if cfg.VEC else "scalar"]
     parts += [cfg.MMA] if cfg.MMA else []
     parts += ["dbg"] if cfg.DBG else []
+    parts += ["window"] if cfg.WINDOW else []
     parts += [f"sm{cc[0]}{cc[1]}"] if cc else []
     return "-".join(parts)
 
@@ -67,6 +68,7 @@ _COMPILE = textwrap.dedent("""
     lse = types.Array(types.float64 if elem == "float64" else types.float32, 3, "A")
     args = (A, A, A, A, lse, types.Array(types.float32, 4, "A"),
             types.float64, types.float64, types.int64, types.int64)
+    args += (types.int64, types.int64) if cfg.get("WINDOW") else ()  # the window's sizes
     cubin, entry, ptx, res = launch.compile_to_cubin(mma.make_kernel(**cfg), args, tuple(cc))
     print(json.dumps({"resources": res, "ops": {op: ptx.count(op) for op in ops},
                       "cubin_bytes": len(cubin)}))

@@ -46,8 +46,8 @@ def expected_instructions(cfg, cc):
     return dict(exact, **{CP_ASYNC: 0}), set()
 
 
-def _variant(DT, D, DV=None, cc=(9, 0), VEC=None, DBG=0, fast=False, xfail=None):
-    cfg = tile_config(DT, D, DV, cc, VEC, DBG)
+def _variant(DT, D, DV=None, cc=(9, 0), VEC=None, DBG=0, fast=False, xfail=None, WINDOW=0):
+    cfg = tile_config(DT, D, DV, cc, VEC, DBG, WINDOW)
     marks = [] if fast else [pytest.mark.extended]
     if xfail:
         marks.append(pytest.mark.xfail(reason=xfail, strict=True))
@@ -90,6 +90,13 @@ VARIANTS = [
     _variant("3xtf32", 128, cc=SM80),
     _variant("3xtf32", 64, 128, cc=SM80),
     _variant("3xtf32", 32, 96, cc=SM80, fast=True),
+    # a sliding window (WINDOW=1): five more integers live through the tile loop, on the
+    # tiles with the least register room of each kind (3xTF32 d=128 takes its narrower tile)
+    _variant("f16", 128, cc=SM90, VEC=1, WINDOW=1, fast=True),
+    _variant("bf16", 256, cc=SM90, VEC=1, WINDOW=1),
+    _variant("f64", 64, cc=SM90, VEC=1, WINDOW=1),
+    _variant("3xtf32", 64, cc=SM90, WINDOW=1),
+    _variant("3xtf32", 128, cc=SM90, WINDOW=1),
 ]
 
 

@@ -309,3 +309,20 @@ def test_mma_takes_a_sliding_window_and_says_why_not_the_rest():
     assert "takes window_size" in why and "not softcap" in why and "cpu.tiled" in why
     p.mods = None
     assert ops["cuda.mma"].config(p, dev).WINDOW == 0
+
+
+def test_a_window_avoids_the_tiles_it_would_spill_and_says_why_not_float64_d128():
+    from numflash import mods as _mods
+    from numflash.cuda import mma
+    from numflash.plan import Unsupported
+    dev = _gpu((9, 0))
+    p = _Problem("float32", 128)
+    p.mods = _mods.build(p.shape, "cupy", 0, window_size=(64, 0))
+    cfg = mma.config(p, dev)
+    assert (cfg.NW, cfg.BC, cfg.HOLDQ, cfg.WINDOW) == (8, 32, 0, 1)  # not the (8, 64, 0) tile
+    p.mods = None
+    assert (mma.config(p, dev).BC, mma.config(p, dev).WINDOW) == (64, 0)
+    p = _Problem("float64", 128)
+    p.mods = _mods.build(p.shape, "cupy", 0, window_size=(64, 0))
+    with pytest.raises(Unsupported, match="float64 window_size up to head dim 64"):
+        mma.config(p, dev)

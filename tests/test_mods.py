@@ -254,3 +254,25 @@ def test_cuda_kernels_refuse_modifications_and_explain_says_why(rng):
     assert "modifications: window_size=(3, -1), softcap=2 (compiled into the kernel" in str(plan)
     with pytest.raises(ValueError, match="does not take score/mask modifications yet"):
         numflash.attention(q, k, v, backend="cuda", softcap=2.0)
+
+
+def test_window_key_range_is_the_window_mask_as_a_range():
+    """numflash.mods.window_key_range (what cuda.mma generates as source) keeps exactly the keys
+    _window_mask keeps, below Nk, for every side bounded or not and both alignments."""
+    from numflash.mods import _window_mask, window_key_range
+    nk = 23
+    for offset in (0, 5, -7):
+        for left in (-1, 0, 3, 40):
+            for right in (-1, 0, 2, 40):
+                for i in range(-2, 30):
+                    first, end = window_key_range(i, nk, left, right, offset)
+                    want = [j for j in range(nk) if _window_mask(0, 0, i, j, left, right, offset)]
+                    assert list(range(first, end)) == want, (i, left, right, offset)
+
+
+def test_huge_windows_are_clamped_and_mods_must_say_their_kinds():
+    from numflash import mods as _mods
+    m = _mods.build((1, 1, 8, 9), "numpy", 1, window_size=(2 ** 62, 2 ** 62))
+    assert m.window == (18, 18) and m.kinds == {"window_size"}
+    with pytest.raises(ValueError, match="kinds"):
+        _mods.Mods([(_mods._window_mask, (1, 1, 0))], [], ["w"], ())

@@ -37,6 +37,8 @@ def config(problem, device):
     dt = problem.dtype.name
     precision = getattr(problem, "precision", "auto")
     B, H, Nq, Nk, d, dv = problem.shape
+    mods = getattr(problem, "mods", None)  # the operator admits a sliding window alone
+    window = mods is not None and mods.window is not None
     if problem.k.shape[1] == 0 or H % problem.k.shape[1]:
         raise Unsupported(f"{NAME}: {H} query heads do not divide into {problem.k.shape[1]} "
                           "K/V heads")
@@ -69,16 +71,19 @@ def config(problem, device):
             raise Unsupported(f"{NAME} takes float64 head dims up to {limit} on {device.name} "
                               f"(mma {form}); got d={d}, dv={dv} (cuda.block takes float64 up to "
                               "d=256)")
+        if window and max(D, DV) > 64:
+            raise Unsupported(f"{NAME} takes a float64 window_size up to head dim 64: at d={d}, "
+                              f"dv={dv} the window's bounds spill registers (the CPU path takes "
+                              "it)")
         DT, VEC = "f64", int(vector)
-        tile = choose_tile(D, DV, DT, device.smem_per_block_optin, VEC)
+        tile = choose_tile(D, DV, DT, device.smem_per_block_optin, VEC, window=window)
         if VEC and shared_bytes(MmaConfig(D, DV, *tile, DT, 1)) > device.smem_per_block_optin:
             VEC = 0  # double-buffered cp.async does not fit: stage with scalar loads instead
     else:
         DT = "bf16" if dt == "bfloat16" else "f16"
         VEC = int(vector)
-    NW, BC, HOLDQ = choose_tile(D, DV, DT, device.smem_per_block_optin, VEC, device.cc)
-    mods = getattr(problem, "mods", None)  # the operator admits a sliding window alone
-    cfg = MmaConfig(D, DV, NW, BC, HOLDQ, DT, VEC, MMA=form, WINDOW=int(mods is not None))
+    NW, BC, HOLDQ = choose_tile(D, DV, DT, device.smem_per_block_optin, VEC, device.cc, window)
+    cfg = MmaConfig(D, DV, NW, BC, HOLDQ, DT, VEC, MMA=form, WINDOW=int(window))
     need = shared_bytes(cfg)
     if need > device.smem_per_block_optin:
         raise Unsupported(f"{NAME}: needs {need} bytes of shared memory for d={d}, dv={dv}, more "

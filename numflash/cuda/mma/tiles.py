@@ -112,18 +112,29 @@ def _x3_tiles(D, DV, cc):
     return tiles
 
 
-def choose_tile(D, DV, DT=None, smem_limit=None, VEC=0, cc=None):
+#: A sliding window (WINDOW=1) keeps a few more integers live through the tile loop; this tile,
+#: register-tight without one, spills with it (ptxas on sm_90, session 10), so a windowed call
+#: takes the next one: 3xTF32 d=128 (8, 32, 0) compiles spill-free with a window. (float64 at
+#: d=128 spills 52 bytes with either of its tiles: config() refuses that window.)
+WINDOW_SPILLS = {("3xtf32", 128): (8, 64, 0)}
+
+
+def choose_tile(D, DV, DT=None, smem_limit=None, VEC=0, cc=None, window=False):
     """(NW, BC, HOLDQ) for padded head dims, chosen for registers: O (DV/2 floats), S (BC/2) and,
     when HOLDQ, Q (D/4 words; tf32: D/2) per thread. float64 takes the first of F64_TILES whose
     shared memory fits smem_limit (sm_80 allows 163 KB a block, sm_86/89 99 KB); 3xTF32 the first
-    of ``_x3_tiles``, which also depend on the compute capability ``cc``."""
+    of ``_x3_tiles``, which also depend on the compute capability ``cc``; with a ``window``
+    never one of WINDOW_SPILLS."""
+    def usable(tiles):
+        spills = WINDOW_SPILLS.get((DT, max(D, DV))) if window else None
+        return [tile for tile in tiles if tile != spills] or tiles
     if DT == "tf32":
         return (4, 64, 1) if max(D, DV) <= 64 else (4, 64, 0)
     if DT == "3xtf32":
-        return _first_that_fits(_x3_tiles(D, DV, cc), D, DV, DT, 1, smem_limit)
+        return _first_that_fits(usable(_x3_tiles(D, DV, cc)), D, DV, DT, 1, smem_limit)
     if DT == "f64":
-        return _first_that_fits(F64_TILES[64 if max(D, DV) <= 64 else 128], D, DV, DT, VEC,
-                                smem_limit)
+        return _first_that_fits(usable(F64_TILES[64 if max(D, DV) <= 64 else 128]), D, DV, DT,
+                                VEC, smem_limit)
     if max(D, DV) <= 128:
         return 4, 64, 1
     return 4, 32, 0
