@@ -74,7 +74,7 @@ def _sources(path):
                      if node.module else [a.name for a in node.names])
             for name in names:
                 dep = _module_file(here, name)
-                if dep is not None and (dep.parent == _CUDA_DIR or _CUDA_DIR in dep.parents):
+                if dep is not None and _CUDA_DIR in dep.parents:
                     todo.append(dep)
     return sorted(seen)
 

@@ -28,9 +28,9 @@ from .config import F64_MAX_HEAD_DIM, TF32_MAX_HEAD_DIM, config, vector_ok
 from .forward import kernel_source, make_kernel
 from .tiles import HEAD_DIMS, NAME, X3_CCS, MmaConfig, choose_tile, head_dim_pad, shared_bytes
 
-__all__ = ["NAME", "HEAD_DIMS", "X3_CCS", "MmaConfig", "head_dim_pad", "choose_tile", "shared_bytes",
-           "config", "vector_ok", "TF32_MAX_HEAD_DIM", "F64_MAX_HEAD_DIM", "kernel_source",
-           "make_kernel", "signature", "compiled_kernels", "run"]
+__all__ = ["NAME", "HEAD_DIMS", "X3_CCS", "MmaConfig", "head_dim_pad", "choose_tile",
+           "shared_bytes", "config", "vector_ok", "TF32_MAX_HEAD_DIM", "F64_MAX_HEAD_DIM",
+           "kernel_source", "make_kernel", "signature", "compiled_kernels", "run"]
 
 _dummy = {}
 

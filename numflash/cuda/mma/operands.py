@@ -62,11 +62,49 @@ class _OperandKind:
     def finish_scores(self, s, NN):
         """Anything left to do to the S accumulators after the last k-step."""
 
+    # ---- staging: 16-byte cp.async rows for every kind (``chunk`` elements per 16 bytes,
+    # ``per_word`` per shared word); scalar staging is each kind's own
+    def stage_q(self, s):
+        c, L = self.cfg, self.lay
+        if c.VEC:
+            emit_cp_async_rows(s, "qh", c.BR, "row", "i0", "Nq_u", c.D, "d_u", 0, L.QW,
+                               self.chunk, self.per_word, c.NT)
+            s("cp_async_commit()")
+            return
+        self._stage_q_scalar(s)
+
+    def stage_kv(self, s, j0u, buf):
+        """Emit the copy of K/V tile rows j0u.. into buffer buf; returns the word offsets."""
+        c, L = self.cfg, self.lay
+        k_off = L.kv_off + buf * L.kv_words
+        v_off = k_off + c.BC * L.KW
+        if c.VEC:
+            emit_cp_async_rows(s, "kh", c.BC, "j", j0u, "Nk_u", c.D, "d_u", k_off, L.KW,
+                               self.chunk, self.per_word, c.NT)
+            emit_cp_async_rows(s, "vh", c.BC, "j", j0u, "Nk_u", c.DV, "dv_u", v_off, L.VW,
+                               self.chunk, self.per_word, c.NT)
+            s("cp_async_commit()")
+        else:
+            self._stage_kv_scalar(s, j0u, k_off, v_off)
+        return k_off, v_off
+
+    @staticmethod
+    def _store_pair(s, n, first, second, before=()):
+        """Emit the stores of O tile n's two columns of this thread's row (values ``first`` and
+        ``second``), each guarded by dv; ``before``: lines that compute them."""
+        s(*before, f"col = cbase + {U(n * 8)}", "if col < dv_u:")
+        with s.block():
+            s(f"oh[ru, col] = {first}")
+        s(f"if col + {U(1)} < dv_u:")
+        with s.block():
+            s(f"oh[ru, col + {U(1)}] = {second}")
+
 
 class Packed16(_OperandKind):
     """float16 / bfloat16 on m16n8k16 (module docstring)."""
     word, float, word_bytes = "uint32", "float32", 4
     k_step = 16                   # contraction length of one mma
+    chunk, per_word = 8, 2        # elements per 16-byte cp.async, per shared word
 
     def __init__(self, cfg):
         assert cfg.D % 16 == 0 and cfg.DV % 16 == 0 and cfg.BC % 16 == 0
@@ -83,14 +121,9 @@ class Packed16(_OperandKind):
         VW = cfg.BC // 2 + 4                     # Vt: [DV][BC/2 + 4]
         return _layout(cfg, QW, KW, VW, cfg.DV * VW)
 
-    # ---- staging
-    def stage_q(self, s):
-        c, L = self.cfg, self.lay
-        if c.VEC:
-            emit_cp_async_rows(s, "qh", c.BR, "row", "i0", "Nq_u", c.D, "d_u", 0, L.QW, 8, 2, c.NT)
-            s("cp_async_commit()")
-            return
-        self._stage_pairs(s, "qh", c.BR, "row", "i0", "Nq_u", 0, L.QW)
+    # ---- scalar staging
+    def _stage_q_scalar(self, s):
+        self._stage_pairs(s, "qh", self.cfg.BR, "row", "i0", "Nq_u", 0, self.lay.QW)
 
     def _stage_pairs(self, s, src, rows, row, first, limit, off, W):
         """Scalar staging of rows x D elements, two adjacent columns per word."""
@@ -110,18 +143,8 @@ class Packed16(_OperandKind):
                     s(f"word |= U({src}[{row}, c + {U(1)}]) << {U(16)}")
             s(f"smem[{U(off)} + r * {U(W)} + w] = uint32(word)")
 
-    def stage_kv(self, s, j0u, buf):
-        """Emit the copy of K/V tile rows j0u.. into buffer buf; returns the word offsets."""
+    def _stage_kv_scalar(self, s, j0u, k_off, v_off):
         c, L = self.cfg, self.lay
-        k_off = L.kv_off + buf * L.kv_words
-        v_off = k_off + c.BC * L.KW
-        if c.VEC:
-            emit_cp_async_rows(s, "kh", c.BC, "j", j0u, "Nk_u", c.D, "d_u", k_off, L.KW, 8, 2,
-                               c.NT)
-            emit_cp_async_rows(s, "vh", c.BC, "j", j0u, "Nk_u", c.DV, "dv_u", v_off, L.VW, 8, 2,
-                               c.NT)
-            s("cp_async_commit()")
-            return k_off, v_off
         self._stage_pairs(s, "kh", c.BC, "j", j0u, "Nk_u", k_off, L.KW)
         # V transposed: word (column c, key pair jp) holds keys 2 jp, 2 jp + 1
         s(f"for idx in range(tid, {U(c.DV * c.BC // 2)}, {U(c.NT)}):")
@@ -139,7 +162,6 @@ class Packed16(_OperandKind):
                 with s.block():
                     s(f"word |= U(vh[j + {U(1)}, c]) << {U(16)}")
             s(f"smem[{U(v_off)} + c * {U(L.VW)} + jp] = uint32(word)")
-        return k_off, v_off
 
     # ---- fragments and products
     def q_fragments(self, s):
@@ -213,14 +235,8 @@ class Packed16(_OperandKind):
 
     def store_o(self, s, n, ra, rb, half):
         """Emit the store of O tile n's registers ra, rb (row half), normalized, as 16-bit bits."""
-        s(f"word = U({self.pack}(o_{n}_{ra} * inv{half}, o_{n}_{rb} * inv{half}))",
-          f"col = cbase + {U(n * 8)}",
-          "if col < dv_u:")
-        with s.block():
-            s(f"oh[ru, col] = uint16(word & {U(0xFFFF)})")
-        s(f"if col + {U(1)} < dv_u:")
-        with s.block():
-            s(f"oh[ru, col + {U(1)}] = uint16(word >> {U(16)})")
+        self._store_pair(s, n, f"uint16(word & {U(0xFFFF)})", f"uint16(word >> {U(16)})",
+                         [f"word = U({self.pack}(o_{n}_{ra} * inv{half}, o_{n}_{rb} * inv{half}))"])
 
 
 class Words(_OperandKind):
@@ -246,7 +262,7 @@ class Words(_OperandKind):
         self.cfg, self.kind = cfg, self.KINDS[cfg.DT]
         self.word, self.float, self.mma = self.kind["word"], self.kind["float"], self.kind["mma"]
         self.word_bytes = 8 if cfg.DT == "f64" else 4
-        self.chunk = 2 if cfg.DT == "f64" else 4    # elements per 16-byte cp.async
+        self.chunk, self.per_word = 16 // self.word_bytes, 1   # per 16-byte cp.async, per word
         self.lay = self.layout(cfg)
 
     @classmethod
@@ -259,15 +275,10 @@ class Words(_OperandKind):
         """Emit the read of one A/B operand register."""
         s(f"{name} = {expr}")
 
-    # ---- staging
-    def stage_q(self, s):
-        c, L = self.cfg, self.lay
-        if c.VEC:
-            emit_cp_async_rows(s, "qh", c.BR, "row", "i0", "Nq_u", c.D, "d_u", 0, L.QW,
-                               self.chunk, 1, c.NT)
-            s("cp_async_commit()")
-            return
-        self._stage_rows(s, "qh", c.BR, "row", "i0", "Nq_u", 0, L.QW, c.D, "d_u")
+    # ---- scalar staging
+    def _stage_q_scalar(self, s):
+        c = self.cfg
+        self._stage_rows(s, "qh", c.BR, "row", "i0", "Nq_u", 0, self.lay.QW, c.D, "d_u")
 
     def _stage_rows(self, s, src, rows, row, first, limit, off, W, width, dim):
         """Scalar staging of rows x width elements, one per word."""
@@ -283,21 +294,10 @@ class Words(_OperandKind):
                 s("word = " + kind["load"].format(f"{src}[{row}, c]"))
             s(f"smem[{U(off)} + r * {U(W)} + c] = {kind['store']}")
 
-    def stage_kv(self, s, j0u, buf):
-        """Emit the copy of K/V tile rows j0u.. into buffer buf; returns the word offsets."""
+    def _stage_kv_scalar(self, s, j0u, k_off, v_off):
         c, L = self.cfg, self.lay
-        k_off = L.kv_off + buf * L.kv_words
-        v_off = k_off + c.BC * L.KW
-        if c.VEC:
-            emit_cp_async_rows(s, "kh", c.BC, "j", j0u, "Nk_u", c.D, "d_u", k_off, L.KW,
-                               self.chunk, 1, c.NT)
-            emit_cp_async_rows(s, "vh", c.BC, "j", j0u, "Nk_u", c.DV, "dv_u", v_off, L.VW,
-                               self.chunk, 1, c.NT)
-            s("cp_async_commit()")
-            return k_off, v_off
         self._stage_rows(s, "kh", c.BC, "j", j0u, "Nk_u", k_off, L.KW, c.D, "d_u")
         self._stage_rows(s, "vh", c.BC, "j", j0u, "Nk_u", v_off, L.VW, c.DV, "dv_u")
-        return k_off, v_off
 
     # ---- fragments and products
     def q_fragments(self, s):
@@ -343,13 +343,7 @@ class Words(_OperandKind):
                              [f"pa{i}" for i in range(4)], b)
 
     def store_o(self, s, n, ra, rb, half):
-        s(f"col = cbase + {U(n * 8)}",
-          "if col < dv_u:")
-        with s.block():
-            s(f"oh[ru, col] = o_{n}_{ra} * inv{half}")
-        s(f"if col + {U(1)} < dv_u:")
-        with s.block():
-            s(f"oh[ru, col + {U(1)}] = o_{n}_{rb} * inv{half}")
+        self._store_pair(s, n, f"o_{n}_{ra} * inv{half}", f"o_{n}_{rb} * inv{half}")
 
 
 class Split3xTF32(Words):

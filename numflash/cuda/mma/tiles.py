@@ -90,7 +90,8 @@ def _first_that_fits(tiles, D, DV, DT, VEC, smem_limit):
     """The first (NW, BC, HOLDQ) of ``tiles`` whose shared memory fits ``smem_limit``; else the
     last, which config() then refuses, naming the shared memory it needs."""
     for NW, BC, HOLDQ in tiles:
-        if smem_limit is None or shared_bytes(MmaConfig(D, DV, NW, BC, HOLDQ, DT, VEC)) <= smem_limit:
+        need = shared_bytes(MmaConfig(D, DV, NW, BC, HOLDQ, DT, VEC))
+        if smem_limit is None or need <= smem_limit:
             return NW, BC, HOLDQ
     return tiles[-1]
 
