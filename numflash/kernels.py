@@ -106,6 +106,11 @@ def _cuda_row():
     return row
 
 
+def _cuda_mma_backward():
+    from .cuda.mma import gradients
+    return gradients
+
+
 def _cuda_row_backward():
     from .cuda import row_backward
     return row_backward
@@ -140,6 +145,13 @@ BACKWARD = (
              summary="numba.njit FlashAttention-2 backward: parallel over (batch, head, key-block "
                      "split), P recomputed from lse tile by tile, dQ per split summed in a "
                      "fixed order (always deterministic)"),
+    Operator("cuda.mma", "cuda", "mma", _cuda_mma_backward,
+             dtypes=("float16", "bfloat16"), max_head_dim=128, direction="backward",
+             min_cc=(8, 0), min_cc_why="mma.sync bf16, cp.async", runs_in_simulator=False,
+             summary="FlashAttention-2 backward on tensor cores (mma.sync m16n8k16, ldmatrix, "
+                     "cp.async double buffering): a query pass (dQ) and a key pass (dK, dV, "
+                     "GQA groups summed in registers), P recomputed from lse, no atomics "
+                     "(always deterministic)"),
     Operator("cuda.row", "cuda", "row", _cuda_row_backward,
              dtypes=("float16", "bfloat16", "float32", "float64"), max_head_dim=256,
              direction="backward",

@@ -123,15 +123,19 @@ def naive(q, k, v, *, scale, causal=False, causal_offset=0, dtype=np.float64, qu
 
 
 def naive_backward(do, q, k, v, *, scale, causal=False, causal_offset=0, dtype=np.float64, o=None,
-                   mods=None):
+                   mods=None, stored=None):
     """Gradients (dq, dk, dv) of naive attention for the output gradient ``do``, in ``dtype``.
 
     The textbook backward: P = softmax(S), dV = P^T dO, dP = dO V^T, D = rowsum(dO * O),
     dS = P * (dP - D), dQ = scale dS K, dK = scale dS^T Q. ``o``: the forward output as it was
     stored (a lower-precision run passes its own rounded output, as a kernel reads it);
     by default P V in ``dtype``. Rows that see no key contribute nothing (P = 0).
+    ``stored``: a dtype the N x N intermediates P, dP and dS are rounded to, as a framework
+    computing in that dtype stores them (the same-dtype baseline of flash-attn's rule is torch
+    in float16 / bfloat16, which stores these and S too).
     """
     dtype = np.dtype(dtype).type
+    keep = (lambda a: a) if stored is None else (lambda a: a.astype(stored).astype(dtype))
     do, q, k, v = (np.asarray(a, dtype=dtype) for a in (do, q, k, v))
     kv_heads = k.shape[1]
     k, v = _shared_heads(q, k), _shared_heads(q, v)
@@ -139,7 +143,7 @@ def naive_backward(do, q, k, v, *, scale, causal=False, causal_offset=0, dtype=n
                                dtype=dtype, query_positions=None, mods=mods, want_grad=True)
     p, l, _ = _exp_and_sums(s, dtype)
     with np.errstate(divide="ignore", invalid="ignore"):
-        p = p / np.where(l == 0, 1, l).astype(dtype)  # a NaN row sum poisons the whole row
+        p = keep(p / np.where(l == 0, 1, l).astype(dtype))  # a NaN row sum poisons its row
     # Every product sums over the (row, key) pairs that see each other only, as the kernels do:
     # a non-finite dO, q or v where nothing reads it reaches no gradient through P = 0.
     vis = visible & ~(l == 0)  # a row whose every score is -inf sees nothing, as in the kernels
@@ -147,12 +151,12 @@ def naive_backward(do, q, k, v, *, scale, causal=False, causal_offset=0, dtype=n
     o = _visible_matmul(p, v, vis) if o is None else np.asarray(o, dtype=dtype)
     dv = _visible_matmul(np.swapaxes(p, -1, -2), do, vis_t)
     with np.errstate(invalid="ignore"):
-        dp = np.where(vis, np.matmul(do, np.swapaxes(v, -1, -2)), 0)
+        dp = keep(np.where(vis, np.matmul(do, np.swapaxes(v, -1, -2)), 0))
         delta = (do * o).sum(axis=-1, keepdims=True)
         ds = p * (dp - delta) * dtype(scale)
         if grad is not None:  # the chain rule through the score_mods
             ds = ds * grad.astype(dtype)
-        ds = np.where(vis, ds, 0)
+        ds = keep(np.where(vis, ds, 0))
     dq = _visible_matmul(ds, k, vis)
     dk = _visible_matmul(np.swapaxes(ds, -1, -2), q, vis_t)
     dk, dv = _group_sum(dk, kv_heads), _group_sum(dv, kv_heads)

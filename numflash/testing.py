@@ -122,7 +122,9 @@ def check_backward(grads, do, q, k, v, *, causal=False, softmax_scale=None, layo
     """Compare gradients (dq, dk, dv) for output gradient ``do`` with the float64 reference.
 
     The naive backward in the same dtype reads its own forward output rounded to that dtype, as a
-    kernel reads the stored o (D = rowsum(dO * O) depends on it).
+    kernel reads the stored o (D = rowsum(dO * O) depends on it). For float16 / bfloat16 it runs
+    its products in float32 and stores P, dP and dS in the dtype, as flash-attn's rule's baseline
+    (torch in that dtype) does; S it keeps in float32, which torch would round too.
     """
     p = normalize(q, k, v, causal=causal, softmax_scale=softmax_scale, layout=layout)
     bhsd = (lambda a: a) if layout == "bhsd" else (lambda a: a.transpose(0, 2, 1, 3))
@@ -133,7 +135,8 @@ def check_backward(grads, do, q, k, v, *, causal=False, softmax_scale=None, layo
     ref = reference.naive_backward(*(a.astype(np.float64) for a in raw), **opts)
     work = np.float32 if dt.name in ("float16", "bfloat16") else dt.type
     o_low, _ = reference.naive(*raw[1:], dtype=work, **opts)
-    naive = reference.naive_backward(*raw, dtype=work, o=o_low.astype(dt), **opts)
+    stored = dt if dt.name in ("float16", "bfloat16") else None
+    naive = reference.naive_backward(*raw, dtype=work, o=o_low.astype(dt), stored=stored, **opts)
     names = ("dq", "dk", "dv")
     errors, naive_errors, bounds, rel, finite = {}, {}, {}, {}, True
     for name, g, r, n in zip(names, grads, ref, naive):

@@ -4,8 +4,9 @@ tests/test_gqa.py:
 - ``tile_config``: the MmaConfig the planner's tile tables give a kind, head dims and GPU.
 - ``compile_variant`` / ``assert_register_resident``: compile one variant to a cubin with no GPU
   and read its PTX and ptxas report.
-- ``run_word_kernel``: run the generated tf32 / 3xTF32 / float64 source on the CPU under an
-  emulator of the warp (``Emu``), with the PTX ISA fragment layouts; ``tf32_bits``,
+- ``run_forward_kernel`` / ``run_backward_kernels``: run the generated source of any operand kind
+  (16-bit with ldmatrix, tf32, 3xTF32, float64) on the CPU under an emulator of the warp
+  (``Emu``), with the PTX ISA fragment layouts; ``tf32_bits``,
   ``split_tf32_bits``, ``tf32_operand``: the emulator's tf32 roundings, bit for bit.
 - ``run_forced_config``: run a config other than the planner's on whatever GPU runs the tests.
 """
@@ -181,8 +182,8 @@ class Emu:
 
         class S:
             @staticmethod
-            def array(n, dtype):
-                return emu.smem
+            def array(n, dtype):   # every dynamic shared array aliases one buffer
+                return emu.smem.view(dtype)
         return S
 
     def syncthreads(self):
@@ -220,12 +221,58 @@ class Emu:
     def mma_f64(self, *args):
         return self._mma_16x8x8(float, np.float64, *args)
 
+    def _mma_16x8x16(self, half, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+        """mma.sync.m16n8k16 with 16-bit operands packed two to a register (low half = lower
+        index), float32 accumulators (the PTX ISA's fragment layout)."""
+        got = self._exchange((a0, a1, a2, a3, b0, b1))
+        A = np.zeros((16, 16)); Bm = np.zeros((16, 8))
+        for lane, (x0, x1, x2, x3, y0, y1) in enumerate(got):
+            g, t = lane // 4, lane % 4
+            for (row, col), word in zip(((g, 2 * t), (g + 8, 2 * t), (g, 2 * t + 8),
+                                         (g + 8, 2 * t + 8)), (x0, x1, x2, x3)):
+                A[row, col], A[row, col + 1] = half(word)
+            Bm[2 * t, g], Bm[2 * t + 1, g] = half(y0)
+            Bm[2 * t + 8, g], Bm[2 * t + 9, g] = half(y1)
+        lane = self.tls.tid % 32
+        g, t = lane // 4, lane % 4
+        D = A @ Bm
+        return (np.float32(c0 + D[g, 2 * t]), np.float32(c1 + D[g, 2 * t + 1]),
+                np.float32(c2 + D[g + 8, 2 * t]), np.float32(c3 + D[g + 8, 2 * t + 1]))
+
+    def mma_f16(self, *args):
+        return self._mma_16x8x16(f16_halves, *args)
+
+    def mma_bf16(self, *args):
+        return self._mma_16x8x16(bf16_halves, *args)
+
+    # ldmatrix.x4: lane 8m + r gives the byte address of row r of 8x8 matrix m (16-bit
+    # elements); lane (g, t) receives word t of row g of each matrix, or with .trans the
+    # elements (2t, g) and (2t + 1, g)
+    def ldmatrix_x4(self, addr):
+        rows = self._exchange(int(addr))
+        lane = self.tls.tid % 32
+        words = self.smem.view(np.uint32)
+        for r in rows:
+            assert r % 16 == 0, f"ldmatrix row address {r} is not 16-byte aligned"
+        return tuple(np.uint32(words[rows[8 * m + lane // 4] // 4 + lane % 4]) for m in range(4))
+
+    def ldmatrix_x4_trans(self, addr):
+        rows = self._exchange(int(addr))
+        lane = self.tls.tid % 32
+        halves = self.smem.view(np.uint16)
+        g, t = lane // 4, lane % 4
+        out = []
+        for m in range(4):
+            lo = int(halves[rows[8 * m + 2 * t] // 2 + g])
+            hi = int(halves[rows[8 * m + 2 * t + 1] // 2 + g])
+            out.append(np.uint32(lo | hi << 16))
+        return tuple(out)
+
     # cp.async: a copy reads its source when issued and lands in shared memory only when a
     # cp_async_wait lets its commit group complete (per thread), as on the GPU; addresses are
-    # (array, row, column) and shared-array indices, both checked for 16-byte alignment
-    @staticmethod
-    def shared_addr(smem, i):
-        return int(i)
+    # (array, row, column) and shared byte addresses, both checked for 16-byte alignment
+    def shared_addr(self, smem, i):
+        return int(i) * smem.itemsize
 
     @staticmethod
     def global_addr2(a, i, j):
@@ -233,13 +280,12 @@ class Emu:
 
     def cp_async_16(self, dst, src, nbytes):
         a, i, j = src
-        n = 16 // self.smem.itemsize
-        assert dst % n == 0, f"cp.async destination word {dst} is not 16-byte aligned"
+        assert dst % 16 == 0, f"cp.async destination byte {dst} is not 16-byte aligned"
         assert (i * a.strides[0] + j * a.strides[1]) % 16 == 0, "cp.async source misaligned"
-        data = np.zeros(n, self.smem.dtype)
+        raw = np.zeros(16, np.uint8)
         got = int(nbytes) // a.itemsize
-        data[:got] = a[i, j:j + got]
-        self.tls.pending.append((dst, data))
+        raw[:got * a.itemsize] = np.ascontiguousarray(a[i, j:j + got]).view(np.uint8)
+        self.tls.pending.append((dst // self.smem.itemsize, raw.view(self.smem.dtype)))
 
     def cp_async_commit(self):
         self.tls.groups.append(self.tls.pending)
@@ -287,41 +333,121 @@ class Emu:
                     raise RuntimeError(errs[0])
 
 
-def run_word_kernel(q, k, v, DT, causal=False, causal_offset=0, scale=None, VEC=0, tile=None,
-                    window=None):
-    """Run mma.kernel_source of operand kind DT "tf32" / "3xtf32" (float32 q, k, v) or "f64"
-    (float64) under the emulator; returns (out, lse). VEC=1 runs the cp.async /
-    double-buffered staging; ``tile`` (NW, BC, HOLDQ) overrides the default tile; ``window``:
-    a sliding window's (left, right) (the WINDOW variant)."""
-    from numflash.cuda import mma
+def f16_halves(word):
+    """The two float16 values of a packed register (low half first)."""
+    return tuple(float(x) for x in np.array([int(word)], np.uint32).view(np.float16))
+
+
+def bf16_halves(word):
+    w = int(word)
+    return tuple(float(np.array([x << 16], np.uint32).view(np.float32)[0])
+                 for x in (w & 0xFFFF, w >> 16))
+
+
+def pack_f16x2(a, b):
+    """cvt.rn.f16x2.f32 as numflash.cuda.ptx.pack_f16x2 uses it: a in the low half."""
+    lo, hi = np.array([a, b], np.float32).astype(np.float16).view(np.uint16)
+    return np.uint32(int(lo) | int(hi) << 16)
+
+
+def _bf16_bits(x):
+    """float32 -> bfloat16 bits, round to nearest even (NaN kept NaN)."""
+    bits = int(np.array([x], np.float32).view(np.uint32)[0])
+    if np.isnan(x):
+        return (bits >> 16) | 0x40
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) & 0xFFFF
+
+
+def pack_bf16x2(a, b):
+    return np.uint32(_bf16_bits(a) | _bf16_bits(b) << 16)
+
+
+def emulator_namespace(emu, DT):
+    """The names generated cuda.mma source calls, bound to the emulator for operand kind DT."""
     from numflash.cuda.common import key_end
+    f64 = DT == "f64"
+    real = np.float64 if f64 else np.float32
+    return {"cuda": emu, "math": math, "U": np.uint64, "I": np.int64, "uint32": np.uint32,
+            "uint16": np.uint16, "float32": np.float32, "float64": np.float64,
+            "ZERO": real(0), "ONE": real(1), "NEG_INF": real(-np.inf), "INF": real(np.inf),
+            "LOG2E": real(np.log2(np.e)), "FULL": 0xFFFFFFFF,
+            "key_end": getattr(key_end, "py_func", key_end),
+            "kv_head": lambda h, H, Hkv: h // (H // Hkv),
+            "mma_tf32": emu.mma_tf32, "mma_f64": emu.mma_f64, "mma_f16": emu.mma_f16,
+            "mma_bf16": emu.mma_bf16, "to_tf32": tf32_bits, "split_tf32": split_tf32_bits,
+            "pack_f16x2": pack_f16x2, "pack_bf16x2": pack_bf16x2,
+            "ldmatrix_x4": emu.ldmatrix_x4, "ldmatrix_x4_trans": emu.ldmatrix_x4_trans,
+            "shared_addr": emu.shared_addr, "global_addr2": emu.global_addr2,
+            "cp_async_16": emu.cp_async_16, "cp_async_commit": emu.cp_async_commit,
+            "cp_async_wait_0": lambda: emu.cp_async_wait(0),
+            "cp_async_wait_1": lambda: emu.cp_async_wait(1),
+            "ex2": np.exp2 if f64 else (lambda x: np.float32(np.exp2(np.float32(x))))}
+
+
+def as_kernel_array(a, DT):
+    """An input as the kernel of kind DT reads it (16-bit kinds: the uint16 bits)."""
+    return a.view(np.uint16) if DT in ("f16", "bf16") else a
+
+
+def run_backward_kernels(q, k, v, do, o, lse, DT, causal=False, causal_offset=0, scale=None,
+                         tiles=None):
+    """Run cuda.mma's generated backward source of kind DT (both passes) under the emulator;
+    q, k, v, do, o in the kind's dtype (16-bit as float16 or ml_dtypes.bfloat16), lse as
+    attention returns it. ``tiles``: {"queries": (NW, BC), "keys": (NW, BC[, SUB])}. Returns dq,
+    dk, dv in the inputs' dtype."""
+    from numflash.cuda.mma import MmaConfig, backward, head_dim_pad
+    B, H, Nq, d = q.shape
+    Hkv, Nk, dv = k.shape[1], k.shape[2], v.shape[3]
+    D, DV = head_dim_pad(d), head_dim_pad(dv)
+    scale = 1 / math.sqrt(d) if scale is None else scale
+    real = np.float64 if DT == "f64" else np.float32
+    delta = (do.astype(real) * o.astype(real)).sum(-1)
+    word = {"f64": np.float64, "3xtf32": np.float32}.get(DT, np.uint32)
+    grads = {name: np.full(shape, np.nan, q.dtype) for name, shape in
+             (("dq", q.shape), ("dk", k.shape), ("dv", v.shape))}
+    form = "m16n8k8" if DT == "f64" else None
+    for kernel in ("queries", "keys"):
+        NW, BC, *sub = (tiles or {}).get(kernel, (2, 32))
+        cfg = MmaConfig(D, DV, NW, BC, 0, DT, 1, MMA=form, SUB=sub[0] if sub else 0)
+        src = backward.SOURCES[kernel](cfg)
+        rows = Nq if kernel == "queries" else Nk
+        emu = Emu(cfg.NT, (-(-rows // cfg.BR), B * (H if kernel == "queries" else Hkv)),
+                  backward.shared_bytes(cfg, kernel), word)
+        ns = emulator_namespace(emu, DT)
+        exec(compile(src, f"<{DT} backward {kernel} emu>", "exec"), ns)
+        outs = [grads["dq"]] if kernel == "queries" else [grads["dk"], grads["dv"]]
+        args = [as_kernel_array(a, DT) for a in (q, k, v, do)] + [lse.astype(real), delta]
+        args += [as_kernel_array(g, DT) for g in outs]
+        args += [scale * math.log2(math.e), scale, int(causal), int(causal_offset)]
+        with np.errstate(all="ignore"):
+            emu.run(ns[backward.KERNEL_NAMES[kernel]], tuple(args))
+    return grads["dq"], grads["dk"], grads["dv"]
+
+
+def run_forward_kernel(q, k, v, DT, causal=False, causal_offset=0, scale=None, VEC=0, tile=None,
+                       window=None):
+    """Run mma.kernel_source of operand kind DT under the emulator: "tf32" / "3xtf32" (float32
+    q, k, v), "f64" (float64), "f16" / "bf16" (float16 / ml_dtypes.bfloat16); returns (out,
+    lse). VEC=1 runs the cp.async / double-buffered staging (16-bit kinds: with ldmatrix);
+    ``tile`` (NW, BC, HOLDQ) overrides the default tile; ``window``: a sliding window's (left,
+    right) (the WINDOW variant)."""
+    from numflash.cuda import mma
     B, H, Nq, d = q.shape
     dv = v.shape[3]
     D, DV = mma.head_dim_pad(d), mma.head_dim_pad(dv)
     NW, BC, HOLDQ = tile or mma.choose_tile(D, DV, DT)
     cfg = mma.MmaConfig(D, DV, NW, BC, HOLDQ, DT, VEC, WINDOW=int(window is not None))
     src = mma.kernel_source(cfg)
-    f64 = DT == "f64"
-    real = np.float64 if f64 else np.float32
+    real = np.float64 if DT == "f64" else np.float32
     word = {"f64": np.float64, "3xtf32": np.float32}.get(DT, np.uint32)
     emu = Emu(cfg.NT, (-(-Nq // cfg.BR), B * H), mma.shared_bytes(cfg), word)
-    ns = {"cuda": emu, "math": math, "U": np.uint64, "I": np.int64, "uint32": np.uint32,
-          "float32": np.float32, "float64": np.float64,
-          "ZERO": real(0), "ONE": real(1), "NEG_INF": real(-np.inf), "FULL": 0xFFFFFFFF,
-          "key_end": getattr(key_end, "py_func", key_end),
-          "kv_head": lambda h, H, Hkv: h // (H // Hkv),
-          "mma_tf32": emu.mma_tf32, "mma_f64": emu.mma_f64, "to_tf32": tf32_bits,
-          "split_tf32": split_tf32_bits,
-          "shared_addr": emu.shared_addr, "global_addr2": emu.global_addr2,
-          "cp_async_16": emu.cp_async_16, "cp_async_commit": emu.cp_async_commit,
-          "cp_async_wait_0": lambda: emu.cp_async_wait(0),
-          "cp_async_wait_1": lambda: emu.cp_async_wait(1),
-          "ex2": np.exp2 if f64 else (lambda x: np.float32(np.exp2(np.float32(x))))}
+    ns = emulator_namespace(emu, DT)
     exec(compile(src, f"<{DT} emu>", "exec"), ns)
-    out = np.full((B, H, Nq, dv), np.nan, real)
+    out = np.full((B, H, Nq, dv), np.nan, q.dtype if DT in ("f16", "bf16") else real)
     lse = np.full((B, H, Nq), np.nan, real)  # numflash's lse is float64 for float64 inputs
     scale = 1 / math.sqrt(d) if scale is None else scale
+    args = tuple(as_kernel_array(a, DT) for a in (q, k, v, out))
     with np.errstate(all="ignore"):
-        emu.run(ns["mma_attention"], (q, k, v, out, lse, None, scale * math.log2(math.e), scale,
-                                      int(causal), int(causal_offset)) + tuple(window or ()))
+        emu.run(ns["mma_attention"], args + (lse, None, scale * math.log2(math.e), scale,
+                                             int(causal), int(causal_offset)) + tuple(window or ()))
     return out, lse

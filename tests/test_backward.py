@@ -8,13 +8,15 @@ from numflash import reference, testing
 from numflash.inputs import lse_dtype
 
 
-def make(rng, B, H, Nq, Nk, d, dv=None, dtype=np.float32, layout="bhsd"):
+def make(rng, B, H, Nq, Nk, d, dv=None, dtype=np.float32, layout="bhsd", kv_heads=None):
+    """q, k, v, do; ``kv_heads``: K/V heads (grouped-query attention), H by default."""
     dv = d if dv is None else dv
+    Hkv = H if kv_heads is None else kv_heads
 
-    def arr(N, dim):
-        shape = (B, H, N, dim) if layout == "bhsd" else (B, N, H, dim)
+    def arr(N, dim, heads=H):
+        shape = (B, heads, N, dim) if layout == "bhsd" else (B, N, heads, dim)
         return rng.standard_normal(shape).astype(dtype)
-    return arr(Nq, d), arr(Nk, d), arr(Nk, dv), arr(Nq, dv)
+    return arr(Nq, d), arr(Nk, d, Hkv), arr(Nk, dv, Hkv), arr(Nq, dv)
 
 
 def forward_backward(q, k, v, do, **opts):

@@ -525,3 +525,16 @@ def test_plain_naive_peer_is_exact_attention(rng):
     hidden = causal_hidden(np, 33, 33)
     assert check(plain_naive_attention(np, q, k, v, 0.25, hidden), q, k, v, softmax_scale=0.25,
                  causal=True).ok
+
+
+def test_results_json_takes_configs_that_are_mappings():
+    """A backward plan's config holds one MmaConfig per pass (a Mapping, not a dict): the
+    results file must still serialize (an H100 run failed there once)."""
+    import json
+    from numflash.bench.report import _jsonable
+    from numflash.cuda.mma import MmaConfig
+    cfg = {"queries": MmaConfig(64, 64, 4, 64, 0, "f16", 1),
+           "keys": MmaConfig(64, 64, 4, 128, 0, "f16", 1, SUB=64)}
+    got = json.loads(json.dumps(_jsonable({"config": cfg})))
+    assert got["config"]["keys"] == {"D": 64, "DV": 64, "NW": 4, "BC": 128, "HOLDQ": 0,
+                                     "DT": "f16", "VEC": 1, "SUB": 64}

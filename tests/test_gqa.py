@@ -76,9 +76,9 @@ def test_simulated_cuda_kernels(rng, algorithm, heads, causal):
 @pytest.mark.parametrize("DT, dtype", [("f64", np.float64), ("3xtf32", np.float32)])
 def test_tensor_core_word_kernel_emulated(rng, DT, dtype):
     """cuda.mma's float64 and 3xTF32 source, run by the warp emulator with Hk < H."""
-    from mma_tools import run_word_kernel
+    from mma_tools import run_forward_kernel
     q, k, v, _ = make(rng, 1, 4, 2, 40, 24, 16, 16, dtype)
-    out, lse = run_word_kernel(q, k, v, DT, True, 24 - 40)
+    out, lse = run_forward_kernel(q, k, v, DT, True, 24 - 40)
     testing.assert_accurate(out.astype(dtype), q, k, v, lse=lse.astype(
         np.float64 if DT == "f64" else np.float32), causal="bottom_right")
 

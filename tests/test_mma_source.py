@@ -107,6 +107,23 @@ EMULATED = [
 ]
 
 
+@pytest.mark.parametrize("DT, VEC, tile", [("f16", 1, (2, 32, 1)), ("bf16", 1, (2, 32, 0))])
+def test_16bit_kernel_source_emulated_on_cpu(rng, DT, VEC, tile):
+    """The 16-bit forward (ldmatrix, ldmatrix.trans, m16n8k16, P packed from the S fragments)
+    under the warp emulator, bottom-right causal with dv != d: it meets the accuracy rule."""
+    from mma_tools import run_forward_kernel
+    from numflash.inputs import parse_causal
+    from numflash.testing import check
+    dtype = np.float16 if DT == "f16" else np.dtype(pytest.importorskip("ml_dtypes").bfloat16)
+    B, H, Nq, Nk, d, dv, causal = SHAPES["d32-dv96-bottom_right"]
+    q, k, v = (rng.standard_normal(s).astype(dtype)
+               for s in ((B, H, Nq, d), (B, H, Nk, d), (B, H, Nk, dv)))
+    is_causal, off = parse_causal(causal, Nq, Nk)
+    out, lse = run_forward_kernel(q, k, v, DT, is_causal, off, VEC=VEC, tile=tile)
+    rep = check(out, q, k, v, lse=lse, causal=causal)
+    assert rep.ok, str(rep)
+
+
 @pytest.mark.parametrize("DT, shape, VEC, tile", EMULATED)
 def test_word_kernel_source_emulated_on_cpu(rng, DT, shape, VEC, tile):
     """The fragment bookkeeping (S layout, the permuted-k P V, masking, softmax, epilogue; for
@@ -114,7 +131,7 @@ def test_word_kernel_source_emulated_on_cpu(rng, DT, shape, VEC, tile):
     run under the warp emulator: float64 and 3xTF32 meet the accuracy rule of every exact kernel
     (float64 to 1e-12; 3xTF32 to 2e-6, where one tf32 mma per product would be ~1e-3 off); tf32
     shows its rounding, bounded."""
-    from mma_tools import run_word_kernel
+    from mma_tools import run_forward_kernel
     from numflash.inputs import parse_causal
     from numflash.reference import naive
     from numflash.testing import check
@@ -123,7 +140,7 @@ def test_word_kernel_source_emulated_on_cpu(rng, DT, shape, VEC, tile):
     q, k, v = (rng.standard_normal(s).astype(dtype)
                for s in ((B, H, Nq, d), (B, H, Nk, d), (B, H, Nk, dv)))
     is_causal, off = parse_causal(causal, Nq, Nk)
-    out, lse = run_word_kernel(q, k, v, DT, is_causal, off, VEC=VEC, tile=tile)
+    out, lse = run_forward_kernel(q, k, v, DT, is_causal, off, VEC=VEC, tile=tile)
     ref, ref_lse = naive(q, k, v, scale=1 / np.sqrt(d), causal=is_causal, causal_offset=off)
     if DT == "tf32":
         assert np.isfinite(out).all()
@@ -163,14 +180,14 @@ def test_window_source_emulated_on_cpu(rng, DT, B, H, Nq, Nk, d, causal, window,
     """The WINDOW variant (each row's key range, the tile loop starting at the block's first
     key, warps skipping tiles outside their rows' ranges, both edges masked) against the
     float64 reference with the same window_size, under the warp emulator."""
-    from mma_tools import run_word_kernel
+    from mma_tools import run_forward_kernel
     from numflash.inputs import parse_causal
     from numflash.reference import attention as ref
     from numflash.testing import check
     dtype = np.float64 if DT == "f64" else np.float32
     q, k, v = (rng.standard_normal((B, H, n, d)).astype(dtype) for n in (Nq, Nk, Nk))
     is_causal, off = parse_causal(causal, Nq, Nk)
-    out, lse = run_word_kernel(q, k, v, DT, is_causal, off, VEC=VEC, tile=tile, window=window)
+    out, lse = run_forward_kernel(q, k, v, DT, is_causal, off, VEC=VEC, tile=tile, window=window)
     rep = check(out, q, k, v, causal=causal, window_size=window)
     assert rep.ok, str(rep)
     _, ref_lse = ref(q, k, v, causal=causal, window_size=window, return_lse=True)

@@ -1,6 +1,7 @@
 """The results as a reader gets them: the markdown report (header, one table a suite, notes),
 the JSON file, and the versions and git commit that the report names."""
 import json
+from collections.abc import Mapping
 import math
 import os
 import platform
@@ -201,7 +202,7 @@ def render_markdown(meta, suites, policy):
 # ----------------------------------------------------------------------------------------------
 
 def _jsonable(x):
-    if isinstance(x, dict):
+    if isinstance(x, Mapping):  # dicts, and configs that are mappings (cuda.mma's MmaConfig)
         return {str(k): _jsonable(v) for k, v in x.items()}
     if isinstance(x, (list, tuple)):
         return [_jsonable(v) for v in x]

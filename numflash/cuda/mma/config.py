@@ -14,9 +14,10 @@ TF32_MAX_HEAD_DIM = 128
 F64_MAX_HEAD_DIM = {"m16n8k8": 128, "m8n8k4": 64}
 
 
-def vector_ok(problem):
-    """None if 16-byte cp.async can read every row of q, k, v, else why not (then VEC=0)."""
-    for name in ("q", "k", "v"):
+def vector_ok(problem, names=("q", "k", "v")):
+    """None if 16-byte cp.async can read every row of the problem's arrays ``names``, else why
+    not (then VEC=0)."""
+    for name in names:
         a = getattr(problem, name)
         item = a.itemsize
         if a.strides[-1] != item and a.shape[-1] > 1:

@@ -39,9 +39,9 @@ def U(n):
     return f"U({int(n)})"
 
 
-def emit_prologue(s, BR, flt, word):
-    """Emit the thread / block indices, the per-head views and the shared array (``word``
-    elements); the two scales arrive as float64 (launch.py's ABI) and become ``flt``."""
+def emit_thread_indices(s, flt):
+    """Emit the scales (they arrive as float64, launch.py's ABI, and become ``flt``), the sizes
+    and the thread's warp, lane and fragment coordinates g, t."""
     s(f"scale_log2 = {flt}(scale_log2_in)", f"scale = {flt}(scale_in)",
       "H = q.shape[1]", "Nq = q.shape[2]", "Hkv = k.shape[1]", "Nk = k.shape[2]",
       "Nq_u = U(Nq)", "Nk_u = U(Nk)",
@@ -50,13 +50,20 @@ def emit_prologue(s, BR, flt, word):
       f"warp = tid // {U(32)}",
       f"lane = tid % {U(32)}",
       f"g = lane // {U(4)}",
-      f"t = lane % {U(4)}",
-      # last Q block first: under causal masking it is the longest, so the tail is short
+      f"t = lane % {U(4)}")
+
+
+def emit_prologue(s, BR, flt, word, views=("qh = q[b, h]", "kh = k[b, hk]", "vh = v[b, hk]",
+                                           "oh = out[b, h]")):
+    """Emit the thread / block indices of a kernel whose blocks own BR query rows, the per-head
+    ``views`` and the shared array (``word`` elements)."""
+    emit_thread_indices(s, flt)
+    s(  # last Q block first: under causal masking it is the longest, so the tail is short
       f"qb = U(cuda.gridDim.x) - {U(1)} - U(cuda.blockIdx.x)",
       "bh = U(cuda.blockIdx.y)",
       "b = bh // U(H)",
       "h = bh % U(H)",
       "hk = kv_head(h, U(H), U(Hkv))",
       f"i0 = qb * {U(BR)}",
-      "qh = q[b, h]", "kh = k[b, hk]", "vh = v[b, hk]", "oh = out[b, h]",
+      *views,
       f"smem = cuda.shared.array(0, {word})")

@@ -38,8 +38,8 @@ def kernel_source(cfg):
         emit_prologue(s, cfg.BR, ops.float, ops.word)
         ops.stage_q(s)
         emit_row_bounds(s, cfg.BR, window)
-        ops.q_fragments(s)
-        emit_q_ready(s, cfg.VEC, cfg.HOLDQ, NKK, lambda kk, names: ops.load_q(s, kk, names))
+        ops.a_fragments(s)
+        emit_q_ready(s, cfg.VEC, cfg.HOLDQ, NKK, lambda kk, names: ops.load_a(s, kk, names))
         emit_accumulators(s, NVN)
 
         def stage_kv(j0u, buf):
@@ -51,15 +51,15 @@ def kernel_source(cfg):
             with s.block():
                 # ---- S = Q K^T
                 ops.zero_scores(s, NN)
-                ops.k_fragments(s, kb, k_off)
+                ops.b_fragments(s, kb, k_off)
                 for kk in range(NKK):
                     if cfg.HOLDQ:
                         qa = [f"qf_{kk}_{r}" for r in range(4)]
                     else:
                         qa = [f"qa{r}" for r in range(4)]
-                        ops.load_q(s, kk, qa)
+                        ops.load_a(s, kk, qa)
                     for n in range(NN):
-                        b = ops.load_k(s, kk, n)
+                        b = ops.load_b(s, kk, n)
                         ops.product(s, [f"s_{n}_{r}" for r in range(4)], qa, b,
                                     [f"c_{n}_{r}" for r in range(4)])
                 ops.finish_scores(s, NN)

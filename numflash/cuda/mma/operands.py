@@ -51,16 +51,18 @@ class _OperandKind:
     softmax; subclasses say how elements become words and fragments."""
     rescales_o_in_softmax = True  # O is rescaled with the running max, then P V added through it
 
-    def zero_scores(self, s, NN):
+    def zero_scores(self, s, NN, acc="s", small="c"):
+        """Emit NN zeroed n8 accumulator tiles ``acc`` (and, where the kind keeps one, ``small``
+        for its small terms)."""
         for n in range(NN):
-            s(", ".join(f"s_{n}_{r}" for r in range(4)) + " = ZERO, ZERO, ZERO, ZERO")
+            s(", ".join(f"{acc}_{n}_{r}" for r in range(4)) + " = ZERO, ZERO, ZERO, ZERO")
 
     def product(self, s, acc, a, b, small=None):
         """Emit acc += A B."""
         s(f"{', '.join(acc)} = {self.mma}({', '.join(a + b)}, {', '.join(acc)})")
 
-    def finish_scores(self, s, NN):
-        """Anything left to do to the S accumulators after the last k-step."""
+    def finish_scores(self, s, NN, acc="s", small="c"):
+        """Anything left to do to the accumulators after the last k-step."""
 
     # ---- staging: 16-byte cp.async rows for every kind (``chunk`` elements per 16 bytes,
     # ``per_word`` per shared word); scalar staging is each kind's own
@@ -89,15 +91,15 @@ class _OperandKind:
         return k_off, v_off
 
     @staticmethod
-    def _store_pair(s, n, first, second, before=()):
+    def _store_pair(s, n, first, second, before=(), out="oh", dim="dv_u"):
         """Emit the stores of O tile n's two columns of this thread's row (values ``first`` and
         ``second``), each guarded by dv; ``before``: lines that compute them."""
-        s(*before, f"col = cbase + {U(n * 8)}", "if col < dv_u:")
+        s(*before, f"col = cbase + {U(n * 8)}", f"if col < {dim}:")
         with s.block():
-            s(f"oh[ru, col] = {first}")
-        s(f"if col + {U(1)} < dv_u:")
+            s(f"{out}[ru, col] = {first}")
+        s(f"if col + {U(1)} < {dim}:")
         with s.block():
-            s(f"oh[ru, col + {U(1)}] = {second}")
+            s(f"{out}[ru, col + {U(1)}] = {second}")
 
 
 class Packed16(_OperandKind):
@@ -164,79 +166,90 @@ class Packed16(_OperandKind):
             s(f"smem[{U(v_off)} + c * {U(L.VW)} + jp] = uint32(word)")
 
     # ---- fragments and products
-    def q_fragments(self, s):
-        """Emit the per-thread bases of Q's A fragments."""
-        c, QW = self.cfg, self.lay.QW
-        s(f"qbase = {U(0)} + (warp * {U(16)} + g) * {U(QW)} + t")
+    def a_fragments(self, s, name="q", off=0, W=None):
+        """Emit the per-thread bases of the A fragments of the warp's 16 rows of a row-major
+        shared tile at word ``off`` with rows of W words (the forward's Q)."""
+        c, W = self.cfg, W or self.lay.QW
+        s(f"{name}base = {U(off)} + (warp * {U(16)} + g) * {U(W)} + t")
         if c.VEC:
             # ldmatrix.x4 for A: lanes 0-15 address rows 0-15 at column kk*16, lanes 16-31 the
             # same rows at column kk*16 + 8 -> registers a0..a3 in mma order
-            s(f"qlm = shared_addr(smem, {U(0)} + (warp * {U(16)} + lane % {U(16)}) * {U(QW)} "
-              f"+ (lane // {U(16)}) * {U(4)})")
+            s(f"{name}lm = shared_addr(smem, {U(off)} + (warp * {U(16)} + lane % {U(16)}) * "
+              f"{U(W)} + (lane // {U(16)}) * {U(4)})")
 
-    def load_q(self, s, kk, names):
+    def load_a(self, s, kk, names, name="q", W=None):
+        """Emit the A fragment of k-step kk into registers ``names``."""
         if self.cfg.VEC:
-            s(f"{', '.join(names)} = ldmatrix_x4(qlm + {U(kk * 32)})")
+            s(f"{', '.join(names)} = ldmatrix_x4({name}lm + {U(kk * 32)})")
             return
-        QW = self.lay.QW
-        offs = (kk * 8, 8 * QW + kk * 8, kk * 8 + 4, 8 * QW + kk * 8 + 4)
+        W = W or self.lay.QW
+        offs = (kk * 8, 8 * W + kk * 8, kk * 8 + 4, 8 * W + kk * 8 + 4)
         for nm, off in zip(names, offs):
-            s(f"{nm} = smem[qbase + {U(off)}]")
+            s(f"{nm} = smem[{name}base + {U(off)}]")
 
-    def k_fragments(self, s, kb, k_off):
-        KW = self.lay.KW
+    def b_fragments(self, s, kb, off, name="k", W=None):
+        """Emit the bases of B fragments that contract over a row-major tile's columns (the
+        forward's K in Q K^T: B col-major), at word ``kb`` + ``off``, rows of W words."""
+        W = W or self.lay.KW
         if self.cfg.VEC:
             # ldmatrix.x4 for B of Q K^T (K row-major = B col-major): matrices
             # (n-tile n, k 0-7), (n, k 8-15), (n+1, k 0-7), (n+1, k 8-15)
-            s(f"klm = shared_addr(smem, {kb}{U(k_off)} + ((lane // {U(16)}) * {U(8)} + "
-              f"lane % {U(8)}) * {U(KW)} + ((lane // {U(8)}) % {U(2)}) * {U(4)})")
+            s(f"{name}lm = shared_addr(smem, {kb}{U(off)} + ((lane // {U(16)}) * {U(8)} + "
+              f"lane % {U(8)}) * {U(W)} + ((lane // {U(8)}) % {U(2)}) * {U(4)})")
         else:
-            s(f"kbase = {kb}{U(k_off)} + g * {U(KW)} + t")
+            s(f"{name}base = {kb}{U(off)} + g * {U(W)} + t")
 
-    def load_k(self, s, kk, n):
-        """Emit the B fragment of Q K^T for k-step kk, key n8 tile n; returns its registers."""
-        KW = self.lay.KW
+    def load_b(self, s, kk, n, name="k", W=None):
+        """Emit the B fragment for k-step kk, n8 tile n; returns its registers."""
+        W = W or self.lay.KW
         if self.cfg.VEC:
             if n % 2 == 0:
-                s(f"kb0, kb1, kb2, kb3 = ldmatrix_x4(klm + {U(4 * (n * 8 * KW + kk * 8))})")
-            return ["kb0", "kb1"] if n % 2 == 0 else ["kb2", "kb3"]
-        s(f"kb0 = smem[kbase + {U(n * 8 * KW + kk * 8)}]",
-          f"kb1 = smem[kbase + {U(n * 8 * KW + kk * 8 + 4)}]")
-        return ["kb0", "kb1"]
+                s(f"{name}b0, {name}b1, {name}b2, {name}b3 = "
+                  f"ldmatrix_x4({name}lm + {U(4 * (n * 8 * W + kk * 8))})")
+            return [f"{name}b0", f"{name}b1"] if n % 2 == 0 else [f"{name}b2", f"{name}b3"]
+        s(f"{name}b0 = smem[{name}base + {U(n * 8 * W + kk * 8)}]",
+          f"{name}b1 = smem[{name}base + {U(n * 8 * W + kk * 8 + 4)}]")
+        return [f"{name}b0", f"{name}b1"]
 
-    def accumulate_pv(self, s, kb, v_off, NVN, NPK):
-        """Emit O += P V for one key tile, P packed from the S fragments in registers."""
-        VW = self.lay.VW
+    def accumulate_pv(self, s, kb, v_off, NVN, NPK, p="s", acc="o", name="v", W=None,
+                      rescaled=True):
+        """Emit O += P V for one key tile, P packed from the S fragments in registers; in general
+        acc += P X for C fragments ``p`` (NPK k16 steps) and a row-major tile X contracted over
+        its rows (ldmatrix.trans), at word ``kb`` + ``v_off`` with rows of W words."""
+        W = W or self.lay.VW
         if self.cfg.VEC:
             # ldmatrix.x4.trans for B of P V from row-major V: matrices
             # (keys 0-7, n-tile n), (keys 8-15, n), (keys 0-7, n+1), (keys 8-15, n+1)
-            s(f"vlm = shared_addr(smem, {kb}{U(v_off)} + (((lane // {U(8)}) % {U(2)}) * "
-              f"{U(8)} + lane % {U(8)}) * {U(VW)} + (lane // {U(16)}) * {U(4)})")
+            s(f"{name}lm = shared_addr(smem, {kb}{U(v_off)} + (((lane // {U(8)}) % {U(2)}) * "
+              f"{U(8)} + lane % {U(8)}) * {U(W)} + (lane // {U(16)}) * {U(4)})")
         else:
-            s(f"vbase = {kb}{U(v_off)} + g * {U(VW)} + t")
+            s(f"{name}base = {kb}{U(v_off)} + g * {U(W)} + t")
         for kk in range(NPK):
             n0, n1 = 2 * kk, 2 * kk + 1
-            s(f"pa0 = {self.pack}(s_{n0}_0, s_{n0}_1)",
-              f"pa1 = {self.pack}(s_{n0}_2, s_{n0}_3)",
-              f"pa2 = {self.pack}(s_{n1}_0, s_{n1}_1)",
-              f"pa3 = {self.pack}(s_{n1}_2, s_{n1}_3)")
+            s(f"pa0 = {self.pack}({p}_{n0}_0, {p}_{n0}_1)",
+              f"pa1 = {self.pack}({p}_{n0}_2, {p}_{n0}_3)",
+              f"pa2 = {self.pack}({p}_{n1}_0, {p}_{n1}_1)",
+              f"pa3 = {self.pack}({p}_{n1}_2, {p}_{n1}_3)")
             for n in range(NVN):
                 if self.cfg.VEC:
                     if n % 2 == 0:
-                        s(f"vb0, vb1, vb2, vb3 = ldmatrix_x4_trans(vlm + "
-                          f"{U(4 * (kk * 16 * VW + n * 4))})")
-                    b = ["vb0", "vb1"] if n % 2 == 0 else ["vb2", "vb3"]
+                        s(f"{name}b0, {name}b1, {name}b2, {name}b3 = ldmatrix_x4_trans("
+                          f"{name}lm + {U(4 * (kk * 16 * W + n * 4))})")
+                    b = [f"{name}b0", f"{name}b1"] if n % 2 == 0 else [f"{name}b2", f"{name}b3"]
                 else:
-                    s(f"vb0 = smem[vbase + {U(n * 8 * VW + kk * 8)}]",
-                      f"vb1 = smem[vbase + {U(n * 8 * VW + kk * 8 + 4)}]")
-                    b = ["vb0", "vb1"]
-                self.product(s, [f"o_{n}_{r}" for r in range(4)],
+                    s(f"{name}b0 = smem[{name}base + {U(n * 8 * W + kk * 8)}]",
+                      f"{name}b1 = smem[{name}base + {U(n * 8 * W + kk * 8 + 4)}]")
+                    b = [f"{name}b0", f"{name}b1"]
+                self.product(s, [f"{acc}_{n}_{r}" for r in range(4)],
                              ["pa0", "pa1", "pa2", "pa3"], b)
 
-    def store_o(self, s, n, ra, rb, half):
-        """Emit the store of O tile n's registers ra, rb (row half), normalized, as 16-bit bits."""
+    def store_o(self, s, n, ra, rb, half, acc="o", factor=None, out="oh", dim="dv_u"):
+        """Emit the store of O tile n's registers ra, rb (row half), normalized, as 16-bit bits
+        (in general accumulator ``acc`` times ``factor`` into ``out``'s columns below ``dim``)."""
+        f = factor or f"inv{half}"
         self._store_pair(s, n, f"uint16(word & {U(0xFFFF)})", f"uint16(word >> {U(16)})",
-                         [f"word = U({self.pack}(o_{n}_{ra} * inv{half}, o_{n}_{rb} * inv{half}))"])
+                         [f"word = U({self.pack}({acc}_{n}_{ra} * {f}, {acc}_{n}_{rb} * {f}))"],
+                         out, dim)
 
 
 class Words(_OperandKind):
@@ -300,50 +313,53 @@ class Words(_OperandKind):
         self._stage_rows(s, "vh", c.BC, "j", j0u, "Nk_u", v_off, L.VW, c.DV, "dv_u")
 
     # ---- fragments and products
-    def q_fragments(self, s):
+    def a_fragments(self, s, name="q", off=0, W=None):
         # A fragment of k-step kk: a0 = Q[g, 8kk+t], a1 = Q[g+8, 8kk+t], a2/a3 at column +4
-        s(f"qbase = {U(0)} + (warp * {U(16)} + g) * {U(self.lay.QW)} + t")
+        s(f"{name}base = {U(off)} + (warp * {U(16)} + g) * {U(W or self.lay.QW)} + t")
 
-    def load_q(self, s, kk, names):
-        QW = self.lay.QW
-        offs = (kk * 8, 8 * QW + kk * 8, kk * 8 + 4, 8 * QW + kk * 8 + 4)
+    def load_a(self, s, kk, names, name="q", W=None):
+        W = W or self.lay.QW
+        offs = (kk * 8, 8 * W + kk * 8, kk * 8 + 4, 8 * W + kk * 8 + 4)
         for nm, off in zip(names, offs):
-            self.operand(s, nm, f"smem[qbase + {U(off)}]")
+            self.operand(s, nm, f"smem[{name}base + {U(off)}]")
 
-    def k_fragments(self, s, kb, k_off):
+    def b_fragments(self, s, kb, off, name="k", W=None):
         # B fragment b0 = K[n8 + g, 8kk + t], b1 at column + 4
-        s(f"kbase = {kb}{U(k_off)} + g * {U(self.lay.KW)} + t")
+        s(f"{name}base = {kb}{U(off)} + g * {U(W or self.lay.KW)} + t")
 
-    def load_k(self, s, kk, n):
-        KW = self.lay.KW
-        self.operand(s, "kb0", f"smem[kbase + {U(n * 8 * KW + kk * 8)}]")
-        self.operand(s, "kb1", f"smem[kbase + {U(n * 8 * KW + kk * 8 + 4)}]")
-        return ["kb0", "kb1"]
+    def load_b(self, s, kk, n, name="k", W=None):
+        W = W or self.lay.KW
+        self.operand(s, f"{name}b0", f"smem[{name}base + {U(n * 8 * W + kk * 8)}]")
+        self.operand(s, f"{name}b1", f"smem[{name}base + {U(n * 8 * W + kk * 8 + 4)}]")
+        return [f"{name}b0", f"{name}b1"]
 
-    def _v_fragments(self, s, kb, v_off):
+    def _v_fragments(self, s, kb, v_off, name="v", W=None):
         # B = (V[8kk + 2t, n8 + g], V[8kk + 2t + 1, n8 + g]): the permuted contraction index
-        s(f"vbase = {kb}{U(v_off)} + t * {U(2 * self.lay.VW)} + g")
+        s(f"{name}base = {kb}{U(v_off)} + t * {U(2 * (W or self.lay.VW))} + g")
 
-    def _load_v(self, s, kk, n):
-        VW = self.lay.VW
-        self.operand(s, "vb0", f"smem[vbase + {U(kk * 8 * VW + n * 8)}]")
-        self.operand(s, "vb1", f"smem[vbase + {U(kk * 8 * VW + VW + n * 8)}]")
-        return ["vb0", "vb1"]
+    def _load_v(self, s, kk, n, name="v", W=None):
+        W = W or self.lay.VW
+        self.operand(s, f"{name}b0", f"smem[{name}base + {U(kk * 8 * W + n * 8)}]")
+        self.operand(s, f"{name}b1", f"smem[{name}base + {U(kk * 8 * W + W + n * 8)}]")
+        return [f"{name}b0", f"{name}b1"]
 
-    def accumulate_pv(self, s, kb, v_off, NVN, NPK):
+    def accumulate_pv(self, s, kb, v_off, NVN, NPK, p="s", acc="o", name="v", W=None,
+                      rescaled=True):
         """Emit O += P V for one key tile; A = (P[g, 2t], P[g+8, 2t], P[g, 2t+1], P[g+8, 2t+1])
-        of key tile kk (the permuted contraction index)."""
-        self._v_fragments(s, kb, v_off)
+        of key tile kk (the permuted contraction index). In general acc += P X for C fragments
+        ``p`` and a row-major tile X contracted over its rows."""
+        self._v_fragments(s, kb, v_off, name, W)
         for kk in range(NPK):
-            pa = [self.kind["p"].format(f"s_{kk}_{r}") for r in (0, 2, 1, 3)]
+            pa = [self.kind["p"].format(f"{p}_{kk}_{r}") for r in (0, 2, 1, 3)]
             s(*(f"pa{i} = {x}" for i, x in enumerate(pa)))
             for n in range(NVN):
-                b = self._load_v(s, kk, n)
-                self.product(s, [f"o_{n}_{r}" for r in range(4)],
+                b = self._load_v(s, kk, n, name, W)
+                self.product(s, [f"{acc}_{n}_{r}" for r in range(4)],
                              [f"pa{i}" for i in range(4)], b)
 
-    def store_o(self, s, n, ra, rb, half):
-        self._store_pair(s, n, f"o_{n}_{ra} * inv{half}", f"o_{n}_{rb} * inv{half}")
+    def store_o(self, s, n, ra, rb, half, acc="o", factor=None, out="oh", dim="dv_u"):
+        f = factor or f"inv{half}"
+        self._store_pair(s, n, f"{acc}_{n}_{ra} * {f}", f"{acc}_{n}_{rb} * {f}", (), out, dim)
 
 
 class Split3xTF32(Words):
@@ -363,32 +379,34 @@ class Split3xTF32(Words):
             ops = ", ".join([x + sa for x in a] + [x + sb for x in b])
             s(f"{', '.join(into)} = {self.mma}({ops}, {', '.join(into)})")
 
-    def zero_scores(self, s, NN):
+    def zero_scores(self, s, NN, acc="s", small="c"):
         for n in range(NN):
-            for acc in ("s", "c"):
-                s(", ".join(f"{acc}_{n}_{r}" for r in range(4)) + " = ZERO, ZERO, ZERO, ZERO")
+            for name in (acc, small):
+                s(", ".join(f"{name}_{n}_{r}" for r in range(4)) + " = ZERO, ZERO, ZERO, ZERO")
 
-    def finish_scores(self, s, NN):
+    def finish_scores(self, s, NN, acc="s", small="c"):
         for n in range(NN):
-            s(*(f"s_{n}_{r} += c_{n}_{r}" for r in range(4)))
+            s(*(f"{acc}_{n}_{r} += {small}_{n}_{r}" for r in range(4)))
 
-    def accumulate_pv(self, s, kb, v_off, NVN, NPK):
+    def accumulate_pv(self, s, kb, v_off, NVN, NPK, p="s", acc="o", name="v", W=None,
+                      rescaled=True):
         """Each n8 tile of this key tile's P V into fresh accumulators, added to the rescaled O
         in float32: O never goes through the tensor cores' truncating accumulation, so its error
-        does not grow with the number of keys."""
-        self._v_fragments(s, kb, v_off)
+        does not grow with the number of keys. (``rescaled=False``: acc += P X, no alpha.)"""
+        self._v_fragments(s, kb, v_off, name, W)
         for kk in range(NPK):
             for i, r in enumerate((0, 2, 1, 3)):
-                self.operand(s, f"pa_{kk}_{i}", f"s_{kk}_{r}")
+                self.operand(s, f"pa_{kk}_{i}", f"{p}_{kk}_{r}")
         for n in range(NVN):
             s("pv0, pv1, pv2, pv3 = ZERO, ZERO, ZERO, ZERO",
               "pc0, pc1, pc2, pc3 = ZERO, ZERO, ZERO, ZERO")
             for kk in range(NPK):
-                b = self._load_v(s, kk, n)
+                b = self._load_v(s, kk, n, name, W)
                 self.product(s, [f"pv{r}" for r in range(4)],
                              [f"pa_{kk}_{i}" for i in range(4)], b, [f"pc{r}" for r in range(4)])
             for r in range(4):
-                s(f"o_{n}_{r} = o_{n}_{r} * alpha{r // 2} + (pv{r} + pc{r})")
+                scaled = f"{acc}_{n}_{r} * alpha{r // 2}" if rescaled else f"{acc}_{n}_{r}"
+                s(f"{acc}_{n}_{r} = {scaled} + (pv{r} + pc{r})")
 
 
 def operands_for(cfg):

@@ -29,17 +29,20 @@ def emit_cp_async_rows(s, src, rows, row, first, limit, width, dim, off, W, chun
 
 
 @contextlib.contextmanager
-def tile_loop(s, stage_kv, BC, kv_words, VEC, KV_OFF, KW, window=False):
+def tile_loop(s, stage_kv, BC, kv_words, VEC, KV_OFF, KW, window=False, start="block_first",
+              end="block_keys"):
     """Emit the K/V tile loop's head and enter its body, yielding the word offsets of the tile
     being read (k_off, v_off) and the source prefix of its buffer (kb): VEC double-buffers with
     cp.async; otherwise each tile is staged synchronously between two barriers. The loop visits
-    the tiles from 0 (with a window: from the one holding block_first) up to block_keys."""
+    the tiles from 0 (with a window: from the one holding row ``start``) up to row ``end`` of the
+    streamed array (the keys; the backward's key pass streams the queries). j0 is the first row
+    of the tile in the body."""
     if window:
-        s(f"t_first = block_first // {BC}",
-          f"ntiles = max(0, (block_keys - t_first * {BC} + {BC - 1}) // {BC})")
+        s(f"t_first = {start} // {BC}",
+          f"ntiles = max(0, ({end} - t_first * {BC} + {BC - 1}) // {BC})")
         first = f"(t_first + it) * {BC}"
     else:
-        s(f"ntiles = (block_keys + {BC - 1}) // {BC}")
+        s(f"ntiles = ({end} + {BC - 1}) // {BC}")
         first = f"it * {BC}"
     if VEC:
         _emit_double_buffered_loop(s, stage_kv, BC, kv_words, first,

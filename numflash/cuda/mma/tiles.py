@@ -27,7 +27,8 @@ class MmaConfig(Mapping):
     VEC: 16-byte cp.async staging with double-buffered K/V (else scalar loads). MMA: float64's
     instruction ("m16n8k8" on sm_90, "m8n8k4" on sm_80). DBG: dump key tile 0's masked scores.
     WINDOW: a sliding window's key range per row (its two sizes are run-time arguments), the key
-    tiles outside every row's range of a block skipped.
+    tiles outside every row's range of a block skipped. SUB: the backward's key pass takes its
+    staged tile of BC queries SUB at a time (0: all BC at once).
 
     A read-only mapping too (``cfg["D"]``, ``dict(cfg)``, ``f(**cfg)``) for code that treats
     every kernel's config alike (the launcher's cache key, ``explain``); unset MMA, DBG=0 and
@@ -43,6 +44,7 @@ class MmaConfig(Mapping):
     MMA: str = None
     DBG: int = 0
     WINDOW: int = 0
+    SUB: int = 0
 
     @property
     def BR(self):
@@ -55,10 +57,13 @@ class MmaConfig(Mapping):
     def _items(self):
         return {f.name: getattr(self, f.name) for f in fields(self)
                 if not (f.name == "MMA" and self.MMA is None)
-                and not (f.name in ("DBG", "WINDOW") and not getattr(self, f.name))}
+                and not (f.name in ("DBG", "WINDOW", "SUB") and not getattr(self, f.name))}
 
     def __getitem__(self, key):
         return self._items()[key]
+
+    def __str__(self):
+        return "(" + ", ".join(f"{k}={v}" for k, v in self._items().items()) + ")"
 
     def __iter__(self):
         return iter(self._items())

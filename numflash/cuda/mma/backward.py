@@ -1,0 +1,345 @@
+"""The FlashAttention-2 backward on tensor cores, composed from the forward's pieces over the
+same operand kinds: two kernels, no atomics, so two runs give bitwise-equal gradients.
+
+With P = exp(S - lse) recomputed from q, k and the forward's lse, and delta = rowsum(dO * O):
+dV = P^T dO, dP = dO V^T, dS = P * (dP - delta), dQ = scale dS K, dK = scale dS^T Q.
+
+- Query pass (``query_pass_source``): a block owns BR = 16 NW query rows, as the forward does,
+  with Q and dO staged in shared memory; the K / V tiles stream past through the forward's
+  double-buffered cp.async loop and causal / window bounds (mask.py, staging.py). Per tile a warp
+  computes its 16 x BC block of S = Q K^T and of dP = dO V^T (V read like K), forms dS in the S
+  registers and adds dS K (K read like V in the forward's P V) to its dQ fragments.
+- Key pass (``key_pass_source``): a block owns BK = 16 NW key rows of one K/V head, K and V staged
+  once; the query tiles (Q, dO, and per query lse and delta) stream past through the same loop,
+  for every query head of the K/V head's group (GQA: dK and dV are summed over the group in
+  registers). The warp's products are transposed: S^T = K Q^T, P^T, dV += P^T dO, dP^T = V dO^T,
+  dK += dS^T Q, so each warp owns whole rows of dK and dV and no block shares an output.
+
+This recomputes S and dP in both passes (7 matrix products where dQ by atomic adds needs 5), in
+exchange for no float32 dQ buffer, no atomics and determinism by construction.
+
+A row that sees no key (lse = -inf) reads lse as +inf, so its P, and its gradients, are zero.
+"""
+import hashlib
+import linecache
+
+from .emit import U, Source, emit_thread_indices
+from .mask import _end, emit_row_bounds, emit_score_mask, warp_sees_tile
+from .operands import operands_for
+from .staging import emit_cp_async_rows, tile_loop
+from .tiles import MmaConfig
+
+ARGUMENTS = {"queries": "q, k, v, do, lse, delta, dq, ",
+             "keys": "q, k, v, do, lse, delta, dk, dv, "}
+SCALARS = "scale_log2_in, scale_in, causal, causal_offset"
+KERNEL_NAMES = {"queries": "mma_backward_queries", "keys": "mma_backward_keys"}
+
+
+def backward_layout(cfg):
+    """Row pitches (words) of the backward's shared tiles: a 16-bit row of n elements takes n / 2
+    + 4 words, a word row n + 4 (float64 rows read as the forward's V, n + 2), so ldmatrix and
+    the fragment loads stay free of bank conflicts (see operands.py)."""
+    ops = operands_for(cfg)
+    if cfg.DT in ("f16", "bf16"):
+        return ops, (lambda n, read_as_v=False: n // 2 + 4)
+    v_pad = ops.kind["v_pad"]
+    return ops, (lambda n, read_as_v=False: n + (v_pad if read_as_v else 4))
+
+
+def _stage_rows(s, ops, src, rows, first, limit, width, dim, off, W, NT):
+    emit_cp_async_rows(s, src, rows, "row", first, limit, width, dim, off, W, ops.chunk,
+                       ops.per_word, NT)
+
+
+def _lse2(value):
+    """Source of lse in log2 units, +inf for a row that saw no key (so its P is 0, never NaN)."""
+    return f"INF if {value} == NEG_INF else {value} * LOG2E"
+
+
+def _dot_products(s, ops, NN, acc, a, a_W, b, b_off, b_W, kb, steps):
+    """Emit acc (NN n8 tiles) = A B^T for the warp's 16 rows of A (shared tile ``a``) against the
+    streamed tile ``b`` (row-major, contracted over its columns), ``steps`` k-steps."""
+    ops.zero_scores(s, NN, acc, acc + "c")
+    ops.b_fragments(s, kb, b_off, b, b_W)
+    for kk in range(steps):
+        regs = [f"{a}a{r}" for r in range(4)]
+        ops.load_a(s, kk, regs, a, a_W)
+        for n in range(NN):
+            ops.product(s, [f"{acc}_{n}_{r}" for r in range(4)], regs, ops.load_b(s, kk, n, b, b_W),
+                        [f"{acc}c_{n}_{r}" for r in range(4)])
+    ops.finish_scores(s, NN, acc, acc + "c")
+
+
+def query_pass_layout(cfg):
+    """(ops, QW, OW, KW, VW, do_off, kv_off, kv_words, total words) of the query pass: Q and dO
+    of the block's rows, then two buffers of a K and a V tile."""
+    ops, pitch = backward_layout(cfg)
+    QW, OW = pitch(cfg.D), pitch(cfg.DV)
+    KW, VW = pitch(cfg.D, True), pitch(cfg.DV)      # K is read both ways; V like the forward's K
+    do_off = cfg.BR * QW
+    kv_off = do_off + cfg.BR * OW
+    kv_words = cfg.BC * (KW + VW)
+    return ops, QW, OW, KW, VW, do_off, kv_off, kv_words, kv_off + 2 * kv_words
+
+
+def key_pass_layout(cfg):
+    """(ops, KW, VW, QW, OW, v_off, tiles_off, do_rel, lse_rel, delta_rel, tile_words, total
+    words) of the key pass: K and V of the block's rows, then two buffers of a Q tile, a dO tile
+    and the tile's lse (log2 units) and delta as floats."""
+    ops, pitch = backward_layout(cfg)
+    KW, VW = pitch(cfg.D), pitch(cfg.DV)             # the block's own K and V rows (A operands)
+    QW, OW = pitch(cfg.D, True), pitch(cfg.DV, True)  # streamed Q, dO: read both ways
+    v_off = cfg.BR * KW
+    tiles_off = v_off + cfg.BR * VW
+    do_rel = cfg.BC * QW
+    lse_rel = do_rel + cfg.BC * OW
+    delta_rel = lse_rel + cfg.BC
+    tile_words = delta_rel + cfg.BC
+    tile_words += -tile_words % (16 // ops.word_bytes)   # the next buffer 16-byte aligned
+    return (ops, KW, VW, QW, OW, v_off, tiles_off, do_rel, lse_rel, delta_rel, tile_words,
+            tiles_off + 2 * tile_words)
+
+
+def shared_bytes(cfg, kernel):
+    """Dynamic shared memory of the "queries" or "keys" kernel of a config, in bytes."""
+    lay = (query_pass_layout if kernel == "queries" else key_pass_layout)(cfg)
+    return lay[0].word_bytes * lay[-1]
+
+
+def query_pass_source(cfg):
+    """Python source of the dQ kernel for one MmaConfig (BC: keys a tile)."""
+    assert cfg.VEC, "the backward stages with cp.async"
+    ops, QW, OW, KW, VW, do_off, kv_off, kv_words, _ = query_pass_layout(cfg)
+    k_step = ops.k_step
+    NN, ND = cfg.BC // 8, cfg.D // 8
+    window = bool(cfg.WINDOW)
+
+    s = Source()
+    s(f"def {KERNEL_NAMES['queries']}({ARGUMENTS['queries']}{SCALARS}"
+      f"{', window_left, window_right' if window else ''}):")
+    with s.block():
+        emit_thread_indices(s, ops.float)
+        s(f"qb = U(cuda.gridDim.x) - {U(1)} - U(cuda.blockIdx.x)",  # longest causal block first
+          "bh = U(cuda.blockIdx.y)", "b = bh // U(H)", "h = bh % U(H)",
+          "hk = kv_head(h, U(H), U(Hkv))", f"i0 = qb * {U(cfg.BR)}",
+          "qh = q[b, h]", "kh = k[b, hk]", "vh = v[b, hk]", "doh = do[b, h]", "dqh = dq[b, h]",
+          f"smem = cuda.shared.array(0, {ops.word})")
+        _stage_rows(s, ops, "qh", cfg.BR, "i0", "Nq_u", cfg.D, "d_u", 0, QW, cfg.NT)
+        _stage_rows(s, ops, "doh", cfg.BR, "i0", "Nq_u", cfg.DV, "dv_u", do_off, OW, cfg.NT)
+        s("cp_async_commit()")
+        emit_row_bounds(s, cfg.BR, window)
+        for half, row in ((0, "r0"), (1, "r1")):
+            s(f"lse2_{half} = INF", f"delta{half} = ZERO", f"if {row} < Nq:")
+            with s.block():
+                s(f"lse2_{half} = {_lse2(f'lse[b, h, {row}]')}",
+                  f"delta{half} = delta[b, h, {row}]")
+        ops.a_fragments(s, "q", 0, QW)
+        ops.a_fragments(s, "do", do_off, OW)
+        s("cp_async_wait_0()", "cuda.syncthreads()")
+        ops.zero_scores(s, ND, "dq", "dqc")
+
+        def stage_kv(j0u, buf):
+            k_off = kv_off + buf * kv_words
+            v_off = k_off + cfg.BC * KW
+            _stage_rows(s, ops, "kh", cfg.BC, j0u, "Nk_u", cfg.D, "d_u", k_off, KW, cfg.NT)
+            _stage_rows(s, ops, "vh", cfg.BC, j0u, "Nk_u", cfg.DV, "dv_u", v_off, VW, cfg.NT)
+            s("cp_async_commit()")
+            return k_off, v_off
+
+        with tile_loop(s, stage_kv, cfg.BC, kv_words, 1, kv_off, KW, window) as (k_off, v_off,
+                                                                                  kb):
+            s(f"if {warp_sees_tile(cfg.BC, window)}:")
+            with s.block():
+                _dot_products(s, ops, NN, "s", "q", QW, "k", k_off, KW, kb, cfg.D // k_step)
+                emit_score_mask(s, NN, cfg.BC, window)
+                for n in range(NN):
+                    s(*(f"s_{n}_{r} = ex2(s_{n}_{r} * scale_log2 - lse2_{r // 2})"
+                        for r in range(4)))
+                _dot_products(s, ops, NN, "dp", "do", OW, "v", v_off, VW, kb, cfg.DV // k_step)
+                for n in range(NN):
+                    s(*(f"s_{n}_{r} = s_{n}_{r} * (dp_{n}_{r} - delta{r // 2})"
+                        for r in range(4)))
+                ops.accumulate_pv(s, kb, k_off, ND, cfg.BC // k_step, p="s", acc="dq",
+                                  name="kt", W=KW, rescaled=False)
+        for half, row in ((0, "r0"), (1, "r1")):
+            s(f"if {row} < Nq:")
+            with s.block():
+                s(f"ru = U({row})", f"cbase = t * {U(2)}")
+                ra, rb = (0, 1) if half == 0 else (2, 3)
+                for n in range(ND):
+                    ops.store_o(s, n, ra, rb, half, acc="dq", factor="scale", out="dqh",
+                                dim="d_u")
+    return s.text()
+
+
+def key_pass_source(cfg):
+    """Python source of the dK / dV kernel for one MmaConfig (BR = 16 NW keys a block; BC:
+    queries a streamed tile)."""
+    assert cfg.VEC, "the backward stages with cp.async"
+    assert not cfg.WINDOW, "the key pass takes no window yet"
+    (ops, KW, VW, QW, OW, v_off, tiles_off, do_rel, lse_rel, delta_rel, tile_words,
+     _) = key_pass_layout(cfg)
+    ND, NVN = cfg.D // 8, cfg.DV // 8
+    SUB = cfg.SUB or cfg.BC
+    assert cfg.BC % SUB == 0 and SUB % 16 == 0
+
+    s = Source()
+    s(f"def {KERNEL_NAMES['keys']}({ARGUMENTS['keys']}{SCALARS}):")
+    with s.block():
+        emit_thread_indices(s, ops.float)
+        s("bh = U(cuda.blockIdx.y)", "b = bh // U(Hkv)", "hk = bh % U(Hkv)",
+          "group = U(H // Hkv)",
+          f"j0k = U(cuda.blockIdx.x) * {U(cfg.BR)}",
+          "kh = k[b, hk]", "vh = v[b, hk]", "dkh = dk[b, hk]", "dvh = dv[b, hk]",
+          f"smem = cuda.shared.array(0, {ops.word})",
+          f"smemf = cuda.shared.array(0, {ops.float})")
+        _stage_rows(s, ops, "kh", cfg.BR, "j0k", "Nk_u", cfg.D, "d_u", 0, KW, cfg.NT)
+        _stage_rows(s, ops, "vh", cfg.BR, "j0k", "Nk_u", cfg.DV, "dv_u", v_off, VW, cfg.NT)
+        s("cp_async_commit()")
+        # the warp's keys; the first query that sees the block's first key (ends grow with rows)
+        s("j0ks = I(j0k)", "wk = j0ks + I(warp) * 16", "kr0 = wk + I(g)", "kr1 = kr0 + 8",
+          "q_first = min(Nq, max(0, j0ks - causal_offset)) if causal else 0")
+        ops.a_fragments(s, "k", 0, KW)
+        ops.a_fragments(s, "v", v_off, VW)
+        s("cp_async_wait_0()", "cuda.syncthreads()")
+        ops.zero_scores(s, ND, "dk", "dkc")
+        ops.zero_scores(s, NVN, "dv", "dvc")
+
+        def stage_queries(i0u, buf):
+            off = tiles_off + buf * tile_words
+            _stage_rows(s, ops, "qh", cfg.BC, i0u, "Nq_u", cfg.D, "d_u", off, QW, cfg.NT)
+            _stage_rows(s, ops, "doh", cfg.BC, i0u, "Nq_u", cfg.DV, "dv_u", off + do_rel, OW,
+                        cfg.NT)
+            s("cp_async_commit()")
+            s(f"for idx in range(tid, {U(cfg.BC)}, {U(cfg.NT)}):")
+            with s.block():
+                s(f"i = {i0u} + idx", "lse2 = INF", "dlt = ZERO", "if i < Nq_u:")
+                with s.block():
+                    s(f"lse2 = {_lse2('lseh[i]')}", "dlt = deltah[i]")
+                s(f"smemf[{U(off + lse_rel)} + idx] = lse2",
+                  f"smemf[{U(off + delta_rel)} + idx] = dlt")
+            return off, off + do_rel
+
+        s("for hq in range(group):")
+        with s.block():
+            s("h = hk * group + hq", "qh = q[b, h]", "doh = do[b, h]", "lseh = lse[b, h]",
+              "deltah = delta[b, h]",
+              "cuda.syncthreads()  # the previous head's last tile is no longer read")
+            with tile_loop(s, stage_queries, cfg.BC, tile_words, 1, tiles_off, QW, True,
+                           start="q_first", end="Nq") as (q_off, do_off, kb):
+                if SUB == cfg.BC:
+                    s("js = j0")
+                    _key_pass_products(s, ops, cfg, SUB, kb, q_off, do_off, q_off + lse_rel,
+                                       q_off + delta_rel, KW, VW, QW, OW)
+                else:
+                    # the staged tile SUB queries at a time (unrolled: constant offsets; a
+                    # run-time loop's offsets spilled on sm_90): S^T, dP^T of SUB columns in
+                    # registers, the barriers and staging amortized over BC rows
+                    for sub in range(cfg.BC // SUB):
+                        s(f"js = j0 + {sub * SUB}")
+                        _key_pass_products(s, ops, cfg, SUB, kb, q_off + sub * SUB * QW,
+                                           do_off + sub * SUB * OW, q_off + lse_rel + sub * SUB,
+                                           q_off + delta_rel + sub * SUB, KW, VW, QW, OW)
+        for half, row in ((0, "kr0"), (1, "kr1")):
+            s(f"if {row} < Nk:")
+            with s.block():
+                s(f"ru = U({row})", f"cbase = t * {U(2)}")
+                ra, rb = (0, 1) if half == 0 else (2, 3)
+                for n in range(ND):
+                    ops.store_o(s, n, ra, rb, half, acc="dk", factor="scale", out="dkh",
+                                dim="d_u")
+                for n in range(NVN):
+                    ops.store_o(s, n, ra, rb, half, acc="dv", factor="ONE", out="dvh",
+                                dim="dv_u")
+    return s.text()
+
+
+def _key_pass_products(s, ops, cfg, SUB, kb, q_off, do_off, lse_off, delta_off, KW, VW, QW, OW):
+    """Emit one warp's work on SUB streamed queries starting at js (in the buffer at ``kb``:
+    their Q rows at word q_off, dO rows at do_off, lse and delta floats at lse_off, delta_off):
+    S^T = K Q^T, the causal mask on the transposed fragments, P^T from lse, dV += P^T dO,
+    dP^T = V dO^T, dS^T = P^T (dP^T - delta), dK += dS^T Q."""
+    k_step, NN, ND, NVN = ops.k_step, SUB // 8, cfg.D // 8, cfg.DV // 8
+    # The warp works if its first key is seen by the last of these queries, masks if the
+    # first of them misses the warp's last key (a row's key end grows with the row).
+    s(f"if wk < {_end(f'min(Nq - 1, js + {SUB - 1})', False)}:")
+    with s.block():
+        _dot_products(s, ops, NN, "s", "k", KW, "q", q_off, QW, kb, cfg.D // k_step)
+        s(f"if wk + 15 >= {_end('js', False)}:")
+        with s.block():
+            for n in range(NN):
+                for c in (0, 1):
+                    s(f"qe = {_end(f'js + I(t) * 2 + {8 * n + c}', False)}")
+                    for r, kr in ((c, "kr0"), (2 + c, "kr1")):
+                        s(f"if {kr} >= qe:")
+                        with s.block():
+                            s(f"s_{n}_{r} = NEG_INF")
+        s(f"qc = t * {U(2)}")
+        for n in range(NN):
+            for c in (0, 1):
+                s(f"lse2 = smemf[{kb}{U(lse_off)} + qc + {U(8 * n + c)}]")
+                for r in (c, 2 + c):
+                    s(f"s_{n}_{r} = ex2(s_{n}_{r} * scale_log2 - lse2)")
+        ops.accumulate_pv(s, kb, do_off, NVN, SUB // k_step, p="s", acc="dv", name="dot", W=OW,
+                          rescaled=False)
+        _dot_products(s, ops, NN, "dp", "v", VW, "do", do_off, OW, kb, cfg.DV // k_step)
+        for n in range(NN):
+            for c in (0, 1):
+                s(f"dlt = smemf[{kb}{U(delta_off)} + qc + {U(8 * n + c)}]")
+                for r in (c, 2 + c):
+                    s(f"s_{n}_{r} = s_{n}_{r} * (dp_{n}_{r} - dlt)")
+        ops.accumulate_pv(s, kb, q_off, ND, SUB // k_step, p="s", acc="dk", name="qt", W=QW,
+                          rescaled=False)
+
+
+SOURCES = {"queries": query_pass_source, "keys": key_pass_source}
+
+
+def _namespace(cfg):
+    """The forward's names, and the two constants the backward adds."""
+    import numpy as np
+    from .forward import _namespace as forward_namespace
+    ns = forward_namespace(cfg)
+    real = np.float64 if cfg.DT == "f64" else np.float32
+    ns.update({"INF": real(np.inf), "LOG2E": real(np.log2(np.e))})
+    return ns
+
+
+_counter = [0]
+
+
+def _make(kernel, **config):
+    cfg = MmaConfig(**config)
+    src = SOURCES[kernel](cfg)
+    _counter[0] += 1
+    filename = f"<numflash.cuda.mma backward {kernel} " \
+               f"{' '.join(f'{k}{v}' for k, v in cfg.items())} #{_counter[0]}>"
+    linecache.cache[filename] = (len(src), None, src.splitlines(True), filename)
+    ns = _namespace(cfg)
+    exec(compile(src, filename, "exec"), ns)
+    return ns[KERNEL_NAMES[kernel]]
+
+
+def make_query_kernel(**config):
+    """The dQ kernel for one config (numba compiles it; see launch.py)."""
+    return _make("queries", **config)
+
+
+def make_key_kernel(**config):
+    """The dK / dV kernel for one config."""
+    return _make("keys", **config)
+
+
+def _identity(kernel, **config):
+    """What decides a backward variant's PTX: its generated source and the code binding its
+    names (as forward.code_identity)."""
+    import inspect
+    from .forward import code_identity
+    h = hashlib.sha256(SOURCES[kernel](MmaConfig(**config)).encode())
+    h.update(inspect.getsource(_namespace).encode())
+    h.update(code_identity(**config).encode())   # the forward's names and device functions
+    return h.hexdigest()[:16]
+
+
+make_query_kernel.code_identity = lambda **config: _identity("queries", **config)
+make_key_kernel.code_identity = lambda **config: _identity("keys", **config)

@@ -1,0 +1,244 @@
+"""cuda.mma's backward (numflash/cuda/mma/backward.py, gradients.py): the generated source run by
+the warp emulator on the CPU (every operand kind the generator composes), the planner's choice
+and refusals, the planner's variants compiled with no spill, and on a GPU at real sizes."""
+import json
+
+import numpy as np
+import pytest
+
+import numflash
+from numflash import testing
+from numflash.device import Device
+from numflash.inputs import parse_causal
+
+from test_backward import make
+
+HOPPER = Device("h100", cc=(9, 0), smem_per_block_optin=227 * 1024)
+AMPERE = Device("a100", cc=(8, 0), smem_per_block_optin=163 * 1024)
+TURING = Device("turing", cc=(7, 5), smem_per_block_optin=64 * 1024)
+
+
+def _kind_dtype(DT):
+    if DT == "bf16":
+        return np.dtype(pytest.importorskip("ml_dtypes").bfloat16)
+    return {"f16": np.dtype(np.float16), "f64": np.dtype(np.float64)}[DT]
+
+
+# (B, H, Hkv, Nq, Nk, d, dv, causal, tiles): more rows than a block, ragged tiles, Nq != Nk both
+# ways, GQA, dv != d, padded head dims
+EMULATED = {
+    "gqa-bottom_right": (1, 2, 1, 40, 50, 32, 32, "bottom_right", None),
+    "causal-dv": (1, 1, 1, 45, 37, 16, 40, True, None),
+    "full-long-keys": (1, 1, 1, 20, 90, 24, 24, False, None),
+    "wide-tiles": (2, 1, 1, 70, 70, 64, 64, True, {"queries": (4, 64), "keys": (4, 64)}),
+    # the key pass's staged tile of 64 queries taken 16 at a time
+    "sub-tiles": (1, 2, 1, 150, 40, 32, 16, "bottom_right", {"keys": (2, 64, 16)}),
+}
+
+
+def _emulated(DT, case, fast=False):
+    return pytest.param(DT, case, id=f"{DT}-{case}", marks=() if fast else pytest.mark.extended)
+
+
+@pytest.mark.parametrize("DT, case", [
+    _emulated("f16", "gqa-bottom_right", fast=True),
+    _emulated("bf16", "causal-dv", fast=True),
+    _emulated("f64", "full-long-keys", fast=True),
+    _emulated("f16", "causal-dv"),
+    _emulated("f16", "full-long-keys"),
+    _emulated("bf16", "gqa-bottom_right"),
+    _emulated("f64", "gqa-bottom_right"),
+    _emulated("f16", "wide-tiles"),
+    _emulated("f16", "sub-tiles", fast=True),
+    _emulated("f64", "sub-tiles"),
+])
+def test_backward_source_emulated_on_cpu(rng, DT, case):
+    """Both passes' fragment bookkeeping (the transposed products of the key pass, P from lse,
+    dS in the S registers, the causal bounds of both passes, GQA summed over the group) under
+    the warp emulator: the gradients meet the accuracy rule (float64: to 1e-12, which checks the
+    algebra exactly; the kernel ships for float16 / bfloat16)."""
+    from mma_tools import run_backward_kernels
+    B, H, Hkv, Nq, Nk, d, dv, causal, tiles = EMULATED[case]
+    dtype = _kind_dtype(DT)
+    q, k, v, do = make(rng, B, H, Nq, Nk, d, dv, dtype=dtype, kv_heads=Hkv)
+    o, lse = numflash.reference.attention(q, k, v, causal=causal, return_lse=True)
+    lse_dtype = np.float64 if DT == "f64" else np.float32
+    is_causal, off = parse_causal(causal, Nq, Nk)
+    grads = run_backward_kernels(q, k, v, do, o.astype(dtype), lse.astype(lse_dtype), DT,
+                                 is_causal, off, tiles=tiles)
+    rep = testing.assert_gradients_accurate(grads, do, q, k, v, causal=causal)
+    if DT == "f64":
+        assert max(rep.errors.values()) < 1e-12, rep
+
+
+def test_emulated_rows_without_keys_get_zero_gradients(rng):
+    """Bottom-right causal with Nq > Nk: the first Nq - Nk rows see no key (lse = -inf); their
+    dq is exactly zero and nothing they hold reaches dk, dv."""
+    from mma_tools import run_backward_kernels
+    q, k, v, do = make(rng, 1, 1, 40, 12, 16, 16, dtype=np.float16)
+    q[0, 0, :28] = 1e4   # huge rows that see no key: any leak would show
+    o, lse = numflash.reference.attention(q, k, v, causal="bottom_right", return_lse=True)
+    assert np.isneginf(lse[0, 0, :28]).all()
+    dq, dk, dv = run_backward_kernels(q, k, v, do, o.astype(np.float16), lse.astype(np.float32),
+                                      "f16", True, 12 - 40)
+    assert (dq[0, 0, :28] == 0).all()
+    testing.assert_gradients_accurate((dq, dk, dv), do, q, k, v, causal="bottom_right")
+
+
+def _problem(rng, dtype, d=64, dv=None, Nq=256, Nk=256, H=4, Hkv=None, strided=False,
+             strided_do=False, **opts):
+    from numflash.inputs import normalize_backward
+    q, k, v, do = make(rng, 1, H, Nq, Nk, d, dv or d, dtype=dtype, kv_heads=Hkv or H)
+    if strided:
+        q = np.repeat(q, 2, axis=-1)[..., ::2]
+    if strided_do:
+        do = np.repeat(do, 2, axis=-1)[..., ::2]
+    o, lse = numflash.reference.attention(q, k, v, return_lse=True, **opts)
+    p = normalize_backward(do, q, k, v, o.astype(dtype), lse.astype(np.float32), **opts)
+    p.direction = "backward"
+    return p
+
+
+def _plan(p, device, algorithm="auto"):
+    from numflash import plan as planner
+    return planner._choose(p, "cuda", algorithm, device)
+
+
+class _DeviceView:
+    """A NumPy array as planning sees a device array: shape, dtype, strides and an aligned
+    pointer (nothing is launched)."""
+
+    def __init__(self, a):
+        self.shape, self.dtype, self.strides, self.itemsize = a.shape, a.dtype, a.strides, \
+            a.itemsize
+        self.data = type("Pointer", (), {"ptr": 0})()
+
+
+def _OnDevice(p):
+    import dataclasses
+    names = ("q", "k", "v", "do", "o", "lse", "dq", "dk", "dv")
+    return dataclasses.replace(p, kind="cupy",
+                               **{n: _DeviceView(getattr(p, n)) for n in names})
+
+
+SM86 = Device("rtx", cc=(8, 6), smem_per_block_optin=99 * 1024)
+
+
+@pytest.mark.parametrize("dtype, d, dv, device, queries, keys", [
+    (np.float16, 64, 64, HOPPER, (4, 64, 0), (4, 128, 64)),
+    (np.float16, 128, 128, HOPPER, (4, 64, 0), (8, 64, 16)),
+    (np.float16, 96, 64, AMPERE, (4, 64, 0), (8, 64, 16)),
+    (np.float16, 40, 32, AMPERE, (4, 64, 0), (4, 128, 64)),
+    (np.float16, 64, 64, SM86, (4, 64, 0), (4, 128, 64)),
+    (np.float16, 128, 128, SM86, (4, 32, 0), (4, 32, 16)),   # less shared memory
+])
+def test_backward_plan_takes_the_tensor_cores(rng, dtype, d, dv, device, queries, keys):
+    from numflash.cuda.mma import backward
+    p = _OnDevice(_problem(rng, dtype, d, dv))
+    plan = _plan(p, device)
+    assert plan.kernel == "cuda.mma" and plan.direction == "backward"
+    got = {name: (c.NW, c.BC, c.SUB) for name, c in plan.config.items()}
+    assert got == {"queries": queries, "keys": keys}
+    assert all(backward.shared_bytes(c, name) <= device.smem_per_block_optin
+               for name, c in plan.config.items())
+    text = str(plan)
+    assert text.startswith("numflash backward plan: cuda.mma") and "queries=" in text
+
+
+@pytest.mark.parametrize("dtype, kwargs, device, match", [
+    (np.float32, {}, HOPPER, r"cuda\.mma takes float16, bfloat16, not float32"),
+    (np.float16, {"d": 256}, HOPPER, r"takes head dims up to 128 \(d=256"),
+    (np.float16, {"d": 40, "strided": True}, HOPPER, r"q's last axis is strided"),
+    (np.float16, {"strided_do": True}, HOPPER, r"do's last axis is strided"),
+    (np.float16, {"d": 60}, HOPPER, r"head dim 60 is not a multiple of 8"),
+    (np.float16, {}, TURING, r"needs compute capability >= 8\.0 \(mma\.sync bf16, cp\.async\)"),
+])
+def test_backward_plan_refuses_and_says_why(rng, dtype, kwargs, device, match):
+    """What cuda.mma's backward cannot take goes to cuda.row, and explain says why."""
+    p = _OnDevice(_problem(rng, dtype, **kwargs))
+    plan = _plan(p, device)
+    assert plan.kernel == "cuda.row"
+    assert pytest.importorskip("re").search(match, plan.rejected["cuda.mma"]), plan.rejected
+    with pytest.raises(ValueError, match=match):
+        _plan(p, device, algorithm="mma")
+
+
+def test_backward_refuses_the_window_on_the_gpu_and_says_why(rng):
+    p = _OnDevice(_problem(rng, np.float16))
+    from numflash import mods
+    p.mods = mods.build(p.shape, "cupy", 0, window_size=(8, 0))
+    with pytest.raises(ValueError, match=r"cuda\.mma: cuda\.mma does not take score/mask "
+                       r"modifications yet \(window_size=\(8, 0\)\); the CPU path"):
+        _plan(p, HOPPER)
+
+
+# ------------------------------------------------------------------------------- compiling
+
+def _compile(cases):
+    from test_cuda_compile import run_without_simulator
+    out = run_without_simulator(f"""
+        import dataclasses, json
+        from numflash.cuda import launch
+        from numflash.cuda.mma import gradients
+        rows = []
+        for cc, d, dt in {cases!r}:
+            cfg = {{k: dataclasses.replace(c, DT="f16" if dt == "float16" else "bf16")
+                   for k, c in gradients.tiles(d, d).items()}}
+            for (kernel, sig), name in zip(gradients.compiled_kernels(cfg, dt),
+                                           ("queries", "keys")):
+                cubin, entry, ptx, res = launch.compile_to_cubin(kernel.pyfunc, sig, tuple(cc))
+                rows.append([cc, d, name, res.get("registers", 0),
+                             res.get("spill_store_bytes", 0) + res.get("spill_load_bytes", 0),
+                             res.get("stack_bytes", 0), ptx.count("ld.local") +
+                             ptx.count("st.local"), ptx.count("mma.sync.aligned.m16n8k16"),
+                             ptx.count("ldmatrix.sync.aligned.m8n8.x4.trans"), len(cubin)])
+        print(json.dumps(rows))
+    """)
+    return json.loads(out.splitlines()[-1])
+
+
+@pytest.mark.parametrize("cases", [
+    pytest.param([((9, 0), 128, "float16")], id="sm90-d128-f16"),
+    pytest.param([((8, 0), 128, "bfloat16"), ((8, 0), 64, "float16"), ((9, 0), 64, "bfloat16")],
+                 id="sm80-d128-bf16-sm80-d64-f16-sm90-d64-bf16", marks=pytest.mark.extended),
+])
+def test_backward_variants_compile_to_mma_with_no_spills(cases):
+    """The planner's variants: each pass issues m16n8k16 mma and ldmatrix.trans, and ptxas fits
+    it in registers (no spill, no stack, no local memory)."""
+    rows = _compile(cases)
+    assert len(rows) == 2 * len(cases)
+    for cc, d, name, regs, spills, stack, local, mma, trans, size in rows:
+        assert 0 < regs <= 255 and size > 0, rows
+        assert spills == stack == local == 0, rows
+        assert mma > 0 and trans > 0, rows
+
+
+# ------------------------------------------------------------------------------- on a GPU
+
+GPU_CASES = [  # (B, H, Hkv, Nq, Nk, d, dv, dtype, causal, layout)
+    (2, 8, 8, 1024, 1024, 64, 64, "float16", False, "bhsd"),
+    (2, 8, 8, 1024, 1024, 64, 64, "float16", True, "bhsd"),
+    (1, 8, 2, 1000, 1537, 128, 128, "float16", "bottom_right", "bhsd"),
+    (1, 8, 8, 1537, 1000, 128, 128, "bfloat16", "bottom_right", "bshd"),
+    (2, 4, 4, 777, 513, 96, 64, "bfloat16", True, "bhsd"),
+    (1, 4, 1, 4096, 4096, 128, 128, "float16", True, "bhsd"),
+    (1, 2, 2, 97, 1025, 32, 32, "float16", False, "bshd"),
+    (1, 2, 2, 1, 1, 8, 8, "float16", False, "bhsd"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_gpu_mma_gradients_meet_the_rule_and_repeat_bitwise(rng, case):
+    import cupy
+    B, H, Hkv, Nq, Nk, d, dv, dtype, causal, layout = case
+    dtype = _kind_dtype("bf16") if dtype == "bfloat16" else np.dtype(dtype)
+    q, k, v, do = make(rng, B, H, Nq, Nk, d, dv, dtype=dtype, kv_heads=Hkv, layout=layout)
+    opts = dict(causal=causal, layout=layout)
+    qg, kg, vg, dog = (cupy.asarray(a) for a in (q, k, v, do))
+    assert numflash.explain(qg, kg, vg, backward=True, **opts).kernel == "cuda.mma"
+    o, lse = numflash.attention(qg, kg, vg, return_lse=True, **opts)
+    runs = [numflash.attention_backward(dog, qg, kg, vg, o, lse, **opts) for _ in range(2)]
+    assert all(bool((a == b).all()) for a, b in zip(*runs))
+    assert all(g.dtype == dtype for g in runs[0])
+    testing.assert_gradients_accurate([g.get() for g in runs[0]], do, q, k, v, **opts)
