@@ -2,6 +2,9 @@
 time should grow as N x window, the causal kernel's as N^2 (issue 15's block-sparsity goal).
 
     python bench/window_scaling.py [--window 1024] [--dtype float16] [--d 128] [--heads 16]
+                                   [--backward]
+
+``--backward`` times attention_backward (the gradients of the same calls) instead.
 
 Times by CUDA events (numflash.bench.timing.median_ms: warm-up, median of repeats); the windowed
 output at the first size is checked against the float64 reference on sampled rows (the GPU tests
@@ -23,6 +26,7 @@ def main():
     ap.add_argument("--d", type=int, default=128)
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--sizes", default="8192,16384,32768,65536")
+    ap.add_argument("--backward", action="store_true")
     a = ap.parse_args()
     rng = np.random.default_rng(0)
     print(f"| N | causal ms | window ({a.window}, 0) ms | window / causal | window ms per "
@@ -32,10 +36,18 @@ def main():
         q, k, v = (cupy.asarray(rng.standard_normal((1, a.heads, N, a.d)).astype(np.float32))
                    .astype(a.dtype) for _ in range(3))
         opts = dict(causal=True, window_size=(a.window, 0))
-        causal = median_ms(lambda: numflash.attention(q, k, v, causal=True))
-        window = median_ms(lambda: numflash.attention(q, k, v, **opts))
+        if a.backward:
+            do = cupy.asarray(rng.standard_normal(q.shape).astype(np.float32)).astype(a.dtype)
+
+            def timed(**o):
+                out, lse = numflash.attention(q, k, v, return_lse=True, **o)
+                return median_ms(lambda: numflash.attention_backward(do, q, k, v, out, lse, **o))
+            causal, window = timed(causal=True), timed(**opts)
+        else:
+            causal = median_ms(lambda: numflash.attention(q, k, v, causal=True))
+            window = median_ms(lambda: numflash.attention(q, k, v, **opts))
         checked = "-"
-        if i == 0:
+        if i == 0 and not a.backward:  # the GPU tests check the windowed gradients
             rows = np.unique(np.r_[0:8, N - 8:N, rng.choice(N, 48, replace=False)])
             rep = check(numflash.attention(q, k, v, **opts), q, k, v, rows=rows, **opts)
             checked = "ok" if rep.ok else f"FAILED {rep}"

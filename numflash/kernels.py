@@ -148,10 +148,11 @@ BACKWARD = (
     Operator("cuda.mma", "cuda", "mma", _cuda_mma_backward,
              dtypes=("float16", "bfloat16"), max_head_dim=128, direction="backward",
              min_cc=(8, 0), min_cc_why="mma.sync bf16, cp.async", runs_in_simulator=False,
+             mods=("window_size",),
              summary="FlashAttention-2 backward on tensor cores (mma.sync m16n8k16, ldmatrix, "
                      "cp.async double buffering): a query pass (dQ) and a key pass (dK, dV, "
                      "GQA groups summed in registers), P recomputed from lse, no atomics "
-                     "(always deterministic)"),
+                     "(always deterministic); sliding windows skip the tiles outside them"),
     Operator("cuda.row", "cuda", "row", _cuda_row_backward,
              dtypes=("float16", "bfloat16", "float32", "float64"), max_head_dim=256,
              direction="backward",

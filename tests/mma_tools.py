@@ -390,11 +390,11 @@ def as_kernel_array(a, DT):
 
 
 def run_backward_kernels(q, k, v, do, o, lse, DT, causal=False, causal_offset=0, scale=None,
-                         tiles=None):
+                         tiles=None, window=None):
     """Run cuda.mma's generated backward source of kind DT (both passes) under the emulator;
     q, k, v, do, o in the kind's dtype (16-bit as float16 or ml_dtypes.bfloat16), lse as
     attention returns it. ``tiles``: {"queries": (NW, BC), "keys": (NW, BC[, SUB])}. Returns dq,
-    dk, dv in the inputs' dtype."""
+    dk, dv in the inputs' dtype. ``window``: a sliding window's (left, right) (WINDOW variants)."""
     from numflash.cuda.mma import MmaConfig, backward, head_dim_pad
     B, H, Nq, d = q.shape
     Hkv, Nk, dv = k.shape[1], k.shape[2], v.shape[3]
@@ -408,7 +408,8 @@ def run_backward_kernels(q, k, v, do, o, lse, DT, causal=False, causal_offset=0,
     form = "m16n8k8" if DT == "f64" else None
     for kernel in ("queries", "keys"):
         NW, BC, *sub = (tiles or {}).get(kernel, (2, 32))
-        cfg = MmaConfig(D, DV, NW, BC, 0, DT, 1, MMA=form, SUB=sub[0] if sub else 0)
+        cfg = MmaConfig(D, DV, NW, BC, 0, DT, 1, MMA=form, SUB=sub[0] if sub else 0,
+                        WINDOW=int(window is not None))
         src = backward.SOURCES[kernel](cfg)
         rows = Nq if kernel == "queries" else Nk
         emu = Emu(cfg.NT, (-(-rows // cfg.BR), B * (H if kernel == "queries" else Hkv)),
@@ -419,6 +420,7 @@ def run_backward_kernels(q, k, v, do, o, lse, DT, causal=False, causal_offset=0,
         args = [as_kernel_array(a, DT) for a in (q, k, v, do)] + [lse.astype(real), delta]
         args += [as_kernel_array(g, DT) for g in outs]
         args += [scale * math.log2(math.e), scale, int(causal), int(causal_offset)]
+        args += list(window or ())
         with np.errstate(all="ignore"):
             emu.run(ns[backward.KERNEL_NAMES[kernel]], tuple(args))
     return grads["dq"], grads["dk"], grads["dv"]

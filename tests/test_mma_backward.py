@@ -71,6 +71,28 @@ def test_backward_source_emulated_on_cpu(rng, DT, case):
         assert max(rep.errors.values()) < 1e-12, rep
 
 
+@pytest.mark.parametrize("Nq, Nk, causal, window, tiles", [
+    pytest.param(70, 90, False, (5, 3), None, id="both-sides"),
+    pytest.param(90, 50, "bottom_right", (20, -1), {"keys": (2, 64, 16)}, id="left-bottom_right-sub"),
+    pytest.param(60, 60, True, (-1, 0), None, id="causal-unbounded-left",
+                 marks=pytest.mark.extended),
+    pytest.param(40, 100, False, (-1, 7), {"queries": (2, 16)}, id="right-only",
+                 marks=pytest.mark.extended),
+])
+def test_window_backward_source_emulated_on_cpu(rng, Nq, Nk, causal, window, tiles):
+    """A sliding window in both passes: the query pass's key range per row (the forward's
+    bounds), the key pass's query range per block and transposed per-column bounds; tiles
+    outside every row's window are skipped on both sides (tiles of 16 and 32 rows)."""
+    from mma_tools import run_backward_kernels
+    q, k, v, do = make(rng, 1, 2, Nq, Nk, 16, 16, dtype=np.float16)
+    opts = dict(causal=causal, window_size=window)
+    o, lse = numflash.reference.attention(q, k, v, return_lse=True, **opts)
+    is_causal, off = parse_causal(causal, Nq, Nk)
+    grads = run_backward_kernels(q, k, v, do, o.astype(np.float16), lse.astype(np.float32),
+                                 "f16", is_causal, off, tiles=tiles, window=window)
+    testing.assert_gradients_accurate(grads, do, q, k, v, **opts)
+
+
 def test_emulated_rows_without_keys_get_zero_gradients(rng):
     """Bottom-right causal with Nq > Nk: the first Nq - Nk rows see no key (lse = -inf); their
     dq is exactly zero and nothing they hold reaches dk, dv."""
@@ -163,12 +185,19 @@ def test_backward_plan_refuses_and_says_why(rng, dtype, kwargs, device, match):
         _plan(p, device, algorithm="mma")
 
 
-def test_backward_refuses_the_window_on_the_gpu_and_says_why(rng):
-    p = _OnDevice(_problem(rng, np.float16))
+def test_backward_takes_a_window_and_refuses_other_mods(rng):
     from numflash import mods
+    p = _OnDevice(_problem(rng, np.float16))
     p.mods = mods.build(p.shape, "cupy", 0, window_size=(8, 0))
-    with pytest.raises(ValueError, match=r"cuda\.mma: cuda\.mma does not take score/mask "
-                       r"modifications yet \(window_size=\(8, 0\)\); the CPU path"):
+    plan = _plan(p, HOPPER)
+    assert plan.kernel == "cuda.mma" and all(c.WINDOW == 1 for c in plan.config.values())
+    p = _OnDevice(_problem(rng, np.float16, d=128))
+    p.mods = mods.build(p.shape, "cupy", 0, window_size=(8, 0))
+    keys = _plan(p, HOPPER).config["keys"]
+    assert (keys.NW, keys.BC, keys.SUB, keys.WINDOW) == (8, 32, 16, 1)  # spill-free tile
+    p.mods = mods.build(p.shape, "cupy", 0, window_size=(8, 0), softcap=20.0)
+    with pytest.raises(ValueError, match=r"cuda\.mma takes window_size of the modifications, "
+                       r"not softcap"):
         _plan(p, HOPPER)
 
 
@@ -181,9 +210,9 @@ def _compile(cases):
         from numflash.cuda import launch
         from numflash.cuda.mma import gradients
         rows = []
-        for cc, d, dt in {cases!r}:
+        for cc, d, dt, window in {cases!r}:
             cfg = {{k: dataclasses.replace(c, DT="f16" if dt == "float16" else "bf16")
-                   for k, c in gradients.tiles(d, d).items()}}
+                   for k, c in gradients.tiles(d, d, window=window).items()}}
             for (kernel, sig), name in zip(gradients.compiled_kernels(cfg, dt),
                                            ("queries", "keys")):
                 cubin, entry, ptx, res = launch.compile_to_cubin(kernel.pyfunc, sig, tuple(cc))
@@ -198,9 +227,13 @@ def _compile(cases):
 
 
 @pytest.mark.parametrize("cases", [
-    pytest.param([((9, 0), 128, "float16")], id="sm90-d128-f16"),
-    pytest.param([((8, 0), 128, "bfloat16"), ((8, 0), 64, "float16"), ((9, 0), 64, "bfloat16")],
+    pytest.param([((9, 0), 128, "float16", False)], id="sm90-d128-f16"),
+    pytest.param([((8, 0), 128, "bfloat16", False), ((8, 0), 64, "float16", False),
+                  ((9, 0), 64, "bfloat16", False)],
                  id="sm80-d128-bf16-sm80-d64-f16-sm90-d64-bf16", marks=pytest.mark.extended),
+    pytest.param([((9, 0), 128, "float16", True), ((8, 0), 128, "bfloat16", True),
+                  ((9, 0), 64, "float16", True)], id="window-sm90-sm80",
+                 marks=pytest.mark.extended),
 ])
 def test_backward_variants_compile_to_mma_with_no_spills(cases):
     """The planner's variants: each pass issues m16n8k16 mma and ldmatrix.trans, and ptxas fits
@@ -242,3 +275,27 @@ def test_gpu_mma_gradients_meet_the_rule_and_repeat_bitwise(rng, case):
     assert all(bool((a == b).all()) for a, b in zip(*runs))
     assert all(g.dtype == dtype for g in runs[0])
     testing.assert_gradients_accurate([g.get() for g in runs[0]], do, q, k, v, **opts)
+
+
+WINDOW_GPU_CASES = [  # (H, Hkv, Nq, Nk, d, dtype, causal, window_size): sizes the float64
+    # reference with a window mask checks in seconds (it is far slower than without)
+    (4, 4, 2048, 2048, 128, "float16", True, (256, 0)),
+    (4, 2, 1500, 1100, 64, "bfloat16", "bottom_right", (100, 30)),
+    (2, 2, 777, 2049, 128, "float16", False, (-1, 64)),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", WINDOW_GPU_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_gpu_window_gradients_meet_the_rule(rng, case):
+    import cupy
+    H, Hkv, Nq, Nk, d, dtype, causal, window = case
+    dtype = _kind_dtype("bf16") if dtype == "bfloat16" else np.dtype(dtype)
+    q, k, v, do = make(rng, 1, H, Nq, Nk, d, d, dtype=dtype, kv_heads=Hkv)
+    opts = dict(causal=causal, window_size=window)
+    qg, kg, vg, dog = (cupy.asarray(a) for a in (q, k, v, do))
+    plan = numflash.explain(qg, kg, vg, backward=True, **opts)
+    assert plan.kernel == "cuda.mma" and plan.config["keys"].WINDOW == 1
+    o, lse = numflash.attention(qg, kg, vg, return_lse=True, **opts)
+    grads = numflash.attention_backward(dog, qg, kg, vg, o, lse, **opts)
+    testing.assert_gradients_accurate([g.get() for g in grads], do, q, k, v, **opts)

@@ -24,7 +24,7 @@ import hashlib
 import linecache
 
 from .emit import U, Source, emit_thread_indices
-from .mask import _end, emit_row_bounds, emit_score_mask, warp_sees_tile
+from .mask import _end, _first, emit_row_bounds, emit_score_mask, warp_sees_tile
 from .operands import operands_for
 from .staging import emit_cp_async_rows, tile_loop
 from .tiles import MmaConfig
@@ -176,7 +176,7 @@ def key_pass_source(cfg):
     """Python source of the dK / dV kernel for one MmaConfig (BR = 16 NW keys a block; BC:
     queries a streamed tile)."""
     assert cfg.VEC, "the backward stages with cp.async"
-    assert not cfg.WINDOW, "the key pass takes no window yet"
+    window = bool(cfg.WINDOW)
     (ops, KW, VW, QW, OW, v_off, tiles_off, do_rel, lse_rel, delta_rel, tile_words,
      _) = key_pass_layout(cfg)
     ND, NVN = cfg.D // 8, cfg.DV // 8
@@ -184,7 +184,8 @@ def key_pass_source(cfg):
     assert cfg.BC % SUB == 0 and SUB % 16 == 0
 
     s = Source()
-    s(f"def {KERNEL_NAMES['keys']}({ARGUMENTS['keys']}{SCALARS}):")
+    s(f"def {KERNEL_NAMES['keys']}({ARGUMENTS['keys']}{SCALARS}"
+      f"{', window_left, window_right' if window else ''}):")
     with s.block():
         emit_thread_indices(s, ops.float)
         s("bh = U(cuda.blockIdx.y)", "b = bh // U(Hkv)", "hk = bh % U(Hkv)",
@@ -196,9 +197,17 @@ def key_pass_source(cfg):
         _stage_rows(s, ops, "kh", cfg.BR, "j0k", "Nk_u", cfg.D, "d_u", 0, KW, cfg.NT)
         _stage_rows(s, ops, "vh", cfg.BR, "j0k", "Nk_u", cfg.DV, "dv_u", v_off, VW, cfg.NT)
         s("cp_async_commit()")
-        # the warp's keys; the first query that sees the block's first key (ends grow with rows)
+        # the warp's keys; the queries that see any key of the block: a row's key end and
+        # first key grow with the row (mask.py), so from the first row whose end passes the
+        # block's first key to the last row whose first key is at most the block's last key
         s("j0ks = I(j0k)", "wk = j0ks + I(warp) * 16", "kr0 = wk + I(g)", "kr1 = kr0 + 8",
           "q_first = min(Nq, max(0, j0ks - causal_offset)) if causal else 0")
+        if window:
+            s("if window_right >= 0:")
+            with s.block():
+                s("q_first = min(Nq, max(q_first, j0ks - causal_offset - window_right))")
+            s(f"q_end = Nq if window_left < 0 else max(0, min(Nq, min(Nk, j0ks + {cfg.BR}) - 1 "
+              f"- causal_offset + window_left + 1))")
         ops.a_fragments(s, "k", 0, KW)
         ops.a_fragments(s, "v", v_off, VW)
         s("cp_async_wait_0()", "cuda.syncthreads()")
@@ -226,7 +235,8 @@ def key_pass_source(cfg):
               "deltah = delta[b, h]",
               "cuda.syncthreads()  # the previous head's last tile is no longer read")
             with tile_loop(s, stage_queries, cfg.BC, tile_words, 1, tiles_off, QW, True,
-                           start="q_first", end="Nq") as (q_off, do_off, kb):
+                           start="q_first", end="q_end" if window else "Nq") as (q_off, do_off,
+                                                                                   kb):
                 if SUB == cfg.BC:
                     s("js = j0")
                     _key_pass_products(s, ops, cfg, SUB, kb, q_off, do_off, q_off + lse_rel,
@@ -260,18 +270,28 @@ def _key_pass_products(s, ops, cfg, SUB, kb, q_off, do_off, lse_off, delta_off, 
     S^T = K Q^T, the causal mask on the transposed fragments, P^T from lse, dV += P^T dO,
     dP^T = V dO^T, dS^T = P^T (dP^T - delta), dK += dS^T Q."""
     k_step, NN, ND, NVN = ops.k_step, SUB // 8, cfg.D // 8, cfg.DV // 8
-    # The warp works if its first key is seen by the last of these queries, masks if the
-    # first of them misses the warp's last key (a row's key end grows with the row).
-    s(f"if wk < {_end(f'min(Nq - 1, js + {SUB - 1})', False)}:")
+    # The warp works if the last of these queries sees past its first key (and, with a
+    # window, the first of them starts at or before its last key); it masks if the first
+    # misses its last key (or the last starts after its first). Ends and first keys grow with
+    # the row (mask.py).
+    window = bool(cfg.WINDOW)
+    last = f"min(Nq - 1, js + {SUB - 1})"
+    sees = f"wk < {_end(last, window)}" + (f" and wk + 15 >= {_first('js')}" if window else "")
+    s(f"if {sees}:")
     with s.block():
         _dot_products(s, ops, NN, "s", "k", KW, "q", q_off, QW, kb, cfg.D // k_step)
-        s(f"if wk + 15 >= {_end('js', False)}:")
+        masks = f"wk + 15 >= {_end('js', window)}" + (f" or wk < {_first(last)}" if window
+                                                       else "")
+        s(f"if {masks}:")
         with s.block():
             for n in range(NN):
                 for c in (0, 1):
-                    s(f"qe = {_end(f'js + I(t) * 2 + {8 * n + c}', False)}")
+                    col = f"js + I(t) * 2 + {8 * n + c}"
+                    s(f"qe = {_end(col, window)}")
+                    if window:
+                        s(f"qf = {_first(col)}")
                     for r, kr in ((c, "kr0"), (2 + c, "kr1")):
-                        s(f"if {kr} >= qe:")
+                        s(f"if {kr} >= qe or {kr} < qf:" if window else f"if {kr} >= qe:")
                         with s.block():
                             s(f"s_{n}_{r} = NEG_INF")
         s(f"qc = t * {U(2)}")

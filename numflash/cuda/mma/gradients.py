@@ -30,19 +30,26 @@ MAX_HEAD_DIM = 128
 #: registers with no spill on sm_80 and sm_90 (the compile tests check it).
 TILES = {64: {"queries": [(4, 64, 0)], "keys": [(4, 128, 64), (4, 64, 0)]},
          128: {"queries": [(4, 64, 0), (4, 32, 0)], "keys": [(8, 64, 16), (4, 32, 16)]}}
+#: With a sliding window the key pass keeps a few more integers live: at d128 (8, 64, 16)
+#: spills 12 bytes on sm_90 (ptxas, session 11), (8, 32, 16) none.
+WINDOW_TILES = {128: {"keys": [(8, 32, 16), (4, 32, 16)]}}
 
 
 def _kind(dtype_name):
     return {"float16": "f16", "bfloat16": "bf16"}[dtype_name]
 
 
-def tiles(D, DV, smem_limit=None):
-    """{"queries": MmaConfig, "keys": MmaConfig} for padded head dims: per pass the first tile
-    of TILES whose shared memory fits ``smem_limit`` (else the last, which config() refuses)."""
+def tiles(D, DV, smem_limit=None, window=False):
+    """{"queries": MmaConfig, "keys": MmaConfig} for padded head dims (``window``: the WINDOW
+    variants): per pass the first tile of TILES (or WINDOW_TILES) whose shared memory fits
+    ``smem_limit`` (else the last, which config() refuses)."""
     chosen = {}
-    for kernel, candidates in TILES[64 if max(D, DV) <= 64 else 128].items():
+    size = 64 if max(D, DV) <= 64 else 128
+    for kernel, candidates in TILES[size].items():
+        if window:
+            candidates = WINDOW_TILES.get(size, {}).get(kernel, candidates)
         for NW, BC, SUB in candidates:
-            cfg = MmaConfig(D, DV, NW, BC, 0, "f16", 1, SUB=SUB)
+            cfg = MmaConfig(D, DV, NW, BC, 0, "f16", 1, SUB=SUB, WINDOW=int(window))
             if smem_limit is None or shared_bytes(cfg, kernel) <= smem_limit:
                 break
         chosen[kernel] = cfg
@@ -69,8 +76,10 @@ def config(problem, device):
         raise Unsupported(f"{NAME}'s backward stages with 16-byte cp.async, and {why} (a "
                           "contiguous last axis, head dims that are multiples of 8 and 16-byte "
                           "aligned rows take it; cuda.row's backward takes any layout)")
+    mods = getattr(problem, "mods", None)  # the operator admits a sliding window alone
+    window = mods is not None and mods.window is not None
     cfg = {kernel: dataclasses.replace(c, DT=DT)
-           for kernel, c in tiles(D, DV, device.smem_per_block_optin).items()}
+           for kernel, c in tiles(D, DV, device.smem_per_block_optin, window).items()}
     for kernel, c in cfg.items():
         need = shared_bytes(c, kernel)
         if need > device.smem_per_block_optin:
@@ -80,10 +89,10 @@ def config(problem, device):
     return cfg
 
 
-def signature(dtype, kernel):
+def signature(dtype, kernel, window=False):
     """Argument types of the "queries" or "keys" kernel: q, k, v, dO (as their 16-bit bits),
-    lse and delta (float32), dQ or dK, dV (like q), the exp2 and natural
-    scales, causal, causal_offset."""
+    lse and delta (float32), dQ or dK, dV (like q), the exp2 and natural scales, causal,
+    causal_offset (and with a window its left and right sizes)."""
     from numba import types
     from ...inputs import lse_dtype
     from ..launch import array_type
@@ -91,16 +100,16 @@ def signature(dtype, kernel):
     rows = array_type(lse_dtype(dtype), 3)
     grads = (arr,) if kernel == "queries" else (arr, arr)
     return (arr, arr, arr, arr, rows, rows, *grads, types.float64, types.float64, types.int64,
-            types.int64)
+            types.int64) + ((types.int64, types.int64) if window else ())
 
 
 def compiled_kernels(cfg, dtype):
     """[(Kernel, numba argument types)] run() launches: the query pass, then the key pass."""
     from .. import launch
     return [(launch.get_kernel(NAME + ".backward_queries", make_query_kernel, cfg["queries"]),
-             signature(dtype, "queries")),
+             signature(dtype, "queries", cfg["queries"].WINDOW)),
             (launch.get_kernel(NAME + ".backward_keys", make_key_kernel, cfg["keys"]),
-             signature(dtype, "keys"))]
+             signature(dtype, "keys", cfg["keys"].WINDOW))]
 
 
 def run(problem, cfg, device):
@@ -114,6 +123,8 @@ def run(problem, cfg, device):
     lse = p.lse
     scalars = (float(p.scale * math.log2(math.e)), float(p.scale), int(p.causal),
                int(p.causal_offset))
+    if cfg["queries"].WINDOW:
+        scalars += tuple(int(w) for w in p.mods.window)
     (queries, _), (keys, _) = compiled_kernels(cfg, p.dtype_name)
     inputs = tuple(bits(a) for a in (p.q, p.k, p.v, p.do))
     qc, kc = cfg["queries"], cfg["keys"]
