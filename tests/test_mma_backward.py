@@ -93,6 +93,25 @@ def test_window_backward_source_emulated_on_cpu(rng, Nq, Nk, causal, window, til
     testing.assert_gradients_accurate(grads, do, q, k, v, **opts)
 
 
+@pytest.mark.parametrize("value", [np.nan, np.inf])
+def test_emulated_bad_value_reaches_exactly_the_gradients_that_read_it(rng, value):
+    """A NaN / inf in V row 13 under causal masking: dQ of rows before 13 (which never see key
+    13) stays finite, and dV; the rest is NaN exactly where the reference has it (rows from 13
+    on have a NaN O, hence delta, so every key they see gets a NaN dK). P is 0 at masked pairs
+    and dS = 0 there, not 0 * NaN."""
+    from mma_tools import run_backward_kernels
+    q, k, v, do = make(rng, 1, 1, 40, 40, 16, 16, dtype=np.float16)
+    v[0, 0, 13, 2] = value
+    o, lse = numflash.reference.attention(q, k, v, causal=True, return_lse=True)
+    dq, dk, dv = run_backward_kernels(q, k, v, do, o.astype(np.float16), lse.astype(np.float32),
+                                      "f16", True, 0)
+    ref = numflash.reference.attention_backward(do, q, k, v, causal=True)
+    for got, want in zip((dq, dk, dv), ref):
+        assert np.array_equal(np.isnan(got), np.isnan(want))
+    assert np.isfinite(dq[0, 0, :13]).all() and np.isnan(dq[0, 0, 13:]).all()
+    assert np.isfinite(dv).all()
+
+
 def test_emulated_rows_without_keys_get_zero_gradients(rng):
     """Bottom-right causal with Nq > Nk: the first Nq - Nk rows see no key (lse = -inf); their
     dq is exactly zero and nothing they hold reaches dk, dv."""

@@ -56,6 +56,12 @@ def _lse2(value):
     return f"INF if {value} == NEG_INF else {value} * LOG2E"
 
 
+def _ds(p, dp, delta):
+    """Source of dS = P (dP - delta), exactly 0 where P is: a masked pair's dP may hold a NaN or
+    inf of a V row it never reads (0 * NaN would carry it into dQ and dK)."""
+    return f"ZERO if {p} == ZERO else {p} * ({dp} - {delta})"
+
+
 def _dot_products(s, ops, NN, acc, a, a_W, b, b_off, b_W, kb, steps):
     """Emit acc (NN n8 tiles) = A B^T for the warp's 16 rows of A (shared tile ``a``) against the
     streamed tile ``b`` (row-major, contracted over its columns), ``steps`` k-steps."""
@@ -157,7 +163,7 @@ def query_pass_source(cfg):
                         for r in range(4)))
                 _dot_products(s, ops, NN, "dp", "do", OW, "v", v_off, VW, kb, cfg.DV // k_step)
                 for n in range(NN):
-                    s(*(f"s_{n}_{r} = s_{n}_{r} * (dp_{n}_{r} - delta{r // 2})"
+                    s(*(f"s_{n}_{r} = {_ds(f's_{n}_{r}', f'dp_{n}_{r}', f'delta{r // 2}')}"
                         for r in range(4)))
                 ops.accumulate_pv(s, kb, k_off, ND, cfg.BC // k_step, p="s", acc="dq",
                                   name="kt", W=KW, rescaled=False)
@@ -307,7 +313,7 @@ def _key_pass_products(s, ops, cfg, SUB, kb, q_off, do_off, lse_off, delta_off, 
             for c in (0, 1):
                 s(f"dlt = smemf[{kb}{U(delta_off)} + qc + {U(8 * n + c)}]")
                 for r in (c, 2 + c):
-                    s(f"s_{n}_{r} = s_{n}_{r} * (dp_{n}_{r} - dlt)")
+                    s(f"s_{n}_{r} = {_ds(f's_{n}_{r}', f'dp_{n}_{r}', 'dlt')}")
         ops.accumulate_pv(s, kb, q_off, ND, SUB // k_step, p="s", acc="dk", name="qt", W=QW,
                           rescaled=False)
 
