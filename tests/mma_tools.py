@@ -198,6 +198,9 @@ class Emu:
         self.wbar[w].wait()
         return got
 
+    def shfl_sync(self, mask, value, src_lane):
+        return self._exchange(value)[int(src_lane) % 32]
+
     def shfl_xor_sync(self, mask, value, lane_mask):
         got = self._exchange(value)
         return got[(self.tls.tid % 32) ^ lane_mask]
@@ -401,7 +404,7 @@ def run_backward_kernels(q, k, v, do, o, lse, DT, causal=False, causal_offset=0,
     D, DV = head_dim_pad(d), head_dim_pad(dv)
     scale = 1 / math.sqrt(d) if scale is None else scale
     real = np.float64 if DT == "f64" else np.float32
-    delta = (do.astype(real) * o.astype(real)).sum(-1)
+    delta = np.full((B, H, Nq), np.nan, real)   # the query pass writes rowsum(dO * O)
     word = {"f64": np.float64, "3xtf32": np.float32}.get(DT, np.uint32)
     grads = {name: np.full(shape, np.nan, q.dtype) for name, shape in
              (("dq", q.shape), ("dk", k.shape), ("dv", v.shape))}
@@ -417,7 +420,8 @@ def run_backward_kernels(q, k, v, do, o, lse, DT, causal=False, causal_offset=0,
         ns = emulator_namespace(emu, DT)
         exec(compile(src, f"<{DT} backward {kernel} emu>", "exec"), ns)
         outs = [grads["dq"]] if kernel == "queries" else [grads["dk"], grads["dv"]]
-        args = [as_kernel_array(a, DT) for a in (q, k, v, do)] + [lse.astype(real), delta]
+        inputs = (q, k, v, do, o) if kernel == "queries" else (q, k, v, do)
+        args = [as_kernel_array(a, DT) for a in inputs] + [lse.astype(real), delta]
         args += [as_kernel_array(g, DT) for g in outs]
         args += [scale * math.log2(math.e), scale, int(causal), int(causal_offset)]
         args += list(window or ())

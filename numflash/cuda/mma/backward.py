@@ -1,7 +1,8 @@
 """The FlashAttention-2 backward on tensor cores, composed from the forward's pieces over the
 same operand kinds: two kernels, no atomics, so two runs give bitwise-equal gradients.
 
-With P = exp(S - lse) recomputed from q, k and the forward's lse, and delta = rowsum(dO * O):
+With P = exp(S - lse) recomputed from q, k and the forward's lse, and delta = rowsum(dO * O)
+(computed by the query pass, which has dO and O in shared memory, for the key pass):
 dV = P^T dO, dP = dO V^T, dS = P * (dP - delta), dQ = scale dS K, dK = scale dS^T Q.
 
 - Query pass (``query_pass_source``): a block owns BR = 16 NW query rows, as the forward does,
@@ -29,7 +30,7 @@ from .operands import operands_for
 from .staging import emit_cp_async_rows, tile_loop
 from .tiles import MmaConfig
 
-ARGUMENTS = {"queries": "q, k, v, do, lse, delta, dq, ",
+ARGUMENTS = {"queries": "q, k, v, do, o, lse, delta, dq, ",
              "keys": "q, k, v, do, lse, delta, dk, dv, "}
 SCALARS = "scale_log2_in, scale_in, causal, causal_offset"
 KERNEL_NAMES = {"queries": "mma_backward_queries", "keys": "mma_backward_keys"}
@@ -56,6 +57,32 @@ def _lse2(value):
     return f"INF if {value} == NEG_INF else {value} * LOG2E"
 
 
+def _emit_delta(s, ops, DV, do_off, o_off, OW):
+    """Emit delta = rowsum(dO * O) of the thread's rows r0, r1 (delta0, delta1), written to
+    ``delta`` for the key pass: the diagonal of the warp's 16 x 16 block of dO O^T, one small
+    tensor-core product over the staged dO and O rows (dO * O in float32, summed in float32, as
+    a separate reduction would), so no pass over O outside the kernel and no O(N d) buffers. In
+    the C layout row g's diagonal element is register g % 2 of n8 tile 0 on lane (g, g // 2),
+    row g + 8's register 2 + g % 2 of tile 1 on the same lane; a shuffle brings them to the
+    quad."""
+    ops.zero_scores(s, 2, "dd", "ddc")
+    ops.b_fragments(s, f"warp * {U(16 * OW)} + ", o_off, "o", OW)
+    for kk in range(DV // ops.k_step):
+        regs = [f"doa{r}" for r in range(4)]
+        ops.load_a(s, kk, regs, "do", OW)
+        for n in range(2):
+            ops.product(s, [f"dd_{n}_{r}" for r in range(4)], regs, ops.load_b(s, kk, n, "o", OW),
+                        [f"ddc_{n}_{r}" for r in range(4)])
+    ops.finish_scores(s, 2, "dd", "ddc")
+    s(f"diag_lane = g * {U(4)} + g // {U(2)}",
+      f"delta0 = cuda.shfl_sync(FULL, dd_0_0 if g % {U(2)} == {U(0)} else dd_0_1, diag_lane)",
+      f"delta1 = cuda.shfl_sync(FULL, dd_1_2 if g % {U(2)} == {U(0)} else dd_1_3, diag_lane)")
+    for half, row in ((0, "r0"), (1, "r1")):
+        s(f"if t == {U(0)} and {row} < Nq:")
+        with s.block():
+            s(f"delta[b, h, U({row})] = delta{half}")
+
+
 def _ds(p, dp, delta):
     """Source of dS = P (dP - delta), exactly 0 where P is: a masked pair's dP may hold a NaN or
     inf of a V row it never reads (0 * NaN would carry it into dQ and dK)."""
@@ -78,7 +105,8 @@ def _dot_products(s, ops, NN, acc, a, a_W, b, b_off, b_W, kb, steps):
 
 def query_pass_layout(cfg):
     """(ops, QW, OW, KW, VW, do_off, kv_off, kv_words, total words) of the query pass: Q and dO
-    of the block's rows, then two buffers of a K and a V tile."""
+    of the block's rows, then two buffers of a K and a V tile (the first holds the rows' O
+    until delta is computed)."""
     ops, pitch = backward_layout(cfg)
     QW, OW = pitch(cfg.D), pitch(cfg.DV)
     KW, VW = pitch(cfg.D, True), pitch(cfg.DV)      # K is read both ways; V like the forward's K
@@ -128,20 +156,23 @@ def query_pass_source(cfg):
         s(f"qb = U(cuda.gridDim.x) - {U(1)} - U(cuda.blockIdx.x)",  # longest causal block first
           "bh = U(cuda.blockIdx.y)", "b = bh // U(H)", "h = bh % U(H)",
           "hk = kv_head(h, U(H), U(Hkv))", f"i0 = qb * {U(cfg.BR)}",
-          "qh = q[b, h]", "kh = k[b, hk]", "vh = v[b, hk]", "doh = do[b, h]", "dqh = dq[b, h]",
+          "qh = q[b, h]", "kh = k[b, hk]", "vh = v[b, hk]", "doh = do[b, h]", "oh = o[b, h]",
+          "dqh = dq[b, h]",
           f"smem = cuda.shared.array(0, {ops.word})")
         _stage_rows(s, ops, "qh", cfg.BR, "i0", "Nq_u", cfg.D, "d_u", 0, QW, cfg.NT)
         _stage_rows(s, ops, "doh", cfg.BR, "i0", "Nq_u", cfg.DV, "dv_u", do_off, OW, cfg.NT)
+        _stage_rows(s, ops, "oh", cfg.BR, "i0", "Nq_u", cfg.DV, "dv_u", kv_off, OW, cfg.NT)
         s("cp_async_commit()")
         emit_row_bounds(s, cfg.BR, window)
         for half, row in ((0, "r0"), (1, "r1")):
-            s(f"lse2_{half} = INF", f"delta{half} = ZERO", f"if {row} < Nq:")
+            s(f"lse2_{half} = INF", f"if {row} < Nq:")
             with s.block():
-                s(f"lse2_{half} = {_lse2(f'lse[b, h, {row}]')}",
-                  f"delta{half} = delta[b, h, {row}]")
+                s(f"lse2_{half} = {_lse2(f'lse[b, h, {row}]')}")
         ops.a_fragments(s, "q", 0, QW)
         ops.a_fragments(s, "do", do_off, OW)
         s("cp_async_wait_0()", "cuda.syncthreads()")
+        _emit_delta(s, ops, cfg.DV, do_off, kv_off, OW)
+        s("cuda.syncthreads()  # the K/V buffers take O's place")
         ops.zero_scores(s, ND, "dq", "dqc")
 
         def stage_kv(j0u, buf):

@@ -1,9 +1,9 @@
 """cuda.mma's backward operator: the config for a problem (or why not), the compiled kernels and
 the launch of backward.py's two passes.
 
-The preprocessing delta = rowsum(dO * O) is one CuPy reduction in the compute type; the query
-pass then writes dQ and the key pass dK and dV, each in the inputs' dtype, with no atomics and
-no float32 gradient buffers (two runs are bitwise equal).
+The query pass writes dQ and delta = rowsum(dO * O) (B x H x Nq float32, the only extra device
+memory), the key pass dK and dV, each in the inputs' dtype, with no atomics and no float32
+gradient buffers (two runs are bitwise equal).
 """
 import dataclasses
 import math
@@ -90,16 +90,17 @@ def config(problem, device):
 
 
 def signature(dtype, kernel, window=False):
-    """Argument types of the "queries" or "keys" kernel: q, k, v, dO (as their 16-bit bits),
-    lse and delta (float32), dQ or dK, dV (like q), the exp2 and natural scales, causal,
-    causal_offset (and with a window its left and right sizes)."""
+    """Argument types of the "queries" or "keys" kernel: q, k, v, dO (and O for the query pass)
+    as their 16-bit bits, lse and delta (float32), dQ or dK, dV (like q), the exp2 and natural
+    scales, causal, causal_offset (and with a window its left and right sizes)."""
     from numba import types
     from ...inputs import lse_dtype
     from ..launch import array_type
     arr = array_type("uint16")
     rows = array_type(lse_dtype(dtype), 3)
+    inputs = (arr,) * (5 if kernel == "queries" else 4)
     grads = (arr,) if kernel == "queries" else (arr, arr)
-    return (arr, arr, arr, arr, rows, rows, *grads, types.float64, types.float64, types.int64,
+    return (*inputs, rows, rows, *grads, types.float64, types.float64, types.int64,
             types.int64) + ((types.int64, types.int64) if window else ())
 
 
@@ -118,8 +119,7 @@ def run(problem, cfg, device):
     p = problem
     B, H, Nq, Nk, d, dv = p.shape
     bits = (lambda a: a.view(cupy.uint16))
-    # delta = rowsum(dO * O) in float32, from O as stored
-    delta = (p.do.astype(np.float32) * p.o.astype(np.float32)).sum(axis=-1)
+    delta = cupy.empty((B, H, Nq), np.float32)   # rowsum(dO * O): the query pass writes it
     lse = p.lse
     scalars = (float(p.scale * math.log2(math.e)), float(p.scale), int(p.causal),
                int(p.causal_offset))
@@ -129,6 +129,6 @@ def run(problem, cfg, device):
     inputs = tuple(bits(a) for a in (p.q, p.k, p.v, p.do))
     qc, kc = cfg["queries"], cfg["keys"]
     queries((-(-Nq // qc.BR), B * H), (qc.NT,), shared_bytes(qc, "queries"),
-            inputs + (lse, delta, bits(p.dq)) + scalars, device)
+            inputs + (bits(p.o), lse, delta, bits(p.dq)) + scalars, device)
     keys((-(-Nk // kc.BR), B * p.k.shape[1]), (kc.NT,), shared_bytes(kc, "keys"),
          inputs + (lse, delta, bits(p.dk), bits(p.dv)) + scalars, device)
