@@ -117,9 +117,9 @@ def choose(problem, backend="auto", algorithm="auto"):
     the modifications and the two choices, so they are memoized on those: a repeated call skips
     straight to the kernel.
     """
-    # the backward's dO is staged like q, k, v (cuda.mma's cp.async needs it aligned)
-    arrays = tuple(a for a in (problem.q, problem.k, problem.v, getattr(problem, "do", None))
-                   if a is not None)
+    # the backward's dO and O are staged like q, k, v (cuda.mma's cp.async needs them aligned)
+    arrays = tuple(a for a in (problem.q, problem.k, problem.v, getattr(problem, "do", None),
+                               getattr(problem, "o", None)) if a is not None)
     mods = getattr(problem, "mods", None)
     key = (None if mods is None else (mods.key(), str(mods)),  # a kernel may refuse mods
            getattr(problem, "direction", "forward"), backend, algorithm,

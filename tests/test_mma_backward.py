@@ -127,7 +127,7 @@ def test_emulated_rows_without_keys_get_zero_gradients(rng):
 
 
 def _problem(rng, dtype, d=64, dv=None, Nq=256, Nk=256, H=4, Hkv=None, strided=False,
-             strided_do=False, **opts):
+             strided_do=False, strided_o=False, **opts):
     from numflash.inputs import normalize_backward
     q, k, v, do = make(rng, 1, H, Nq, Nk, d, dv or d, dtype=dtype, kv_heads=Hkv or H)
     if strided:
@@ -135,7 +135,10 @@ def _problem(rng, dtype, d=64, dv=None, Nq=256, Nk=256, H=4, Hkv=None, strided=F
     if strided_do:
         do = np.repeat(do, 2, axis=-1)[..., ::2]
     o, lse = numflash.reference.attention(q, k, v, return_lse=True, **opts)
-    p = normalize_backward(do, q, k, v, o.astype(dtype), lse.astype(np.float32), **opts)
+    o = o.astype(dtype)
+    if strided_o:
+        o = np.repeat(o, 2, axis=-1)[..., ::2]
+    p = normalize_backward(do, q, k, v, o, lse.astype(np.float32), **opts)
     p.direction = "backward"
     return p
 
@@ -191,6 +194,7 @@ def test_backward_plan_takes_the_tensor_cores(rng, dtype, d, dv, device, queries
     (np.float16, {"d": 256}, HOPPER, r"takes head dims up to 128 \(d=256"),
     (np.float16, {"d": 40, "strided": True}, HOPPER, r"q's last axis is strided"),
     (np.float16, {"strided_do": True}, HOPPER, r"do's last axis is strided"),
+    (np.float16, {"strided_o": True}, HOPPER, r"o's last axis is strided"),
     (np.float16, {"d": 60}, HOPPER, r"head dim 60 is not a multiple of 8"),
     (np.float16, {}, TURING, r"needs compute capability >= 8\.0 \(mma\.sync bf16, cp\.async\)"),
 ])

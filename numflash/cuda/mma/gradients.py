@@ -69,13 +69,15 @@ def config(problem, device):
         raise Unsupported(f"{NAME}'s backward takes head dims up to {MAX_HEAD_DIM} (d={d}, "
                           f"dv={dv}): the key pass keeps dK and dV in registers; cuda.row's "
                           "backward takes any head dim")
-    # explain(..., backward=True) plans before there is a dO: it is checked when there is one
-    staged = ("q", "k", "v") + (("do",) if getattr(problem, "do", None) is not None else ())
+    # explain(..., backward=True) plans before there are dO and O: checked when they are given
+    staged = ("q", "k", "v") + tuple(n for n in ("do", "o")
+                                     if getattr(problem, n, None) is not None)
     why = vector_ok(problem, staged) if problem.on_device else "these are not device arrays"
     if why:
-        raise Unsupported(f"{NAME}'s backward stages with 16-byte cp.async, and {why} (a "
-                          "contiguous last axis, head dims that are multiples of 8 and 16-byte "
-                          "aligned rows take it; cuda.row's backward takes any layout)")
+        raise Unsupported(f"{NAME}'s backward stages q, k, v, dO and O with 16-byte cp.async, "
+                          f"and {why} (a contiguous last axis, head dims that are multiples of 8 "
+                          "and 16-byte aligned rows take it; cuda.row's backward takes any "
+                          "layout)")
     mods = getattr(problem, "mods", None)  # the operator admits a sliding window alone
     window = mods is not None and mods.window is not None
     cfg = {kernel: dataclasses.replace(c, DT=DT)
