@@ -22,9 +22,8 @@ exchange for no float32 dQ buffer, no atomics and determinism by construction.
 A row that sees no key (lse = -inf) reads lse as +inf, so its P, and its gradients, are zero.
 """
 import hashlib
-import linecache
 
-from .emit import U, Source, emit_thread_indices
+from .emit import U, Source, define, emit_thread_indices
 from .mask import _end, _first, emit_row_bounds, emit_score_mask, warp_sees_tile
 from .operands import operands_for
 from .staging import emit_cp_async_rows, tile_loop
@@ -81,6 +80,19 @@ def _emit_delta(s, ops, DV, do_off, o_off, OW):
         s(f"if t == {U(0)} and {row} < Nq:")
         with s.block():
             s(f"delta[b, h, U({row})] = delta{half}")
+
+
+def _store_rows(s, ops, rows, limit, outputs):
+    """Emit the stores of the thread's two rows (below ``limit``) of each output (accumulator,
+    n8 tiles, factor, view, column limit), in the outputs' dtype."""
+    for half, row in enumerate(rows):
+        s(f"if {row} < {limit}:")
+        with s.block():
+            s(f"ru = U({row})", f"cbase = t * {U(2)}")
+            ra, rb = (0, 1) if half == 0 else (2, 3)
+            for acc, tiles, factor, out, dim in outputs:
+                for n in range(tiles):
+                    ops.store_o(s, n, ra, rb, half, acc=acc, factor=factor, out=out, dim=dim)
 
 
 def _ds(p, dp, delta):
@@ -198,14 +210,7 @@ def query_pass_source(cfg):
                         for r in range(4)))
                 ops.accumulate_pv(s, kb, k_off, ND, cfg.BC // k_step, p="s", acc="dq",
                                   name="kt", W=KW, rescaled=False)
-        for half, row in ((0, "r0"), (1, "r1")):
-            s(f"if {row} < Nq:")
-            with s.block():
-                s(f"ru = U({row})", f"cbase = t * {U(2)}")
-                ra, rb = (0, 1) if half == 0 else (2, 3)
-                for n in range(ND):
-                    ops.store_o(s, n, ra, rb, half, acc="dq", factor="scale", out="dqh",
-                                dim="d_u")
+        _store_rows(s, ops, ("r0", "r1"), "Nq", [("dq", ND, "scale", "dqh", "d_u")])
     return s.text()
 
 
@@ -287,17 +292,8 @@ def key_pass_source(cfg):
                         _key_pass_products(s, ops, cfg, SUB, kb, q_off + sub * SUB * QW,
                                            do_off + sub * SUB * OW, q_off + lse_rel + sub * SUB,
                                            q_off + delta_rel + sub * SUB, KW, VW, QW, OW)
-        for half, row in ((0, "kr0"), (1, "kr1")):
-            s(f"if {row} < Nk:")
-            with s.block():
-                s(f"ru = U({row})", f"cbase = t * {U(2)}")
-                ra, rb = (0, 1) if half == 0 else (2, 3)
-                for n in range(ND):
-                    ops.store_o(s, n, ra, rb, half, acc="dk", factor="scale", out="dkh",
-                                dim="d_u")
-                for n in range(NVN):
-                    ops.store_o(s, n, ra, rb, half, acc="dv", factor="ONE", out="dvh",
-                                dim="dv_u")
+        _store_rows(s, ops, ("kr0", "kr1"), "Nk", [("dk", ND, "scale", "dkh", "d_u"),
+                                                   ("dv", NVN, "ONE", "dvh", "dv_u")])
     return s.text()
 
 
@@ -362,19 +358,10 @@ def _namespace(cfg):
     return ns
 
 
-_counter = [0]
-
-
 def _make(kernel, **config):
     cfg = MmaConfig(**config)
-    src = SOURCES[kernel](cfg)
-    _counter[0] += 1
-    filename = f"<numflash.cuda.mma backward {kernel} " \
-               f"{' '.join(f'{k}{v}' for k, v in cfg.items())} #{_counter[0]}>"
-    linecache.cache[filename] = (len(src), None, src.splitlines(True), filename)
-    ns = _namespace(cfg)
-    exec(compile(src, filename, "exec"), ns)
-    return ns[KERNEL_NAMES[kernel]]
+    return define(SOURCES[kernel](cfg), f"numflash.cuda.mma backward {kernel}", cfg,
+                  _namespace(cfg), KERNEL_NAMES[kernel])
 
 
 def make_query_kernel(**config):

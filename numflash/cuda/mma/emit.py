@@ -5,6 +5,20 @@ how many keys they see).
 Every register of a fragment is a scalar variable of the generated source, so nothing lives in
 local memory; numba compiles the text like any hand-written kernel (``print`` it to read it).
 """
+import linecache
+
+_defined = [0]
+
+
+def define(src, label, cfg, namespace, name):
+    """Execute generated source in ``namespace`` and return its function ``name``; the source is
+    registered with linecache under a name carrying ``label`` and the config, so tracebacks and
+    ``inspect`` show the generated lines."""
+    _defined[0] += 1
+    filename = f"<{label} {' '.join(f'{k}{v}' for k, v in cfg.items())} #{_defined[0]}>"
+    linecache.cache[filename] = (len(src), None, src.splitlines(True), filename)
+    exec(compile(src, filename, "exec"), namespace)
+    return namespace[name]
 
 
 class Source:

@@ -9,12 +9,11 @@ Tiles no row of the block can see are never loaded, and warps skip tiles none of
 A row that sees no key gives zeros and lse = -inf.
 """
 import hashlib
-import linecache
 import math
 
 import numpy as np
 
-from .emit import Source, emit_prologue
+from .emit import Source, define, emit_prologue
 from .mask import emit_debug_dump, emit_row_bounds, emit_score_mask, warp_sees_tile
 from .operands import operands_for
 from .softmax import emit_accumulators, emit_epilogue, emit_online_update
@@ -114,21 +113,11 @@ def _kv_head_device():
     return _device_functions["kv_head"]
 
 
-_counter = [0]
-
-
 def make_kernel(**config):
     """The kernel function for one config (numba compiles it; see launch.py)."""
     cfg = MmaConfig(**config)
     assert (cfg.MMA is not None) == (cfg.DT == "f64"), "MMA names the float64 instruction only"
-    src = kernel_source(cfg)
-    _counter[0] += 1
-    filename = f"<numflash.cuda.mma {' '.join(f'{k}{v}' for k, v in cfg.items())} " \
-               f"#{_counter[0]}>"
-    linecache.cache[filename] = (len(src), None, src.splitlines(True), filename)
-    ns = _namespace(cfg)
-    exec(compile(src, filename, "exec"), ns)
-    return ns["mma_attention"]
+    return define(kernel_source(cfg), "numflash.cuda.mma", cfg, _namespace(cfg), "mma_attention")
 
 
 def code_identity(**config):
