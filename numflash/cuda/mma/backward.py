@@ -117,14 +117,15 @@ def _dot_products(s, ops, NN, acc, a, a_W, b, b_off, b_W, kb, steps):
 
 def query_pass_layout(cfg):
     """(ops, QW, OW, KW, VW, do_off, kv_off, kv_words, total words) of the query pass: Q and dO
-    of the block's rows, then two buffers of a K and a V tile (the first holds the rows' O
-    until delta is computed)."""
+    of the block's rows, then two buffers of a K and a V tile (which hold the rows' O from
+    kv_off on until delta is computed)."""
     ops, pitch = backward_layout(cfg)
     QW, OW = pitch(cfg.D), pitch(cfg.DV)
     KW, VW = pitch(cfg.D, True), pitch(cfg.DV)      # K is read both ways; V like the forward's K
     do_off = cfg.BR * QW
     kv_off = do_off + cfg.BR * OW
     kv_words = cfg.BC * (KW + VW)
+    assert cfg.BR * OW <= 2 * kv_words, "O's rows must fit in the K/V buffers they borrow"
     return ops, QW, OW, KW, VW, do_off, kv_off, kv_words, kv_off + 2 * kv_words
 
 
@@ -313,14 +314,16 @@ def _key_pass_products(s, ops, cfg, SUB, kb, q_off, do_off, lse_off, delta_off, 
     s(f"if {sees}:")
     with s.block():
         _dot_products(s, ops, NN, "s", "k", KW, "q", q_off, QW, kb, cfg.D // k_step)
-        masks = f"wk + 15 >= {_end('js', window)}" + (f" or wk < {_first(last)}" if window
-                                                       else "")
+        # (and where the tile runs past Nq: a padded query column must give P = 0 even when
+        # a K row holds a NaN, which no real query sees)
+        masks = f"js + {SUB} > Nq or wk + 15 >= {_end('js', window)}" + (
+            f" or wk < {_first(last)}" if window else "")
         s(f"if {masks}:")
         with s.block():
             for n in range(NN):
                 for c in (0, 1):
                     col = f"js + I(t) * 2 + {8 * n + c}"
-                    s(f"qe = {_end(col, window)}")
+                    s(f"qe = {_end(col, window)} if {col} < Nq else 0")
                     if window:
                         s(f"qf = {_first(col)}")
                     for r, kr in ((c, "kr0"), (2 + c, "kr1")):

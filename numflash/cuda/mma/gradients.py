@@ -121,7 +121,8 @@ def run(problem, cfg, device):
     p = problem
     B, H, Nq, Nk, d, dv = p.shape
     bits = (lambda a: a.view(cupy.uint16))
-    delta = cupy.empty((B, H, Nq), np.float32)   # rowsum(dO * O): the query pass writes it
+    with cupy.cuda.Device(p.q.device.id):     # on the arrays' GPU, not the current one
+        delta = cupy.empty((B, H, Nq), np.float32)   # rowsum(dO * O): the query pass writes it
     lse = p.lse
     scalars = (float(p.scale * math.log2(math.e)), float(p.scale), int(p.causal),
                int(p.causal_offset))
