@@ -30,7 +30,9 @@ def test_shipped_ptx_is_current_and_covers_the_common_set():
     shipped = prebuilt.manifest()
     found = common_targets()
     kinds = {(k.name.split(".backward")[0], plan.direction) for k, _, _, plan in found}
-    assert kinds == {("cuda.mma", "forward"), ("cuda.row", "backward")}, kinds
+    # 16-bit backwards run on cuda.mma, float32 on cuda.row
+    assert kinds == {("cuda.mma", "forward"), ("cuda.mma", "backward"),
+                     ("cuda.row", "backward")}, kinds
     for kernel, sig, cc, _ in found:
         path = prebuilt.find(kernel.prebuilt_key(sig), cc)
         assert path is not None and path.name.endswith(f"sm{cc[0]}{cc[1]}.ptx.xz"), (
@@ -141,9 +143,14 @@ def test_an_edited_kernel_makes_only_its_own_files_stale(monkeypatch):
     assert stale() == set()
     from numflash.cuda.mma import forward
     generate = forward.kernel_source
-    with monkeypatch.context() as m:  # the generated source changes
+    with monkeypatch.context() as m:  # the forward's generated source changes
         m.setattr(forward, "kernel_source", lambda cfg: generate(cfg) + "# edited\n")
         assert stale() == {"cuda.mma"}
+    from numflash.cuda.mma import backward
+    keys = backward.SOURCES["keys"]
+    with monkeypatch.context() as m:  # the backward key pass's generated source changes
+        m.setitem(backward.SOURCES, "keys", lambda cfg: keys(cfg) + "# edited\n")
+        assert stale() == {"cuda.mma.backward_keys"}
     with monkeypatch.context() as m:  # as after an edit of cuda/row_backward.py
         m.setitem(launch._DIGESTS, "numflash.cuda.row_backward", "0" * 16)
         assert stale() == {"cuda.row.backward_keys", "cuda.row.backward_queries"}
@@ -285,7 +292,7 @@ def test_ship_writes_portable_ptx_and_only_remakes_what_changed(tmp_path, monkey
 def test_explain_says_loaded_only_for_the_argument_types_loaded():
     """cuda.row's backward runs one Kernel on float16 and on float32 arrays: a load for one
     must not make explain call the other loaded."""
-    plans = {dt: planner._choose(StandIn(64, dt, direction="backward"), "cuda", "auto",
+    plans = {dt: planner._choose(StandIn(64, dt, direction="backward"), "cuda", "row",
                                  device=Device.of_arch((9, 0))) for dt in ("float16", "float32")}
     (k16, s16), _ = plans["float16"].compiled_kernels()
     (k32, s32), _ = plans["float32"].compiled_kernels()

@@ -21,7 +21,6 @@ exchange for no float32 dQ buffer, no atomics and determinism by construction.
 
 A row that sees no key (lse = -inf) reads lse as +inf, so its P, and its gradients, are zero.
 """
-import hashlib
 
 from .emit import U, Source, define, emit_thread_indices
 from .mask import _end, _first, emit_row_bounds, emit_score_mask, warp_sees_tile
@@ -379,13 +378,9 @@ def make_key_kernel(**config):
 
 def _identity(kernel, **config):
     """What decides a backward variant's PTX: its generated source and the code binding its
-    names (as forward.code_identity)."""
-    import inspect
-    from .forward import code_identity
-    h = hashlib.sha256(SOURCES[kernel](MmaConfig(**config)).encode())
-    h.update(inspect.getsource(_namespace).encode())
-    h.update(code_identity(**config).encode())   # the forward's names and device functions
-    return h.hexdigest()[:16]
+    names (forward.source_identity; the forward's own source does not enter)."""
+    from .forward import source_identity
+    return source_identity(SOURCES[kernel](MmaConfig(**config)), (_namespace,))
 
 
 make_query_kernel.code_identity = lambda **config: _identity("queries", **config)

@@ -120,19 +120,24 @@ def make_kernel(**config):
     return define(kernel_source(cfg), "numflash.cuda.mma", cfg, _namespace(cfg), "mma_attention")
 
 
-def code_identity(**config):
-    """What decides this variant's PTX besides the launcher: the generated source, and the code
-    that binds its names (this module's _namespace and the device-function modules it binds,
-    numflash.cuda.ptx and .common). An edit of the generator that leaves the source alike keeps
-    every cached cubin and shipped PTX valid."""
+def source_identity(src, binders=()):
+    """What decides a generated kernel's PTX besides the launcher: its source ``src``, and the
+    code that binds its names (this module's _namespace, kv_head, any further ``binders``, and
+    the device-function modules bound, numflash.cuda.ptx and .common). An edit of a generator
+    that leaves its source alike keeps every cached cubin and shipped PTX valid."""
     import inspect
     from .. import common, launch, ptx
-    h = hashlib.sha256(kernel_source(MmaConfig(**config)).encode())
-    for fn in (_namespace, kv_head):
+    h = hashlib.sha256(src.encode())
+    for fn in (_namespace, kv_head, *binders):
         h.update(inspect.getsource(fn).encode())
     h.update(launch.source_digest(ptx.__name__).encode())
     h.update(launch.source_digest(common.__name__).encode())
     return h.hexdigest()[:16]
+
+
+def code_identity(**config):
+    """The forward variant's identity (source_identity of its generated source)."""
+    return source_identity(kernel_source(MmaConfig(**config)))
 
 
 make_kernel.code_identity = code_identity
