@@ -297,6 +297,17 @@ def key_pass_source(cfg):
     return s.text()
 
 
+def _per_query(s, NN, name, at, value):
+    """Emit, for each query column of the transposed S fragments (NN n8 tiles; the thread's
+    columns 2t, 2t + 1 of each), the read of its float ``name`` from shared memory at source
+    ``at`` + column, then s_{n}_{r} = ``value(n, r)`` for both rows' registers of that column."""
+    for n in range(NN):
+        for c in (0, 1):
+            s(f"{name} = smemf[{at} + qc + {U(8 * n + c)}]")
+            for r in (c, 2 + c):
+                s(f"s_{n}_{r} = {value(n, r)}")
+
+
 def _key_pass_products(s, ops, cfg, SUB, kb, q_off, do_off, lse_off, delta_off, KW, VW, QW, OW):
     """Emit one warp's work on SUB streamed queries starting at js (in the buffer at ``kb``:
     their Q rows at word q_off, dO rows at do_off, lse and delta floats at lse_off, delta_off):
@@ -330,19 +341,13 @@ def _key_pass_products(s, ops, cfg, SUB, kb, q_off, do_off, lse_off, delta_off, 
                         with s.block():
                             s(f"s_{n}_{r} = NEG_INF")
         s(f"qc = t * {U(2)}")
-        for n in range(NN):
-            for c in (0, 1):
-                s(f"lse2 = smemf[{kb}{U(lse_off)} + qc + {U(8 * n + c)}]")
-                for r in (c, 2 + c):
-                    s(f"s_{n}_{r} = ex2(s_{n}_{r} * scale_log2 - lse2)")
+        _per_query(s, NN, "lse2", f"{kb}{U(lse_off)}",
+                   lambda n, r: f"ex2(s_{n}_{r} * scale_log2 - lse2)")
         ops.accumulate_pv(s, kb, do_off, NVN, SUB // k_step, p="s", acc="dv", name="dot", W=OW,
                           rescaled=False)
         _dot_products(s, ops, NN, "dp", "v", VW, "do", do_off, OW, kb, cfg.DV // k_step)
-        for n in range(NN):
-            for c in (0, 1):
-                s(f"dlt = smemf[{kb}{U(delta_off)} + qc + {U(8 * n + c)}]")
-                for r in (c, 2 + c):
-                    s(f"s_{n}_{r} = {_ds(f's_{n}_{r}', f'dp_{n}_{r}', 'dlt')}")
+        _per_query(s, NN, "dlt", f"{kb}{U(delta_off)}",
+                   lambda n, r: _ds(f"s_{n}_{r}", f"dp_{n}_{r}", "dlt"))
         ops.accumulate_pv(s, kb, q_off, ND, SUB // k_step, p="s", acc="dk", name="qt", W=QW,
                           rescaled=False)
 

@@ -32,18 +32,25 @@ def vector_ok(problem, names=("q", "k", "v")):
     return None
 
 
+def padded_dims(problem):
+    """(D, DV, window) of a problem for the tensor-core kernels, forward and backward: the
+    padded head dims and whether a sliding window is compiled in; raises Unsupported if the
+    query heads do not divide into the K/V heads."""
+    B, H, Nq, Nk, d, dv = problem.shape
+    if problem.k.shape[1] == 0 or H % problem.k.shape[1]:
+        raise Unsupported(f"{NAME}: {H} query heads do not divide into {problem.k.shape[1]} "
+                          "K/V heads")
+    mods = getattr(problem, "mods", None)  # the operators admit a sliding window alone
+    return head_dim_pad(d), head_dim_pad(dv), mods is not None and mods.window is not None
+
+
 def config(problem, device):
     """The MmaConfig for ``problem`` on ``device`` (one the operator's declarations admit);
     raises Unsupported saying why not."""
     dt = problem.dtype.name
     precision = getattr(problem, "precision", "auto")
     B, H, Nq, Nk, d, dv = problem.shape
-    mods = getattr(problem, "mods", None)  # the operator admits a sliding window alone
-    window = mods is not None and mods.window is not None
-    if problem.k.shape[1] == 0 or H % problem.k.shape[1]:
-        raise Unsupported(f"{NAME}: {H} query heads do not divide into {problem.k.shape[1]} "
-                          "K/V heads")
-    D, DV = head_dim_pad(d), head_dim_pad(dv)
+    D, DV, window = padded_dims(problem)
     vector = problem.on_device and vector_ok(problem) is None
     form = None
     if dt == "float32":

@@ -12,8 +12,8 @@ import numpy as np
 
 from ...device import Unsupported
 from .backward import make_key_kernel, make_query_kernel, shared_bytes
-from .config import vector_ok
-from .tiles import NAME, MmaConfig, head_dim_pad
+from .config import padded_dims, vector_ok
+from .tiles import NAME, MmaConfig
 
 #: the largest padded head dim of the backward: the key pass keeps dK and dV fragments (D / 2 +
 #: DV / 2 float32 per thread) and the tile's S and dP in registers; at 256 that is past the 255
@@ -61,10 +61,7 @@ def config(problem, device):
     saying why not (the operator's declarations were checked before)."""
     DT = _kind(problem.dtype_name)
     B, H, Nq, Nk, d, dv = problem.shape
-    if problem.k.shape[1] == 0 or H % problem.k.shape[1]:
-        raise Unsupported(f"{NAME}: {H} query heads do not divide into {problem.k.shape[1]} "
-                          "K/V heads")
-    D, DV = head_dim_pad(d), head_dim_pad(dv)
+    D, DV, window = padded_dims(problem)
     if max(D, DV) > MAX_HEAD_DIM:
         raise Unsupported(f"{NAME}'s backward takes head dims up to {MAX_HEAD_DIM} (d={d}, "
                           f"dv={dv}): the key pass keeps dK and dV in registers; cuda.row's "
@@ -78,8 +75,6 @@ def config(problem, device):
                           f"and {why} (a contiguous last axis, head dims that are multiples of 8 "
                           "and 16-byte aligned rows take it; cuda.row's backward takes any "
                           "layout)")
-    mods = getattr(problem, "mods", None)  # the operator admits a sliding window alone
-    window = mods is not None and mods.window is not None
     cfg = {kernel: dataclasses.replace(c, DT=DT)
            for kernel, c in tiles(D, DV, device.smem_per_block_optin, window).items()}
     for kernel, c in cfg.items():
