@@ -11,7 +11,9 @@ MOD_OPTIONS = ("score_mod", "mask_mod", "mod_args", "score_mod_grad", "window_si
 def _with_mods(problem, options):
     """Attach the call's modifications (numflash.mods) to its problem; checks each option."""
     if options:
-        problem.mods = _mods.build(problem.shape, problem.kind, problem.causal_offset, **options)
+        problem.mods = _mods.build(problem.shape, problem.kind, problem.causal_offset,
+                                   device_id=problem.q.device.id if problem.on_device else None,
+                                   **options)
     return problem
 
 
@@ -56,9 +58,10 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, layout="bhsd", backe
         needs CuPy arrays on a GPU of compute capability >= 8.0; any other dtype or backend with
         "tf32" raises ValueError. Other dtypes ignore "auto" / "ieee".
 
-    Modifications (:mod:`numflash.mods`; the CPU path takes them all, forward and backward;
-    cuda.mma takes window_size in the forward, skipping the key tiles outside the window; the
-    other CUDA kernels refuse them, saying so):
+    Modifications (:mod:`numflash.mods`; the CPU path and the tensor-core kernels (cuda.mma)
+    take them all, forward and backward, the window by skipping the key tiles outside it; with
+    CuPy inputs their arrays are CuPy arrays on q's GPU; cuda.block / cuda.row refuse them,
+    saying so):
     score_mod(score, b, h, q_idx, kv_idx, *mod_args) -> score, applied to the scaled score;
     mask_mod(b, h, q_idx, kv_idx, *mod_args) -> bool (True = the pair takes part); mod_args: a
     tuple of arrays and scalars both read; score_mod_grad: d score_mod / d score, same signature

@@ -120,12 +120,13 @@ FORWARD = (
     Operator("cuda.mma", "cuda", "mma", _cuda_mma,
              dtypes=("float16", "bfloat16", "float32", "float64"), max_head_dim=256,
              min_cc=(8, 0), min_cc_why="mma.sync bf16 / f64, cp.async", runs_in_simulator=False,
-             tf32=True, mods=("window_size",),
+             tf32=True, mods="all",
              summary="FlashAttention-2 on tensor cores: mma.sync m16n8k16, register online "
                      "softmax, cp.async double-buffered K/V, ldmatrix; float64 (d <= 128, 64 on "
                      "sm_8x) on float64 mma.sync; float32 (d <= 128, cc 8.0 / 9.0) as 3xTF32 "
                      "on m16n8k8 tf32, or one tf32 mma per product with precision='tf32'; "
-                     "sliding windows skip the key tiles outside them"),
+                     "sliding windows skip the key tiles outside them, other modifications are "
+                     "device functions applied score by score"),
     Operator("cpu.tiled", "cpu", "block", _cpu_tiled,
              dtypes=("float16", "float32", "float64"), mods="all",
              summary="numba.njit block-tiled online softmax, parallel over (batch, head, query "
@@ -148,11 +149,12 @@ BACKWARD = (
     Operator("cuda.mma", "cuda", "mma", _cuda_mma_backward,
              dtypes=("float16", "bfloat16"), max_head_dim=128, direction="backward",
              min_cc=(8, 0), min_cc_why="mma.sync bf16, cp.async", runs_in_simulator=False,
-             mods=("window_size",),
+             mods="all",
              summary="FlashAttention-2 backward on tensor cores (mma.sync m16n8k16, ldmatrix, "
                      "cp.async double buffering): a query pass (dQ) and a key pass (dK, dV, "
                      "GQA groups summed in registers), P recomputed from lse, no atomics "
-                     "(always deterministic); sliding windows skip the tiles outside them"),
+                     "(always deterministic); sliding windows skip the tiles outside them, "
+                     "other modifications and their derivatives are applied score by score"),
     Operator("cuda.row", "cuda", "row", _cuda_row_backward,
              dtypes=("float16", "bfloat16", "float32", "float64"), max_head_dim=256,
              direction="backward",

@@ -17,11 +17,15 @@ every (query, key) pair they compute; the reference (numflash.reference) calls t
 in plain Python.
 
 Which kernels take modifications (each declares the kinds it takes, numflash.kernels): the CPU
-path (cpu.tiled, forward and backward) takes them all; the tensor-core forward (cuda.mma) takes
-``window_size`` as a key range per row (:func:`window_key_range`), skipping the key tiles outside
-it; the other CUDA kernels refuse them with a reason (``numflash.explain`` shows it). A new modification compiles a new CPU
-kernel (a few seconds) once per process and combination of argument types; it is not cached on
-disk (numba cannot key a disk cache on a user's function).
+path (cpu.tiled, forward and backward) takes them all; the tensor-core kernels (cuda.mma, forward
+and backward) take ``window_size`` as a key range per row (:func:`window_key_range`), skipping
+the key tiles outside it, and every other one as CUDA device functions applied score by score
+(numflash/cuda/mma/mods.py); cuda.block and cuda.row refuse them with a reason
+(``numflash.explain`` shows it). With CuPy inputs the arrays of a modification must be CuPy
+arrays on q's GPU. A new modification compiles a new CPU kernel (a few seconds) once per process
+and combination of argument types; on the GPU a kernel with numflash's built-ins is cached on
+disk, one with a user's function compiles once per process (numba cannot key a disk cache on a
+user's function).
 """
 import math
 
@@ -175,26 +179,36 @@ class Mods:
 _COMPILED = {}
 
 
-def compile_errors(mods):
+def compile_errors(mods, kernel="the CPU kernel"):
     """A context that turns numba's typing errors, raised while a kernel is compiled with these
-    modifications, into a TypeError naming them (the kernel itself compiles without them);
-    nothing for None."""
+    modifications, into a TypeError naming them and the ``kernel`` (which compiles without
+    them); nothing for None."""
     import contextlib
-    from numba.core.errors import TypingError
     if mods is None:
         return contextlib.nullcontext()
+    errors = [_typing_error("numba.core.errors"), _typing_error("numba.cuda.core.errors")]
+    errors = tuple(e for e in errors if e is not None)
 
     @contextlib.contextmanager
     def translate():
         try:
             yield
-        except TypingError as e:
+        except errors as e:
             first = next((ln for ln in str(e).splitlines() if ln.strip()), "")
-            raise TypeError(f"numba cannot compile the modifications ({mods}) into the CPU "
-                            f"kernel: {first} -- a mod must be a function numba can compile "
-                            f"(nopython mode) taking the documented arguments; see "
-                            f"numflash.mods") from e
+            raise TypeError(f"numba cannot compile the modifications ({mods}) into {kernel}: "
+                            f"{first} -- a mod must be a function numba can compile (nopython "
+                            f"mode; for the GPU, as a CUDA device function) taking the "
+                            f"documented arguments; see numflash.mods") from e
     return translate()
+
+
+def _typing_error(module):
+    """numba's TypingError class of ``module`` (numba-cuda has its own), or None."""
+    import importlib
+    try:
+        return importlib.import_module(module).TypingError
+    except ImportError:
+        return None
 
 
 def _jit(fn, what):
@@ -263,35 +277,48 @@ def _compile(mods):
 
 # ---- checking the options and building a call's Mods ----
 
-def _host_array(name, a, xp_kind):
-    """A modification's array argument as a NumPy array (refusing device arrays, naming it)."""
+def _array(name, a, kind, device_id):
+    """A modification's array argument, on the side of the call: a NumPy array for NumPy
+    inputs, a CuPy array on q's GPU for device inputs (never copied across; the error names
+    the argument)."""
     if a is None:
         return None
-    kind = type(a).__module__.split(".")[0]
-    if kind == "cupy" or hasattr(a, "__cuda_array_interface__"):
-        if xp_kind != "cupy":
+    on_device = type(a).__module__.split(".")[0] == "cupy" or \
+        hasattr(a, "__cuda_array_interface__")
+    if kind != "cupy":
+        if on_device:
             raise TypeError(f"{name} is a device array but q is a NumPy array: pass {name} as a "
                             f"NumPy array")
-        raise ValueError(f"{name}: modifications run on the CPU path only for now (the CUDA "
-                         f"kernels do not take them)")
-    a = np.asarray(a)
+        return np.asarray(a)
+    if not on_device:
+        raise TypeError(f"{name} is a host array ({type(a).__name__}) but q is on GPU "
+                        f"{device_id}: pass {name} as a CuPy array on that GPU")
+    import cupy
+    a = cupy.asarray(a)  # zero-copy for any __cuda_array_interface__ object
+    if a.device.id != device_id:
+        raise ValueError(f"{name} is on GPU {a.device.id} but q is on GPU {device_id}")
     return a
+
+
+def _xp(a):
+    return np if isinstance(a, np.ndarray) else __import__("cupy")
 
 
 def _broadcast(name, a, shape, dims):
     """a as a read-only zero-copy view of ``shape`` (numpy broadcasting rules), or a clear error."""
     try:
-        return np.broadcast_to(a, shape)
+        return _xp(a).broadcast_to(a, shape)
     except ValueError:
         raise ValueError(f"{name} of shape {a.shape} does not broadcast to {dims} = {shape}") \
             from None
 
 
-def build(problem_shape, kind, causal_offset, *, score_mod=None, mask_mod=None, mod_args=(),
-          score_mod_grad=None, window_size=None, softcap=None, alibi_slopes=None,
+def build(problem_shape, kind, causal_offset, *, device_id=None, score_mod=None, mask_mod=None,
+          mod_args=(), score_mod_grad=None, window_size=None, softcap=None, alibi_slopes=None,
           attn_bias=None, attn_mask=None):
     """The :class:`Mods` of one call, or None when it has none (checked: each argument named in
-    its error)."""
+    its error). ``kind``: "numpy" or "cupy" (then arrays must be CuPy arrays on GPU
+    ``device_id``)."""
     B, H, Nq, Nk = problem_shape[:4]
     masks, scores, names, kinds, window = [], [], [], [], None
     full = (B, H, Nq, Nk)
@@ -314,7 +341,7 @@ def build(problem_shape, kind, causal_offset, *, score_mod=None, mask_mod=None, 
             kinds.append("window_size")
             window = (left, right)
     if attn_mask is not None:
-        m = _host_array("attn_mask", attn_mask, kind)
+        m = _array("attn_mask", attn_mask, kind, device_id)
         if m.dtype != np.bool_:
             raise TypeError(f"attn_mask must be a boolean array (True = take part); got {m.dtype}")
         masks.append((_bool_mask, (_broadcast("attn_mask", m, full, "(B, H, Nq, Nk)"),)))
@@ -323,7 +350,7 @@ def build(problem_shape, kind, causal_offset, *, score_mod=None, mask_mod=None, 
     if mask_mod is not None:
         if not callable(mask_mod):
             raise TypeError(f"mask_mod must be a function; got {type(mask_mod).__name__}")
-        masks.append((mask_mod, _user_args(mod_args)))
+        masks.append((mask_mod, _user_args(mod_args, kind, device_id)))
         names.append(f"mask_mod={getattr(mask_mod, '__name__', 'fn')}")
         kinds.append("mask_mod")
     if softcap is not None and softcap != 0:
@@ -335,16 +362,18 @@ def build(problem_shape, kind, causal_offset, *, score_mod=None, mask_mod=None, 
         names.append(f"softcap={cap:g}")
         kinds.append("softcap")
     if alibi_slopes is not None:
-        s = _host_array("alibi_slopes", alibi_slopes, kind)
+        s = _array("alibi_slopes", alibi_slopes, kind, device_id)
         if s.dtype.kind != "f" or s.shape not in ((H,), (B, H)):
             raise ValueError(f"alibi_slopes must be a float array of shape (H,) = ({H},) or "
                              f"(B, H) = ({B}, {H}); got shape {s.shape}, dtype {s.dtype}")
-        scores.append((_alibi_score, _unit_grad,
-                       (np.broadcast_to(s.astype(np.float64), (B, H)), causal_offset)))
+        # float64 on the CPU; a GPU kernel reads float32 slopes as they are
+        s = s if kind == "cupy" and s.dtype in (np.float32, np.float64) else s.astype(np.float64)
+        scores.append((_alibi_score, _unit_grad, (_xp(s).broadcast_to(s, (B, H)),
+                                                  int(causal_offset))))
         names.append("alibi_slopes")
         kinds.append("alibi_slopes")
     if attn_bias is not None:
-        bias = _host_array("attn_bias", attn_bias, kind)
+        bias = _array("attn_bias", attn_bias, kind, device_id)
         if bias.dtype.kind != "f":
             raise TypeError(f"attn_bias must be a float array; got {bias.dtype}")
         scores.append((_bias_score, _unit_grad,
@@ -357,7 +386,7 @@ def build(problem_shape, kind, causal_offset, *, score_mod=None, mask_mod=None, 
         if score_mod_grad is not None and not callable(score_mod_grad):
             raise TypeError(f"score_mod_grad must be a function; got "
                             f"{type(score_mod_grad).__name__}")
-        scores.append((score_mod, score_mod_grad, _user_args(mod_args)))
+        scores.append((score_mod, score_mod_grad, _user_args(mod_args, kind, device_id)))
         names.append(f"score_mod={getattr(score_mod, '__name__', 'fn')}")
         kinds.append("score_mod")
     elif score_mod_grad is not None:
@@ -369,14 +398,27 @@ def build(problem_shape, kind, causal_offset, *, score_mod=None, mask_mod=None, 
     return Mods(masks, scores, names, kinds, window)
 
 
-def _user_args(mod_args):
+def _user_args(mod_args, kind, device_id):
+    """mod_args checked: a tuple; on the GPU each one a CuPy array on q's GPU or a scalar (the
+    kernel's arguments)."""
     if not isinstance(mod_args, tuple):
         raise TypeError(f"mod_args must be a tuple (of arrays and scalars); got "
                         f"{type(mod_args).__name__}")
     out = []
     for n, a in enumerate(mod_args):
-        if hasattr(a, "__cuda_array_interface__") or type(a).__module__.startswith("cupy"):
-            raise TypeError(f"mod_args[{n}] is a device array: modifications run on the CPU path "
-                            f"only for now; pass NumPy arrays")
-        out.append(a)
+        name = f"mod_args[{n}]"
+        if isinstance(a, (bool, int, float, np.bool_, np.integer, np.floating)):
+            out.append(a)
+        elif kind == "cupy" and not hasattr(a, "ndim"):
+            raise TypeError(f"{name} is a {type(a).__name__}: on the GPU mod_args are CuPy "
+                            f"arrays and int / float scalars")
+        elif kind == "cupy" and a.ndim == 0:
+            raise TypeError(f"{name} is a 0-d array: pass the scalar itself (a device scalar "
+                            f"would need a copy to the host)")
+        elif kind == "cupy" and np.dtype(a.dtype).kind not in "biuf":
+            raise TypeError(f"{name} has dtype {a.dtype}: the GPU kernels read bool, integer "
+                            f"and float arrays")
+        else:
+            out.append(_array(name, a, kind, device_id) if hasattr(a, "ndim") or kind == "cupy"
+                       else a)
     return tuple(out)

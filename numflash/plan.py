@@ -62,8 +62,11 @@ class Plan:
         if cache:
             lines.append(f"  kernel cache: {cache}")
         if self.mods and self.backend == "cuda":
-            lines.append(f"  modifications: {self.mods} (run-time arguments of the compiled "
-                         f"kernel; a window's key tiles outside it are skipped)")
+            lines.append(f"  modifications: {self.mods} (a window's key tiles outside it are "
+                         f"skipped; the others are device functions compiled into the kernel, "
+                         f"applied score by score: numflash's built-ins are cached on disk like "
+                         f"any kernel, one with a user's function compiles once per process, "
+                         f"5-60 s; their arrays and scalars are run-time arguments)")
         elif self.mods:
             lines.append(f"  modifications: {self.mods} (compiled into the kernel on first use "
                          f"in a process, a few seconds, not cached on disk)")

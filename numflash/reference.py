@@ -33,7 +33,17 @@ def mods_of(problem, mod_options):
     if not mod_options:
         return None
     from . import mods
-    return mods.build(problem.shape, "numpy", problem.causal_offset, **mod_options)
+    return mods.build(problem.shape, "numpy", problem.causal_offset, **_on_host(mod_options))
+
+
+def _on_host(mod_options):
+    """The options with device arrays (a GPU call's) copied to NumPy: the reference runs here."""
+    def host(a):
+        return a.get() if hasattr(a, "get") and hasattr(a, "__cuda_array_interface__") else a
+    out = {name: host(a) for name, a in mod_options.items()}
+    if "mod_args" in out:
+        out["mod_args"] = tuple(host(a) for a in out["mod_args"])
+    return out
 
 
 def _apply_mods(s, visible, mods, rows, want_grad):
@@ -48,7 +58,9 @@ def _apply_mods(s, visible, mods, rows, want_grad):
         if not mods.visible(b, h, pos, j):
             vis[b, h, i, j], s[b, h, i, j] = False, -np.inf
             continue
-        x = float(s[b, h, i, j])
+        # a NumPy float64, not a Python float: NumPy 2 computes a Python float with a float16
+        # array element (a float16 attn_bias) in float16
+        x = np.float64(s[b, h, i, j])
         if want_grad:
             grad[b, h, i, j] = mods.grad(x, b, h, pos, j)
         s[b, h, i, j] = mods.score(x, b, h, pos, j)

@@ -392,12 +392,32 @@ def as_kernel_array(a, DT):
     return a.view(np.uint16) if DT in ("f16", "bf16") else a
 
 
+def with_mods(ns, token, DT):
+    """An emulator namespace with the modifications of MODS token ``token`` as plain Python."""
+    if token:
+        from numflash.cuda.mma import mods
+        ns.update(mods.namespace(token, np.float64 if DT == "f64" else np.float32))
+    return ns
+
+
+def _mods_setup(mods, window):
+    """(token, window, extra kernel arguments) of a numflash.mods.Mods (or None) and a window."""
+    from numflash.cuda.mma import mods as kernel_mods
+    if mods is not None and window is None:
+        window = mods.window
+    token = kernel_mods.token_for(mods)
+    extra = list(window or ()) + list(kernel_mods.arguments(mods) if token else ())
+    return token, window, extra
+
+
 def run_backward_kernels(q, k, v, do, o, lse, DT, causal=False, causal_offset=0, scale=None,
-                         tiles=None, window=None):
+                         tiles=None, window=None, mods=None):
     """Run cuda.mma's generated backward source of kind DT (both passes) under the emulator;
     q, k, v, do, o in the kind's dtype (16-bit as float16 or ml_dtypes.bfloat16), lse as
     attention returns it. ``tiles``: {"queries": (NW, BC), "keys": (NW, BC[, SUB])}. Returns dq,
-    dk, dv in the inputs' dtype. ``window``: a sliding window's (left, right) (WINDOW variants)."""
+    dk, dv in the inputs' dtype. ``window``: a sliding window's (left, right) (WINDOW variants);
+    ``mods``: a numflash.mods.Mods (its window, and the MODS variant for the rest)."""
+    token, window, extra = _mods_setup(mods, window)
     from numflash.cuda.mma import MmaConfig, backward, head_dim_pad
     B, H, Nq, d = q.shape
     Hkv, Nk, dv = k.shape[1], k.shape[2], v.shape[3]
@@ -412,42 +432,45 @@ def run_backward_kernels(q, k, v, do, o, lse, DT, causal=False, causal_offset=0,
     for kernel in ("queries", "keys"):
         NW, BC, *sub = (tiles or {}).get(kernel, (2, 32))
         cfg = MmaConfig(D, DV, NW, BC, 0, DT, 1, MMA=form, SUB=sub[0] if sub else 0,
-                        WINDOW=int(window is not None))
+                        WINDOW=int(window is not None), MODS=token)
         src = backward.SOURCES[kernel](cfg)
         rows = Nq if kernel == "queries" else Nk
         emu = Emu(cfg.NT, (-(-rows // cfg.BR), B * (H if kernel == "queries" else Hkv)),
                   backward.shared_bytes(cfg, kernel), word)
-        ns = emulator_namespace(emu, DT)
+        ns = with_mods(emulator_namespace(emu, DT), token, DT)
         exec(compile(src, f"<{DT} backward {kernel} emu>", "exec"), ns)
         outs = [grads["dq"]] if kernel == "queries" else [grads["dk"], grads["dv"]]
         inputs = (q, k, v, do, o) if kernel == "queries" else (q, k, v, do)
         args = [as_kernel_array(a, DT) for a in inputs] + [lse.astype(real), delta]
         args += [as_kernel_array(g, DT) for g in outs]
         args += [scale * math.log2(math.e), scale, int(causal), int(causal_offset)]
-        args += list(window or ())
+        args += extra
         with np.errstate(all="ignore"):
             emu.run(ns[backward.KERNEL_NAMES[kernel]], tuple(args))
     return grads["dq"], grads["dk"], grads["dv"]
 
 
 def run_forward_kernel(q, k, v, DT, causal=False, causal_offset=0, scale=None, VEC=0, tile=None,
-                       window=None):
+                       window=None, mods=None):
     """Run mma.kernel_source of operand kind DT under the emulator: "tf32" / "3xtf32" (float32
     q, k, v), "f64" (float64), "f16" / "bf16" (float16 / ml_dtypes.bfloat16); returns (out,
     lse). VEC=1 runs the cp.async / double-buffered staging (16-bit kinds: with ldmatrix);
     ``tile`` (NW, BC, HOLDQ) overrides the default tile; ``window``: a sliding window's (left,
-    right) (the WINDOW variant)."""
+    right) (the WINDOW variant); ``mods``: a numflash.mods.Mods (its window, and the MODS
+    variant for the rest)."""
     from numflash.cuda import mma
+    token, window, extra = _mods_setup(mods, window)
     B, H, Nq, d = q.shape
     dv = v.shape[3]
     D, DV = mma.head_dim_pad(d), mma.head_dim_pad(dv)
     NW, BC, HOLDQ = tile or mma.choose_tile(D, DV, DT)
-    cfg = mma.MmaConfig(D, DV, NW, BC, HOLDQ, DT, VEC, WINDOW=int(window is not None))
+    cfg = mma.MmaConfig(D, DV, NW, BC, HOLDQ, DT, VEC, WINDOW=int(window is not None),
+                        MODS=token)
     src = mma.kernel_source(cfg)
     real = np.float64 if DT == "f64" else np.float32
     word = {"f64": np.float64, "3xtf32": np.float32}.get(DT, np.uint32)
     emu = Emu(cfg.NT, (-(-Nq // cfg.BR), B * H), mma.shared_bytes(cfg), word)
-    ns = emulator_namespace(emu, DT)
+    ns = with_mods(emulator_namespace(emu, DT), token, DT)
     exec(compile(src, f"<{DT} emu>", "exec"), ns)
     out = np.full((B, H, Nq, dv), np.nan, q.dtype if DT in ("f16", "bf16") else real)
     lse = np.full((B, H, Nq), np.nan, real)  # numflash's lse is float64 for float64 inputs
@@ -455,5 +478,5 @@ def run_forward_kernel(q, k, v, DT, causal=False, causal_offset=0, scale=None, V
     args = tuple(as_kernel_array(a, DT) for a in (q, k, v, out))
     with np.errstate(all="ignore"):
         emu.run(ns["mma_attention"], args + (lse, None, scale * math.log2(math.e), scale,
-                                             int(causal), int(causal_offset)) + tuple(window or ()))
+                                             int(causal), int(causal_offset)) + tuple(extra))
     return out, lse

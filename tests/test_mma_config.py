@@ -291,9 +291,11 @@ def test_simulator_refuses_mma_with_a_reason(rng, dtype, opts, match):
 
 # ------------------------------------------------------------------------------- modifications
 
-def test_mma_takes_a_sliding_window_and_says_why_not_the_rest():
-    """cuda.mma declares window_size (a key range per row, tile skipping), and only that: other
-    modifications are refused with their names, cuda.block / cuda.row refuse all of them."""
+def test_mma_takes_a_sliding_window_and_the_other_mods():
+    """cuda.mma takes window_size (a key range per row, tile skipping) and every other
+    modification (device functions, MODS); cuda.block / cuda.row refuse all of them; an operator
+    declaring some kinds refuses the others by name."""
+    import dataclasses
     from numflash import mods as _mods
     from numflash.kernels import operators
     dev = _gpu((9, 0))
@@ -305,7 +307,10 @@ def test_mma_takes_a_sliding_window_and_says_why_not_the_rest():
     assert cfg.WINDOW == 1 and cfg["WINDOW"] == 1
     assert "score/mask modifications" in ops["cuda.block"].why_not(p, dev)
     p.mods = _mods.build(p.shape, "cupy", 0, window_size=(128, 0), softcap=30.0)
-    why = ops["cuda.mma"].why_not(p, dev)
+    assert ops["cuda.mma"].why_not(p, dev) is None
+    cfg = ops["cuda.mma"].config(p, dev)
+    assert cfg.WINDOW == 1 and cfg.MODS == "score:softcap_score/softcap_grad[f]"
+    why = dataclasses.replace(ops["cuda.mma"], mods=("window_size",)).why_not(p, dev)
     assert "takes window_size" in why and "not softcap" in why and "cpu.tiled" in why
     p.mods = None
     assert ops["cuda.mma"].config(p, dev).WINDOW == 0

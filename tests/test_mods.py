@@ -118,6 +118,18 @@ def test_document_mask_equals_varlen_on_the_packed_documents(rng):
     np.testing.assert_allclose(got[0].transpose(1, 0, 2), want, atol=1e-12)
 
 
+def test_a_float16_bias_is_added_in_float64_by_the_reference(rng):
+    """NumPy 2 adds a Python float and a float16 scalar in float16: the reference must not (it
+    once did, which rounded every biased score to float16)."""
+    q, k, v, _ = _qkv(rng, Nq=12, Nk=12, dtype=np.float64)
+    bias = rng.standard_normal((1, 2, 12, 12)).astype(np.float16)
+    s = np.einsum("bhqd,bhkd->bhqk", q, k) / math.sqrt(8) + bias.astype(np.float64)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    want = np.einsum("bhqk,bhkd->bhqd", p / p.sum(-1, keepdims=True), v)
+    got = numflash.reference.attention(q, k, v, attn_bias=bias)
+    assert np.abs(got - want).max() < 1e-13
+
+
 def test_prefix_lm_equals_its_explicit_mask(rng):
     q, k, v, do = _qkv(rng, B=2, Nq=15, Nk=15, dtype=np.float64)
     prefix = np.array([4, 9])

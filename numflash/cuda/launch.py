@@ -337,6 +337,11 @@ def _announce(kernel, cc, argtypes, directory):
         return
     import sys
     what = describe(kernel.name, kernel.config, cc, argtypes)
+    if directory is None:  # a user's modification: kept for this process only
+        print(f"numflash: compiling {what}: first use in this process, 5-60 s (a kernel with a "
+              f"user's modification function is not cached on disk)", file=sys.stderr,
+              flush=True)
+        return
     print(f"numflash: compiling {what}: first use of this configuration, 5-60 s; cached "
           f"afterwards in {directory} (python -m numflash.precompile compiles ahead)",
           file=sys.stderr, flush=True)
@@ -395,10 +400,20 @@ class Kernel:
         key, d = self.cache_key(argtypes, cc), cache_dir()
         return d, d / f"{self.name}-{key}.cubin", d / f"{self.name}-{key}.json"
 
+    @property
+    def cacheable(self):
+        """Whether this variant's code is decided by what its key holds: not so for a kernel
+        compiled with a user's function (its factory's ``cacheable(**config)`` says), which is
+        compiled once per process and never read from or written to disk."""
+        check = getattr(self.factory, "cacheable", None)
+        return check is None or check(**self.config)
+
     def status(self, argtypes, cc):
         """Where this variant's first launch in a process gets its code: "cached" (a cubin on
         disk), "prebuilt" (shipped PTX, linked in about a second) or "compile" (numba + NVVM,
         seconds to a minute)."""
+        if not self.cacheable:
+            return "compile"
         _, cubin_path, meta_path = self._paths(argtypes, cc)
         if cubin_path.exists() and meta_path.exists():
             return "cached"
@@ -412,6 +427,12 @@ class Kernel:
         metadata records: a truncated, corrupt or half-written entry (a full disk, a crash, a
         hand edit) is compiled again and rewritten, with a warning, never loaded.
         """
+        if not self.cacheable:
+            if not quiet:
+                _announce(self, cc, argtypes, None)
+            cubin, entry, _, resources = compile_to_cubin(self.pyfunc, argtypes, cc, self.fastmath)
+            return cubin, {"entry": entry, "resources": resources, "cc": list(cc),
+                           "config": self.config, "source": "compiled", "from_disk": False}
         d, cubin_path, meta_path = self._paths(argtypes, cc)
         cached = _read_entry(cubin_path, meta_path)
         if cached is not None:

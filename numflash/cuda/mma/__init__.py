@@ -24,6 +24,8 @@ import math
 
 import numpy as np
 
+from ...mods import compile_errors
+from . import mods
 from .config import F64_MAX_HEAD_DIM, TF32_MAX_HEAD_DIM, config, vector_ok
 from .forward import kernel_source, make_kernel
 from .tiles import HEAD_DIMS, NAME, X3_CCS, MmaConfig, choose_tile, head_dim_pad, shared_bytes
@@ -40,24 +42,24 @@ def _as_bits(a):
     return a.view(cupy.uint16)
 
 
-def signature(dtype, window=False):
+def signature(dtype, window=False, token=""):
     """The kernel's argument types: q, k, v, out (16-bit inputs as their bits), lse, a float32
     debug array, the exp2 and natural scales, causal, causal_offset (and with a window its left
-    and right sizes)."""
+    and right sizes, with modifications their arguments: mods.argument_types)."""
     from numba import types
     from ...inputs import lse_dtype
     from ..launch import array_type
     arr = array_type("uint16" if np.dtype(dtype).itemsize == 2 else dtype)
     return (arr, arr, arr, arr, array_type(lse_dtype(dtype), 3), array_type("float32"),
             types.float64, types.float64, types.int64, types.int64) + \
-        ((types.int64, types.int64) if window else ())
+        ((types.int64, types.int64) if window else ()) + mods.argument_types(token)
 
 
 def compiled_kernels(cfg, dtype):
     """What run() launches for this config and input dtype: [(Kernel, numba argument types)],
     for `numflash.precompile` and `explain`'s cache status."""
     from .. import launch
-    return [(launch.get_kernel(NAME, make_kernel, cfg), signature(dtype, cfg.WINDOW))]
+    return [(launch.get_kernel(NAME, make_kernel, cfg), signature(dtype, cfg.WINDOW, cfg.MODS))]
 
 
 def run(problem, cfg, device, debug=None):
@@ -77,9 +79,11 @@ def run(problem, cfg, device, debug=None):
     grid = (-(-Nq // cfg.BR), B * H)
     # 16-bit kernels take the bits; tf32, 3xTF32 and float64 read their inputs as they are
     bits = _as_bits if cfg.DT in ("f16", "bf16") else (lambda a: a)
-    window = p.mods.window if cfg.WINDOW else None
-    kernel(grid, (cfg.NT,), shared_bytes(cfg),
-           (bits(p.q), bits(p.k), bits(p.v), bits(p.out), lse, debug,
-            float(p.scale * math.log2(math.e)), float(p.scale), int(p.causal),
-            int(p.causal_offset)) + (tuple(int(w) for w in window) if window else ()), device)
+    window = tuple(int(w) for w in p.mods.window) if cfg.WINDOW else ()
+    with compile_errors(p.mods, NAME):
+        kernel(grid, (cfg.NT,), shared_bytes(cfg),
+               (bits(p.q), bits(p.k), bits(p.v), bits(p.out), lse, debug,
+                float(p.scale * math.log2(math.e)), float(p.scale), int(p.causal),
+                int(p.causal_offset)) + window + (mods.arguments(p.mods) if cfg.MODS else ()),
+               device)
     return lse

@@ -22,7 +22,9 @@ exchange for no float32 dQ buffer, no atomics and determinism by construction.
 A row that sees no key (lse = -inf) reads lse as +inf, so its P, and its gradients, are zero.
 """
 
+from . import mods
 from .emit import U, Source, define, emit_thread_indices
+from .forward import emit_modified_scale, namespace_with_mods
 from .mask import _end, _first, emit_row_bounds, emit_score_mask, warp_sees_tile
 from .operands import operands_for
 from .staging import emit_cp_async_rows, tile_loop
@@ -94,10 +96,11 @@ def _store_rows(s, ops, rows, limit, outputs):
                     ops.store_o(s, n, ra, rb, half, acc=acc, factor=factor, out=out, dim=dim)
 
 
-def _ds(p, dp, delta):
+def _ds(p, dp, delta, grad=None):
     """Source of dS = P (dP - delta), exactly 0 where P is: a masked pair's dP may hold a NaN or
-    inf of a V row it never reads (0 * NaN would carry it into dQ and dK)."""
-    return f"ZERO if {p} == ZERO else {p} * ({dp} - {delta})"
+    inf of a V row it never reads (0 * NaN would carry it into dQ and dK). With modifications,
+    times ``grad``, the derivative of the modified score in the scaled one."""
+    return f"ZERO if {p} == ZERO else {p} * ({dp} - {delta})" + (f" * {grad}" if grad else "")
 
 
 def _dot_products(s, ops, NN, acc, a, a_W, b, b_off, b_W, kb, steps):
@@ -162,7 +165,7 @@ def query_pass_source(cfg):
 
     s = Source()
     s(f"def {KERNEL_NAMES['queries']}({ARGUMENTS['queries']}{SCALARS}"
-      f"{', window_left, window_right' if window else ''}):")
+      f"{', window_left, window_right' if window else ''}{mods.parameters(cfg.MODS)}):")
     with s.block():
         emit_thread_indices(s, ops.float)
         s(f"qb = U(cuda.gridDim.x) - {U(1)} - U(cuda.blockIdx.x)",  # longest causal block first
@@ -171,6 +174,9 @@ def query_pass_source(cfg):
           "qh = q[b, h]", "kh = k[b, hk]", "vh = v[b, hk]", "doh = do[b, h]", "oh = o[b, h]",
           "dqh = dq[b, h]",
           f"smem = cuda.shared.array(0, {ops.word})")
+        if cfg.MODS:
+            emit_modified_scale(s, ops.float, cfg.MODS, "scale")
+            s("hi = I(h)")
         _stage_rows(s, ops, "qh", cfg.BR, "i0", "Nq_u", cfg.D, "d_u", 0, QW, cfg.NT)
         _stage_rows(s, ops, "doh", cfg.BR, "i0", "Nq_u", cfg.DV, "dv_u", do_off, OW, cfg.NT)
         _stage_rows(s, ops, "oh", cfg.BR, "i0", "Nq_u", cfg.DV, "dv_u", kv_off, OW, cfg.NT)
@@ -199,15 +205,31 @@ def query_pass_source(cfg):
                                                                                   kb):
             s(f"if {warp_sees_tile(cfg.BC, window)}:")
             with s.block():
+                if cfg.MODS:
+                    # dP first: each score's modification and its derivative are then used
+                    # where they are made, never held across a product
+                    _dot_products(s, ops, NN, "dp", "do", OW, "v", v_off, VW, kb,
+                                  cfg.DV // k_step)
                 _dot_products(s, ops, NN, "s", "q", QW, "k", k_off, KW, kb, cfg.D // k_step)
                 emit_score_mask(s, NN, cfg.BC, window)
-                for n in range(NN):
-                    s(*(f"s_{n}_{r} = ex2(s_{n}_{r} * scale_log2 - lse2_{r // 2})"
-                        for r in range(4)))
-                _dot_products(s, ops, NN, "dp", "do", OW, "v", v_off, VW, kb, cfg.DV // k_step)
-                for n in range(NN):
-                    s(*(f"s_{n}_{r} = {_ds(f's_{n}_{r}', f'dp_{n}_{r}', f'delta{r // 2}')}"
-                        for r in range(4)))
+                if cfg.MODS:
+                    s("cm = j0 + I(t) * 2")
+                    for n in range(NN):
+                        for r in range(4):
+                            name = f"s_{n}_{r}"
+                            mods.emit_apply_grad(s, cfg.MODS, name, "gm", "r0" if r < 2 else "r1",
+                                                 f"cm + {n * 8 + r % 2}", guard="{i} < Nq")
+                            s(f"pm = ex2({name} * scale_log2 - lse2_{r // 2})",
+                              f"{name} = {_ds('pm', f'dp_{n}_{r}', f'delta{r // 2}', 'gm')}")
+                else:
+                    for n in range(NN):
+                        s(*(f"s_{n}_{r} = ex2(s_{n}_{r} * scale_log2 - lse2_{r // 2})"
+                            for r in range(4)))
+                    _dot_products(s, ops, NN, "dp", "do", OW, "v", v_off, VW, kb,
+                                  cfg.DV // k_step)
+                    for n in range(NN):
+                        s(*(f"s_{n}_{r} = {_ds(f's_{n}_{r}', f'dp_{n}_{r}', f'delta{r // 2}')}"
+                            for r in range(4)))
                 ops.accumulate_pv(s, kb, k_off, ND, cfg.BC // k_step, p="s", acc="dq",
                                   name="kt", W=KW, rescaled=False)
         _store_rows(s, ops, ("r0", "r1"), "Nq", [("dq", ND, "scale", "dqh", "d_u")])
@@ -227,7 +249,7 @@ def key_pass_source(cfg):
 
     s = Source()
     s(f"def {KERNEL_NAMES['keys']}({ARGUMENTS['keys']}{SCALARS}"
-      f"{', window_left, window_right' if window else ''}):")
+      f"{', window_left, window_right' if window else ''}{mods.parameters(cfg.MODS)}):")
     with s.block():
         emit_thread_indices(s, ops.float)
         s("bh = U(cuda.blockIdx.y)", "b = bh // U(Hkv)", "hk = bh % U(Hkv)",
@@ -236,6 +258,8 @@ def key_pass_source(cfg):
           "kh = k[b, hk]", "vh = v[b, hk]", "dkh = dk[b, hk]", "dvh = dv[b, hk]",
           f"smem = cuda.shared.array(0, {ops.word})",
           f"smemf = cuda.shared.array(0, {ops.float})")
+        if cfg.MODS:
+            emit_modified_scale(s, ops.float, cfg.MODS, "scale")
         _stage_rows(s, ops, "kh", cfg.BR, "j0k", "Nk_u", cfg.D, "d_u", 0, KW, cfg.NT)
         _stage_rows(s, ops, "vh", cfg.BR, "j0k", "Nk_u", cfg.DV, "dv_u", v_off, VW, cfg.NT)
         s("cp_async_commit()")
@@ -276,6 +300,8 @@ def key_pass_source(cfg):
             s("h = hk * group + hq", "qh = q[b, h]", "doh = do[b, h]", "lseh = lse[b, h]",
               "deltah = delta[b, h]",
               "cuda.syncthreads()  # the previous head's last tile is no longer read")
+            if cfg.MODS:
+                s("hi = I(h)")
             with tile_loop(s, stage_queries, cfg.BC, tile_words, 1, tiles_off, QW, True,
                            start="q_first", end="q_end" if window else "Nq") as (q_off, do_off,
                                                                                    kb):
@@ -297,15 +323,16 @@ def key_pass_source(cfg):
     return s.text()
 
 
-def _per_query(s, NN, name, at, value):
+def _per_query(s, NN, name, at, emit):
     """Emit, for each query column of the transposed S fragments (NN n8 tiles; the thread's
     columns 2t, 2t + 1 of each), the read of its float ``name`` from shared memory at source
-    ``at`` + column, then s_{n}_{r} = ``value(n, r)`` for both rows' registers of that column."""
+    ``at`` + column, then ``emit(n, r, c)`` for both rows' registers r of that column (the
+    column's offset c in the thread's columns of tile n)."""
     for n in range(NN):
         for c in (0, 1):
             s(f"{name} = smemf[{at} + qc + {U(8 * n + c)}]")
             for r in (c, 2 + c):
-                s(f"s_{n}_{r} = {value(n, r)}")
+                emit(n, r, c)
 
 
 def _key_pass_products(s, ops, cfg, SUB, kb, q_off, do_off, lse_off, delta_off, KW, VW, QW, OW):
@@ -341,15 +368,47 @@ def _key_pass_products(s, ops, cfg, SUB, kb, q_off, do_off, lse_off, delta_off, 
                         with s.block():
                             s(f"s_{n}_{r} = NEG_INF")
         s(f"qc = t * {U(2)}")
-        _per_query(s, NN, "lse2", f"{kb}{U(lse_off)}",
-                   lambda n, r: f"ex2(s_{n}_{r} * scale_log2 - lse2)")
-        ops.accumulate_pv(s, kb, do_off, NVN, SUB // k_step, p="s", acc="dv", name="dot", W=OW,
+        if cfg.MODS:
+            _key_pass_modified(s, ops, cfg, NN, kb, lse_off, delta_off, do_off, OW, VW)
+            ds = "dp"   # P^T stays in the S registers for dV, dS^T goes to dP's
+        else:
+            _per_query(s, NN, "lse2", f"{kb}{U(lse_off)}",
+                       lambda n, r, c: s(f"s_{n}_{r} = ex2(s_{n}_{r} * scale_log2 - lse2)"))
+            ops.accumulate_pv(s, kb, do_off, NVN, SUB // k_step, p="s", acc="dv", name="dot",
+                              W=OW, rescaled=False)
+            _dot_products(s, ops, NN, "dp", "v", VW, "do", do_off, OW, kb, cfg.DV // k_step)
+            _per_query(s, NN, "dlt", f"{kb}{U(delta_off)}",
+                       lambda n, r, c: s(f"s_{n}_{r} = "
+                                         f"{_ds(f's_{n}_{r}', f'dp_{n}_{r}', 'dlt')}"))
+            ds = "s"
+        ops.accumulate_pv(s, kb, q_off, ND, SUB // k_step, p=ds, acc="dk", name="qt", W=QW,
                           rescaled=False)
-        _dot_products(s, ops, NN, "dp", "v", VW, "do", do_off, OW, kb, cfg.DV // k_step)
-        _per_query(s, NN, "dlt", f"{kb}{U(delta_off)}",
-                   lambda n, r: _ds(f"s_{n}_{r}", f"dp_{n}_{r}", "dlt"))
-        ops.accumulate_pv(s, kb, q_off, ND, SUB // k_step, p="s", acc="dk", name="qt", W=QW,
-                          rescaled=False)
+
+
+def _key_pass_modified(s, ops, cfg, NN, kb, lse_off, delta_off, do_off, OW, VW):
+    """The key pass's scores with modifications: dP^T = V dO^T first, then per score its
+    modification and derivative, P^T (kept in the S registers, added into dV here) and dS^T
+    (left in dP's registers), so no derivative is held across a product."""
+    NVN = cfg.DV // 8
+    SUB = NN * 8
+    _dot_products(s, ops, NN, "dp", "v", VW, "do", do_off, OW, kb, cfg.DV // ops.k_step)
+    s("qcol = js + I(t) * 2")
+
+    def modified(n, r, c):
+        name = f"s_{n}_{r}"
+        mods.emit_apply_grad(s, cfg.MODS, name, "gm", f"qcol + {8 * n + c}",
+                             "kr0" if r < 2 else "kr1")
+        s(f"{name} = ex2({name} * scale_log2 - lse2)",
+          f"dp_{n}_{r} = {_ds(name, f'dp_{n}_{r}', 'dlt', 'gm')}")
+
+    for n in range(NN):
+        for c in (0, 1):
+            s(f"lse2 = smemf[{kb}{U(lse_off)} + qc + {U(8 * n + c)}]",
+              f"dlt = smemf[{kb}{U(delta_off)} + qc + {U(8 * n + c)}]")
+            for r in (c, 2 + c):
+                modified(n, r, c)
+    ops.accumulate_pv(s, kb, do_off, NVN, SUB // ops.k_step, p="s", acc="dv", name="dot", W=OW,
+                      rescaled=False)
 
 
 SOURCES = {"queries": query_pass_source, "keys": key_pass_source}
@@ -368,7 +427,7 @@ def _namespace(cfg):
 def _make(kernel, **config):
     cfg = MmaConfig(**config)
     return define(SOURCES[kernel](cfg), f"numflash.cuda.mma backward {kernel}", cfg,
-                  _namespace(cfg), KERNEL_NAMES[kernel])
+                  namespace_with_mods(cfg, _namespace), KERNEL_NAMES[kernel])
 
 
 def make_query_kernel(**config):
@@ -385,8 +444,15 @@ def _identity(kernel, **config):
     """What decides a backward variant's PTX: its generated source and the code binding its
     names (forward.source_identity; the forward's own source does not enter)."""
     from .forward import source_identity
-    return source_identity(SOURCES[kernel](MmaConfig(**config)), (_namespace,))
+    cfg = MmaConfig(**config)
+    return source_identity(SOURCES[kernel](cfg), (_namespace,) + (
+        mods.identity_functions(cfg.MODS) if cfg.MODS else ()))
+
+
+def _cacheable(**config):
+    return mods.cacheable(config.get("MODS", ""))
 
 
 make_query_kernel.code_identity = lambda **config: _identity("queries", **config)
 make_key_kernel.code_identity = lambda **config: _identity("keys", **config)
+make_query_kernel.cacheable = make_key_kernel.cacheable = _cacheable

@@ -3,6 +3,7 @@
 What the operator declares (numflash.kernels: dtypes, compute capability, no simulator, tf32 and
 precision="ieee") is checked before config() is asked; here only this kernel's own limits."""
 from ...device import Unsupported
+from . import mods
 from .tiles import NAME, X3_CCS, MmaConfig, choose_tile, head_dim_pad, shared_bytes
 
 #: float32 (3xTF32, or tf32 with precision="tf32") takes head dims up to this (d=256 would keep
@@ -40,8 +41,13 @@ def padded_dims(problem):
     if problem.k.shape[1] == 0 or H % problem.k.shape[1]:
         raise Unsupported(f"{NAME}: {H} query heads do not divide into {problem.k.shape[1]} "
                           "K/V heads")
-    mods = getattr(problem, "mods", None)  # the operators admit a sliding window alone
-    return head_dim_pad(d), head_dim_pad(dv), mods is not None and mods.window is not None
+    given = getattr(problem, "mods", None)
+    return head_dim_pad(d), head_dim_pad(dv), given is not None and given.window is not None
+
+
+def modifications(problem):
+    """The MODS token of a problem's score / mask modifications ("" without; see mods.py)."""
+    return mods.token_for(getattr(problem, "mods", None))
 
 
 def config(problem, device):
@@ -51,6 +57,7 @@ def config(problem, device):
     precision = getattr(problem, "precision", "auto")
     B, H, Nq, Nk, d, dv = problem.shape
     D, DV, window = padded_dims(problem)
+    token = modifications(problem)
     vector = problem.on_device and vector_ok(problem) is None
     form = None
     if dt == "float32":
@@ -84,14 +91,16 @@ def config(problem, device):
                               f"dv={dv} the window's bounds spill registers (the CPU path takes "
                               "it)")
         DT, VEC = "f64", int(vector)
-        tile = choose_tile(D, DV, DT, device.smem_per_block_optin, VEC, window=window)
+        tile = choose_tile(D, DV, DT, device.smem_per_block_optin, VEC, device.cc, window,
+                           bool(token))
         if VEC and shared_bytes(MmaConfig(D, DV, *tile, DT, 1)) > device.smem_per_block_optin:
             VEC = 0  # double-buffered cp.async does not fit: stage with scalar loads instead
     else:
         DT = "bf16" if dt == "bfloat16" else "f16"
         VEC = int(vector)
-    NW, BC, HOLDQ = choose_tile(D, DV, DT, device.smem_per_block_optin, VEC, device.cc, window)
-    cfg = MmaConfig(D, DV, NW, BC, HOLDQ, DT, VEC, MMA=form, WINDOW=int(window))
+    NW, BC, HOLDQ = choose_tile(D, DV, DT, device.smem_per_block_optin, VEC, device.cc, window,
+                                bool(token))
+    cfg = MmaConfig(D, DV, NW, BC, HOLDQ, DT, VEC, MMA=form, WINDOW=int(window), MODS=token)
     need = shared_bytes(cfg)
     if need > device.smem_per_block_optin:
         raise Unsupported(f"{NAME}: needs {need} bytes of shared memory for d={d}, dv={dv}, more "

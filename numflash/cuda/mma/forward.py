@@ -14,6 +14,7 @@ import math
 import numpy as np
 
 from .emit import Source, define, emit_prologue
+from . import mods
 from .mask import emit_debug_dump, emit_row_bounds, emit_score_mask, warp_sees_tile
 from .operands import operands_for
 from .softmax import emit_accumulators, emit_epilogue, emit_online_update
@@ -32,9 +33,13 @@ def kernel_source(cfg):
 
     window = bool(cfg.WINDOW)
     s = Source()
-    s(f"def mma_attention({ARGUMENTS}{WINDOW_ARGUMENTS if window else ''}):")
+    s(f"def mma_attention({ARGUMENTS}{WINDOW_ARGUMENTS if window else ''}"
+      f"{mods.parameters(cfg.MODS)}):")
     with s.block():
         emit_prologue(s, cfg.BR, ops.float, ops.word)
+        if cfg.MODS:
+            emit_modified_scale(s, ops.float, cfg.MODS, "ONE")
+            s("hi = I(h)")
         ops.stage_q(s)
         emit_row_bounds(s, cfg.BR, window)
         ops.a_fragments(s)
@@ -64,6 +69,11 @@ def kernel_source(cfg):
                 ops.finish_scores(s, NN)
                 # ---- mask, online softmax, O += P V
                 emit_score_mask(s, NN, cfg.BC, window)
+                if cfg.MODS:
+                    s("cm = j0 + I(t) * 2")
+                    mods.emit_apply(s, cfg.MODS, [
+                        (f"s_{n}_{r}", "r0" if r < 2 else "r1", f"cm + {n * 8 + r % 2}")
+                        for n in range(NN) for r in range(4)], guard="{i} < Nq")
                 if cfg.DBG:
                     emit_debug_dump(s, NN)
                 emit_online_update(s, NN, NVN, rescale_o=ops.rescales_o_in_softmax)
@@ -71,6 +81,18 @@ def kernel_source(cfg):
 
         emit_epilogue(s, NVN, lambda n, ra, rb, half: ops.store_o(s, n, ra, rb, half))
     return s.text()
+
+
+def emit_modified_scale(s, flt, token, scale):
+    """Emit, for a kernel with modifications, the scale the mods read (mod_scale: they take the
+    scaled score) and the softmax's: its scores are then modified scaled scores, so exp2 takes
+    log2(e) and lse's scale becomes ``scale`` (the forward's "ONE"; the backward keeps the
+    softmax scale, which its gradients carry); the mods' batch index bi (int64, as their other
+    indices; the caller emits hi where the head is known) and arguments."""
+    s("mod_scale = scale", f"scale_log2 = {flt}({math.log2(math.e)!r})", "bi = I(b)")
+    if scale != "scale":
+        s(f"scale = {scale}")
+    mods.emit_locals(s, token, flt)
 
 
 def _namespace(cfg):
@@ -117,7 +139,19 @@ def make_kernel(**config):
     """The kernel function for one config (numba compiles it; see launch.py)."""
     cfg = MmaConfig(**config)
     assert (cfg.MMA is not None) == (cfg.DT == "f64"), "MMA names the float64 instruction only"
-    return define(kernel_source(cfg), "numflash.cuda.mma", cfg, _namespace(cfg), "mma_attention")
+    return define(kernel_source(cfg), "numflash.cuda.mma", cfg, namespace_with_mods(cfg,
+                                                                                   _namespace),
+                  "mma_attention")
+
+
+def namespace_with_mods(cfg, base):
+    """``base(cfg)``, and the config's modifications compiled as device functions."""
+    ns = base(cfg)
+    if cfg.MODS:
+        from numba import cuda
+        real = np.float64 if cfg.DT == "f64" else np.float32
+        ns.update(mods.namespace(cfg.MODS, real, cuda.jit(device=True)))
+    return ns
 
 
 def source_identity(src, binders=()):
@@ -136,8 +170,12 @@ def source_identity(src, binders=()):
 
 
 def code_identity(**config):
-    """The forward variant's identity (source_identity of its generated source)."""
-    return source_identity(kernel_source(MmaConfig(**config)))
+    """The forward variant's identity (source_identity of its generated source and, with
+    modifications, of their functions)."""
+    cfg = MmaConfig(**config)
+    return source_identity(kernel_source(cfg), mods.identity_functions(cfg.MODS) if cfg.MODS
+                           else ())
 
 
 make_kernel.code_identity = code_identity
+make_kernel.cacheable = lambda **config: mods.cacheable(config.get("MODS", ""))

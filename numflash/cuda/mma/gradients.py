@@ -11,8 +11,10 @@ import math
 import numpy as np
 
 from ...device import Unsupported
+from ...mods import compile_errors
 from .backward import make_key_kernel, make_query_kernel, shared_bytes
-from .config import padded_dims, vector_ok
+from . import mods
+from .config import modifications, padded_dims, vector_ok
 from .tiles import NAME, MmaConfig
 
 #: the largest padded head dim of the backward: the key pass keeps dK and dV fragments (D / 2 +
@@ -33,21 +35,31 @@ TILES = {64: {"queries": [(4, 64, 0)], "keys": [(4, 128, 64), (4, 64, 0)]},
 #: With a sliding window the key pass keeps a few more integers live: at d128 (8, 64, 16)
 #: spills 12 bytes on sm_90 (ptxas, session 11), (8, 32, 16) none.
 WINDOW_TILES = {128: {"keys": [(8, 32, 16), (4, 32, 16)]}}
+#: With score modifications (their arguments and each score's indices live too; compile sweep
+#: with every built-in, ptxas session 12): the d64 key pass takes its 128 staged queries 32 at
+#: a time (64 at a time spills 144 bytes on sm_90), the d128 query pass a tile of 32 keys
+#: (spill-free), the d128 key pass (4, 32, 16), the least-spilling tile found (208 bytes on
+#: sm_90; (8, 64, 16) spills 296): dK and dV alone take 128 registers a thread there.
+MODS_TILES = {64: {"keys": [(4, 128, 32), (4, 64, 32)]},
+              128: {"queries": [(4, 32, 0)], "keys": [(4, 32, 16)]}}
 
 
 def _kind(dtype_name):
     return {"float16": "f16", "bfloat16": "bf16"}[dtype_name]
 
 
-def tiles(D, DV, smem_limit=None, window=False):
+def tiles(D, DV, smem_limit=None, window=False, mods=False):
     """{"queries": MmaConfig, "keys": MmaConfig} for padded head dims (``window``: the WINDOW
-    variants): per pass the first tile of TILES (or WINDOW_TILES) whose shared memory fits
-    ``smem_limit`` (else the last, which config() refuses)."""
+    variants; ``mods``: with score modifications): per pass the first tile of TILES (or
+    WINDOW_TILES, MODS_TILES) whose shared memory fits ``smem_limit`` (else the last, which
+    config() refuses)."""
     chosen = {}
     size = 64 if max(D, DV) <= 64 else 128
     for kernel, candidates in TILES[size].items():
         if window:
             candidates = WINDOW_TILES.get(size, {}).get(kernel, candidates)
+        if mods:
+            candidates = MODS_TILES.get(size, {}).get(kernel, candidates)
         for NW, BC, SUB in candidates:
             cfg = MmaConfig(D, DV, NW, BC, 0, "f16", 1, SUB=SUB, WINDOW=int(window))
             if smem_limit is None or shared_bytes(cfg, kernel) <= smem_limit:
@@ -75,8 +87,10 @@ def config(problem, device):
                           f"and {why} (a contiguous last axis, head dims that are multiples of 8 "
                           "and 16-byte aligned rows take it; cuda.row's backward takes any "
                           "layout)")
-    cfg = {kernel: dataclasses.replace(c, DT=DT)
-           for kernel, c in tiles(D, DV, device.smem_per_block_optin, window).items()}
+    token = modifications(problem)
+    cfg = {kernel: dataclasses.replace(c, DT=DT, MODS=token)
+           for kernel, c in tiles(D, DV, device.smem_per_block_optin, window,
+                                  bool(token)).items()}
     for kernel, c in cfg.items():
         need = shared_bytes(c, kernel)
         if need > device.smem_per_block_optin:
@@ -86,10 +100,11 @@ def config(problem, device):
     return cfg
 
 
-def signature(dtype, kernel, window=False):
+def signature(dtype, kernel, window=False, token=""):
     """Argument types of the "queries" or "keys" kernel: q, k, v, dO (and O for the query pass)
     as their 16-bit bits, lse and delta (float32), dQ or dK, dV (like q), the exp2 and natural
-    scales, causal, causal_offset (and with a window its left and right sizes)."""
+    scales, causal, causal_offset (and with a window its left and right sizes, with
+    modifications their arguments: mods.argument_types)."""
     from numba import types
     from ...inputs import lse_dtype
     from ..launch import array_type
@@ -98,16 +113,17 @@ def signature(dtype, kernel, window=False):
     inputs = (arr,) * (5 if kernel == "queries" else 4)
     grads = (arr,) if kernel == "queries" else (arr, arr)
     return (*inputs, rows, rows, *grads, types.float64, types.float64, types.int64,
-            types.int64) + ((types.int64, types.int64) if window else ())
+            types.int64) + ((types.int64, types.int64) if window else ()) + \
+        mods.argument_types(token)
 
 
 def compiled_kernels(cfg, dtype):
     """[(Kernel, numba argument types)] run() launches: the query pass, then the key pass."""
     from .. import launch
     return [(launch.get_kernel(NAME + ".backward_queries", make_query_kernel, cfg["queries"]),
-             signature(dtype, "queries", cfg["queries"].WINDOW)),
+             signature(dtype, "queries", cfg["queries"].WINDOW, cfg["queries"].MODS)),
             (launch.get_kernel(NAME + ".backward_keys", make_key_kernel, cfg["keys"]),
-             signature(dtype, "keys", cfg["keys"].WINDOW))]
+             signature(dtype, "keys", cfg["keys"].WINDOW, cfg["keys"].MODS))]
 
 
 def run(problem, cfg, device):
@@ -123,10 +139,13 @@ def run(problem, cfg, device):
                int(p.causal_offset))
     if cfg["queries"].WINDOW:
         scalars += tuple(int(w) for w in p.mods.window)
+    if cfg["queries"].MODS:
+        scalars += mods.arguments(p.mods)
     (queries, _), (keys, _) = compiled_kernels(cfg, p.dtype_name)
     inputs = tuple(bits(a) for a in (p.q, p.k, p.v, p.do))
     qc, kc = cfg["queries"], cfg["keys"]
-    queries((-(-Nq // qc.BR), B * H), (qc.NT,), shared_bytes(qc, "queries"),
-            inputs + (bits(p.o), lse, delta, bits(p.dq)) + scalars, device)
-    keys((-(-Nk // kc.BR), B * p.k.shape[1]), (kc.NT,), shared_bytes(kc, "keys"),
-         inputs + (lse, delta, bits(p.dk), bits(p.dv)) + scalars, device)
+    with compile_errors(p.mods, NAME):
+        queries((-(-Nq // qc.BR), B * H), (qc.NT,), shared_bytes(qc, "queries"),
+                inputs + (bits(p.o), lse, delta, bits(p.dq)) + scalars, device)
+        keys((-(-Nk // kc.BR), B * p.k.shape[1]), (kc.NT,), shared_bytes(kc, "keys"),
+             inputs + (lse, delta, bits(p.dk), bits(p.dv)) + scalars, device)

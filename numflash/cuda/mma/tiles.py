@@ -28,11 +28,12 @@ class MmaConfig(Mapping):
     instruction ("m16n8k8" on sm_90, "m8n8k4" on sm_80). DBG: dump key tile 0's masked scores.
     WINDOW: a sliding window's key range per row (its two sizes are run-time arguments), the key
     tiles outside every row's range of a block skipped. SUB: the backward's key pass takes its
-    staged tile of BC queries SUB at a time (0: all BC at once).
+    staged tile of BC queries SUB at a time (0: all BC at once). MODS: the score / mask
+    modifications computed score by score (mods.py's token; "" for none).
 
     A read-only mapping too (``cfg["D"]``, ``dict(cfg)``, ``f(**cfg)``) for code that treats
-    every kernel's config alike (the launcher's cache key, ``explain``); unset MMA, DBG=0 and
-    WINDOW=0 are left out of it.
+    every kernel's config alike (the launcher's cache key, ``explain``); unset MMA, DBG=0,
+    WINDOW=0, SUB=0 and MODS="" are left out of it.
     """
     D: int
     DV: int
@@ -45,6 +46,7 @@ class MmaConfig(Mapping):
     DBG: int = 0
     WINDOW: int = 0
     SUB: int = 0
+    MODS: str = ""
 
     @property
     def BR(self):
@@ -57,7 +59,7 @@ class MmaConfig(Mapping):
     def _items(self):
         return {f.name: getattr(self, f.name) for f in fields(self)
                 if not (f.name == "MMA" and self.MMA is None)
-                and not (f.name in ("DBG", "WINDOW", "SUB") and not getattr(self, f.name))}
+                and not (f.name in ("DBG", "WINDOW", "SUB", "MODS") and not getattr(self, f.name))}
 
     def __getitem__(self, key):
         return self._items()[key]
@@ -123,14 +125,30 @@ def _x3_tiles(D, DV, cc):
 #: takes the next one: 3xTF32 d=128 (8, 32, 0) compiles spill-free with a window. (float64 at
 #: d=128 spills 52 bytes with either of its tiles: config() refuses that window.)
 WINDOW_SPILLS = {("3xtf32", 128): (8, 64, 0)}
+#: Score modifications (MODS) keep their arguments and each score's indices live too, so with
+#: modifications these tiles replace the usual ones, by (kind, largest padded head dim, sm_90 or
+#: not). From the compile sweep with every built-in compiled in (ptxas, session 12,
+#: bench/NOTES.md "cuda.mma with modifications"): spill-free on sm_90; on sm_80, where ptxas
+#: needs more registers for the same source, the 16-bit tiles are the least-spilling ones found
+#: (d64 56 bytes, d128 80 bytes, against 256 / 1460 with Q held) and float64 spills 152 bytes.
+MODS_TILES = {("3xtf32", 64, False): ((8, 32, 0),), ("3xtf32", 128, True): ((8, 32, 0),),
+              ("f64", 64, True): ((8, 32, 0),), ("f64", 64, False): ((8, 16, 0),),
+              ("16-bit", 64, False): ((4, 64, 0),), ("16-bit", 128, False): ((4, 32, 0),)}
 
 
-def choose_tile(D, DV, DT=None, smem_limit=None, VEC=0, cc=None, window=False):
+def choose_tile(D, DV, DT=None, smem_limit=None, VEC=0, cc=None, window=False, mods=False):
     """(NW, BC, HOLDQ) for padded head dims, chosen for registers: O (DV/2 floats), S (BC/2) and,
     when HOLDQ, Q (D/4 words; tf32: D/2) per thread. float64 takes the first of F64_TILES whose
     shared memory fits smem_limit (sm_80 allows 163 KB a block, sm_86/89 99 KB); 3xTF32 the first
     of ``_x3_tiles``, which also depend on the compute capability ``cc``; with a ``window``
-    never one of WINDOW_SPILLS."""
+    never one of WINDOW_SPILLS; with ``mods`` one of MODS_TILES where it names some."""
+    if mods:
+        kind = "16-bit" if DT in ("f16", "bf16", None) else DT
+        size = 64 if max(D, DV) <= 64 else 128
+        tiles = MODS_TILES.get((kind, size, cc is None or cc >= (9, 0)))
+        if tiles:
+            return _first_that_fits(tiles, D, DV, DT or "f16", VEC, smem_limit)
+
     def usable(tiles):
         spills = WINDOW_SPILLS.get((DT, max(D, DV))) if window else None
         return [tile for tile in tiles if tile != spills] or tiles

@@ -1,0 +1,255 @@
+"""Score and mask modifications on the fragments: a call's mask_mods and score_mods
+(numflash.mods; the built-ins are such functions too) composed into one device function that the
+tensor-core kernels call for each score a thread holds, forward and backward.
+
+    mod_score(x, b, h, i, j, mod0, mod1, ...) -> the modified score of the scaled score x, or
+        -inf where a mask refuses the pair
+    mod_score_grad(x, b, h, i, j, ...) -> (that score, its derivative in x), for the backward
+        (made when every score mod has its derivative: the backward refuses one without)
+
+The sliding window is not among them: mask.py makes it a key range per row, so the tiles outside
+it are skipped. Other masks are applied score by score (no tile is skipped for them yet).
+
+A kernel variant names its composition in ``MmaConfig.MODS``: a token made of each function's
+name and its arguments' types (numba compiles one kernel per argument type). numflash's own
+functions give the same token in every process, so their kernels are cached on disk like any
+other (keyed by the functions' source). A user's function gets a number unique to this process
+in its token: numba cannot key a disk cache on it (it may read globals that change), so a kernel
+with a user's function compiles once per process (``cacheable``).
+"""
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from ... import mods as user_mods
+from .emit import Source
+
+#: what each modification argument is in the kernel: an integer, a float, or an array
+INT, FLOAT = "i", "f"
+
+
+@dataclass(frozen=True)
+class Composition:
+    """The modifications compiled into a kernel variant: masks ((fn, n_args), ...) and score
+    mods ((fn, grad, n_args), ...) in the order numflash.mods applies them, and one spec per
+    argument (INT, FLOAT, or (dtype str, ndim) of an array)."""
+    token: str
+    masks: tuple
+    scores: tuple
+    specs: tuple
+
+    @property
+    def builtin(self):
+        """Only numflash's own functions: the same token means the same code in any process."""
+        fns = [f for f, _ in self.masks] + [f for f, g, _ in self.scores] + \
+            [g for _, g, _ in self.scores if g is not None]
+        return all(_is_builtin(f) for f in fns)
+
+    @property
+    def parameters(self):
+        return ", ".join(f"mod{n}" for n in range(len(self.specs)))
+
+    @property
+    def locals(self):
+        return ", ".join(f"ma{n}" for n in range(len(self.specs)))
+
+
+_registry = {}   # token -> Composition
+_user_ids = {}   # a user's function -> its number in this process (the function is kept alive)
+
+
+def _is_builtin(fn):
+    return getattr(fn, "__module__", None) == user_mods.__name__
+
+
+def _name(fn):
+    fn = getattr(fn, "py_func", fn)
+    name = getattr(fn, "__name__", "fn").lstrip("_")
+    if _is_builtin(fn):
+        return name
+    return f"{name}#{_user_ids.setdefault(fn, len(_user_ids) + 1)}"
+
+
+def _spec(value):
+    if isinstance(value, (bool, np.bool_, int, np.integer)):
+        return INT
+    if isinstance(value, (float, np.floating)):
+        return FLOAT
+    return (np.dtype(value.dtype).str.lstrip("<>|="), value.ndim)
+
+
+def _spec_text(spec):
+    return spec if isinstance(spec, str) else f"{spec[0]}/{spec[1]}"
+
+
+def kernel_mods(mods):
+    """The modifications of a numflash.mods.Mods a kernel computes score by score (all but the
+    sliding window): (masks ((fn, args), ...), score mods ((fn, grad, args), ...))."""
+    if mods is None:
+        return (), ()
+    return tuple(m for m in mods.masks if m[0] is not user_mods._window_mask), mods.scores
+
+
+def token_for(mods):
+    """The MODS token of a call's modifications ("" if the kernel computes none), registered so
+    that the kernel factory finds the functions."""
+    masks, scores = kernel_mods(mods)
+    if not masks and not scores:
+        return ""
+    parts, specs = [], []
+    for kind, fns, args in ([("mask", (f,), a) for f, a in masks] +
+                            [("score", (f,) + ((g,) if g is not None else ()), a)
+                             for f, g, a in scores]):
+        arg_specs = [_spec(a) for a in args]
+        specs += arg_specs
+        parts.append(f"{kind}:{'/'.join(_name(f) for f in fns)}"
+                     f"[{','.join(_spec_text(s) for s in arg_specs)}]")
+    token = "+".join(parts)
+    if token not in _registry:
+        _registry[token] = Composition(token, tuple((f, len(a)) for f, a in masks),
+                                       tuple((f, g, len(a)) for f, g, a in scores), tuple(specs))
+    return token
+
+
+def composition(token):
+    try:
+        return _registry[token]
+    except KeyError:
+        raise LookupError(f"no modifications registered as {token!r} in this process: a kernel "
+                          "with modifications is made from a call that has them") from None
+
+
+def arguments(mods):
+    """The kernel's modification arguments of a call, flattened in the token's order: arrays as
+    they are, integers as int, floats as float (the launch packs Python int / float)."""
+    masks, scores = kernel_mods(mods)
+    out = []
+    for args in [a for _, a in masks] + [a for _, _, a in scores]:
+        for a in args:
+            spec = _spec(a)
+            out.append(int(a) if spec == INT else float(a) if spec == FLOAT else a)
+    return tuple(out)
+
+
+def argument_types(token):
+    """numba types of the kernel's modification arguments (the ABI: int64, float64, arrays)."""
+    if not token:
+        return ()
+    from numba import types
+    from ..launch import array_type
+    return tuple(types.int64 if s == INT else types.float64 if s == FLOAT
+                 else array_type(s[0], s[1]) for s in composition(token).specs)
+
+
+def parameters(token):
+    """Source of the kernel's extra parameters: ", mod0, mod1, ..." ("" without mods)."""
+    return f", {composition(token).parameters}" if token else ""
+
+
+def emit_locals(s, token, flt):
+    """Emit the modification arguments as the functions read them: a float scalar in the
+    kernel's float type (one float64 in the score arithmetic would make it float64), the rest
+    as passed."""
+    for n, spec in enumerate(composition(token).specs):
+        s(f"ma{n} = {flt}(mod{n})" if spec == FLOAT else f"ma{n} = mod{n}")
+
+
+def emit_apply(s, token, element_index, guard=""):
+    """Emit, for each score register ``(name, query index source, key index source)`` of
+    ``element_index``, the modified score in place of the scaled one (-inf where a mask
+    refuses). A register that is -inf already (a bound of mask.py) is left, as is one whose row
+    fails ``guard`` (a padding row past Nq, whose indices the mod arrays do not hold)."""
+    args = composition(token).locals
+    for name, i, j in element_index:
+        cond = f"{name} != NEG_INF" + (f" and {guard.format(i=i, j=j)}" if guard else "")
+        s(f"if {cond}:")
+        with s.block():
+            s(f"{name} = mod_score({name} * mod_scale, bi, hi, {i}, {j}, {args})")
+
+
+def emit_apply_grad(s, token, name, grad, i, j, guard=""):
+    """Emit the backward's form for one score register: ``name`` <- the modified score (-inf
+    where refused) and ``grad`` <- its derivative in the scaled score (0 where refused; left as
+    it is where the row fails ``guard``, as in :func:`emit_apply`)."""
+    s(f"{grad} = ZERO", f"if {name} != NEG_INF" + (f" and {guard.format(i=i, j=j)}:" if guard
+                                                     else ":"))
+    with s.block():
+        s(f"{name}, {grad} = mod_score_grad({name} * mod_scale, bi, hi, {i}, {j}, "
+          f"{composition(token).locals})")
+
+
+def composition_source(token, real):
+    """Python source of mod_score and mod_score_grad for a token: masks and-ed, score mods in
+    order, every intermediate in the kernel's float type ``real`` ("float32" / "float64")."""
+    comp = composition(token)
+    n = 0
+    params = ", ".join(f"a{k}" for k in range(len(comp.specs)))
+    head = "x, b, h, i, j" + (f", {params}" if params else "")
+    score, grad = Source(), Source()  # the grad only if every score mod has its derivative
+    score(f"def mod_score({head}):")
+    grad(f"def mod_score_grad({head}):")
+    with score.block(), grad.block():
+        for m, (_, nargs) in enumerate(comp.masks):
+            call = f"m{m}(b, h, i, j{''.join(f', a{n + k}' for k in range(nargs))})"
+            n += nargs
+            score(f"if not {call}:", "    return NEG_INF")
+            grad(f"if not {call}:", "    return NEG_INF, ZERO")
+        grad("gr = ONE")
+        for m, (_, _, nargs) in enumerate(comp.scores):
+            a = "".join(f", a{n + k}" for k in range(nargs))
+            n += nargs
+            grad(f"gr = gr * {real}(g{m}(x, b, h, i, j{a}))")
+            for src in (score, grad):
+                src(f"x = {real}(s{m}(x, b, h, i, j{a}))")
+        score("return x")
+        grad("return x, gr")
+    return score.text() + (grad.text() if _has_grad(comp) else "")
+
+
+def _has_grad(comp):
+    return all(g is not None for _, g, _ in comp.scores)
+
+
+def namespace(token, real, device_jit=None):
+    """{"mod_score": ..., "mod_score_grad": ...} for a kernel's namespace: the composition
+    compiled as device functions by ``device_jit`` (numba.cuda.jit(device=True)), or plain
+    Python (None: the CPU warp emulator of the tests). ``real``: np.float32 / np.float64."""
+    comp = composition(token)
+
+    def fn(f):
+        f = getattr(f, "py_func", f)  # an njit dispatcher: its Python function
+        return device_jit(f) if device_jit else f
+    env = {"NEG_INF": real(-np.inf), "ZERO": real(0), "ONE": real(1), "math": math,
+           real.__name__: _real_type(real, device_jit)}
+    for m, (f, _) in enumerate(comp.masks):
+        env[f"m{m}"] = fn(f)
+    for m, (f, g, _) in enumerate(comp.scores):
+        env[f"s{m}"] = fn(f)
+        if g is not None:
+            env[f"g{m}"] = fn(g)
+    exec(composition_source(token, real.__name__), env)  # noqa: S102 - names generated here
+    return {name: fn(env[name]) for name in ("mod_score", "mod_score_grad") if name in env}
+
+
+def _real_type(real, device_jit):
+    if device_jit is None:
+        return real
+    import numba
+    return getattr(numba, real.__name__)
+
+
+def identity_functions(token):
+    """The functions whose source decides a MODS variant's code besides its generated kernel
+    source: this module's composition and the modification functions themselves."""
+    comp = composition(token)
+    fns = [f for f, _ in comp.masks] + [f for f, _, _ in comp.scores] + \
+        [g for _, g, _ in comp.scores if g is not None]
+    return (composition_source, namespace, emit_locals,
+            *(getattr(f, "py_func", f) for f in fns))
+
+
+def cacheable(token):
+    """Whether a variant with these modifications may be cached on disk (and shipped): only
+    numflash's own functions, whose source the cache key holds."""
+    return not token or composition(token).builtin
