@@ -147,6 +147,12 @@ class Mods:
     def key(self):
         return tuple(f for f, _ in self.masks) + tuple((f, g) for f, g, _ in self.scores)
 
+    def argument_types(self):
+        """What a compiled kernel depends on in the arguments: each one's type, and an array's
+        dtype and dimensions (the plan memo keys on it with :meth:`key`)."""
+        return tuple((str(a.dtype), a.ndim) if hasattr(a, "dtype") and hasattr(a, "ndim")
+                     else type(a) for args in self.args for a in args)
+
     def __str__(self):
         return ", ".join(self.names)
 

@@ -124,7 +124,7 @@ def choose(problem, backend="auto", algorithm="auto"):
     arrays = tuple(a for a in (problem.q, problem.k, problem.v, getattr(problem, "do", None),
                                getattr(problem, "o", None)) if a is not None)
     mods = getattr(problem, "mods", None)
-    key = (None if mods is None else (mods.key(), str(mods)),  # a kernel may refuse mods
+    key = (None if mods is None else (mods.key(), str(mods), mods.argument_types()),
            getattr(problem, "direction", "forward"), backend, algorithm,
            getattr(problem, "precision", "auto"), problem.kind, problem.dtype,
            problem.shape, simulator_enabled(),

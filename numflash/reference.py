@@ -39,7 +39,10 @@ def mods_of(problem, mod_options):
 def _on_host(mod_options):
     """The options with device arrays (a GPU call's) copied to NumPy: the reference runs here."""
     def host(a):
-        return a.get() if hasattr(a, "get") and hasattr(a, "__cuda_array_interface__") else a
+        if not hasattr(a, "__cuda_array_interface__"):
+            return a
+        import cupy  # any device array (CuPy, numba, torch CUDA tensors) through CuPy
+        return cupy.asnumpy(cupy.asarray(a))
     out = {name: host(a) for name, a in mod_options.items()}
     if "mod_args" in out:
         out["mod_args"] = tuple(host(a) for a in out["mod_args"])

@@ -404,9 +404,9 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, layout="bhsd", backe
 
     ``mods``: numflash's modification options (window_size, softcap, alibi_slopes, attn_bias,
     attn_mask, score_mod, mask_mod, mod_args, score_mod_grad; see :func:`numflash.attention`),
-    tensors allowed. They run where numflash runs them (the CPU path takes them all; on CUDA
-    tensors the tensor-core forward takes window_size, and no CUDA backward takes any yet: the
-    gradient raises, naming them) and are differentiable in q, k and v, not in the modification
+    tensors allowed. They run where numflash runs them (the CPU path and, on CUDA tensors, the
+    tensor-core kernels take them all, forward and backward; cuda.block / cuda.row refuse them,
+    naming them) and are differentiable in q, k and v, not in the modification
     tensors (one that requires grad is refused), and not through torch.compile yet.
     """
     mods = {name: value for name, value in mods.items() if value is not None}
@@ -504,8 +504,9 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     (usually (N, H)); ``is_causal`` is top-left aligned, as in torch; ``enable_gqa=True`` lets
     key and value have fewer heads (a divisor of query's), read in place. Differentiable.
     ``attn_mask``: a boolean mask (True = take part) or a float bias added to the scaled scores,
-    broadcastable to (N, H, L, S), as in torch; it runs on numflash's CPU path (numflash.mods),
-    where a row that the mask leaves empty gives zeros (torch gives NaN), and it gets no
+    broadcastable to (N, H, L, S), as in torch; it runs as a numflash modification
+    (numflash.mods; read in place, on the tensor cores for CUDA tensors), where a row that the
+    mask leaves empty gives zeros (torch gives NaN), and it gets no
     gradient (one that requires grad is refused). Refused with NotImplementedError naming the
     option: ``dropout_p > 0``.
     """
@@ -555,7 +556,7 @@ def _refuse_dropout(where, dropout_p):
 
 def _flash_attn_mods(where, window_size, softcap, alibi_slopes, causal, nq, nk):
     """flash-attn's window_size, softcap and alibi_slopes as numflash modification options
-    (numflash.mods, the CPU path for now), or a refusal naming the option."""
+    (numflash.mods), or a refusal naming the option."""
     mods = {}
     if window_size is not None and tuple(window_size) != (-1, -1):
         mods["window_size"] = tuple(window_size)
@@ -582,8 +583,8 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     ``return_attn_probs=True`` returns (out, softmax_lse, probs) with softmax_lse (B, H, Nq) and
     the exact probabilities (B, H, Nq, Nk) (:func:`attention_probabilities`). k and v may have
     fewer heads than q (GQA / MQA). ``window_size``, ``softcap`` and ``alibi_slopes`` run as
-    numflash modifications (the CPU path, gradients for q, k, v; on CUDA tensors a window runs
-    on the tensor-core forward, with no CUDA backward yet). Refused with
+    numflash modifications (gradients for q, k, v; on CUDA tensors on the tensor-core kernels,
+    forward and backward). Refused with
     NotImplementedError naming the option: ``dropout_p > 0``, and a window or ALiBi with
     causal=False and Nq != Nk (see :func:`_flash_attn_mods`).
     """

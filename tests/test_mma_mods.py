@@ -139,7 +139,8 @@ def test_backward_with_mods_emulated_on_cpu(rng, DT, name, causal, Hkv, tiles):
 
 
 def test_rows_a_mask_empties_give_zeros_and_no_gradient_emulated(rng):
-    """A row whose every key a mask refuses: zeros, lse = -inf, and zero dQ (never NaN)."""
+    """A row whose every key a mask refuses: zeros, lse = -inf, and zero dQ (never NaN); the
+    forward kernel's o and lse feed the backward kernels, whose gradients are exact."""
     from mma_tools import run_backward_kernels, run_forward_kernel
     B, H, Nq, Nk, d = 1, 1, 20, 20, 16
     q, k, v, do = _inputs(rng, "f64", B, H, H, Nq, Nk, d)
@@ -149,8 +150,11 @@ def test_rows_a_mask_empties_give_zeros_and_no_gradient_emulated(rng):
     out, lse = run_forward_kernel(q, k, v, "f64", VEC=1, mods=built)
     assert (out[0, 0, 5] == 0).all() and np.isneginf(lse[0, 0, 5])
     assert np.isfinite(lse).sum() == Nq - 1
+    # the backward reads the forward kernel's own o and lse (modified-score units)
     dq, dk, dv = run_backward_kernels(q, k, v, do, out, lse, "f64", mods=built)
     assert (dq[0, 0, 5] == 0).all() and np.isfinite(dk).all() and np.isfinite(dv).all()
+    rep = testing.check_backward((dq, dk, dv), do, q, k, v, attn_mask=mask)
+    assert max(rep.errors.values()) < 1e-12, rep
 
 
 # ------------------------------------------------------------------------------- tokens
@@ -238,6 +242,26 @@ def test_forward_plan_with_mods_names_the_token(rng):
     p.mods = mods.build(p.shape, "numpy", 0, softcap=3.0)
     cfg = mma.config(_as_device(p), HOPPER)
     assert cfg.MODS == "score:softcap_score/softcap_grad[f]" and "MODS=" in str(cfg)
+
+
+def test_the_plan_memo_tells_argument_types_apart(rng, monkeypatch):
+    """The same function with a float and then an int argument: two kernels (the token holds
+    the types), never the memoized plan of the other."""
+    from numflash import plan as planner
+    choose = planner._choose
+    monkeypatch.setattr(planner, "_choose", lambda p, b, a, *rest: choose(p, b, a, HOPPER))
+    from types import SimpleNamespace
+    p = _problem(rng, np.float16)
+
+    def on_gpu0(x):
+        p = _with(p0, score_mod=tanh_cap, mod_args=(x,))
+        p.q.device = SimpleNamespace(id=0)   # the memo keys on the arrays' GPU
+        return p
+    p0 = p
+    plans = [planner.choose(on_gpu0(x), "cuda", "auto") for x in (2.0, 2, 3.0)]
+    assert plans[0].config["queries"].MODS.endswith("[f]")
+    assert plans[1].config["queries"].MODS.endswith("[i]")
+    assert plans[2] is plans[0]   # values are run-time arguments: the memo serves them
 
 
 def _as_device(p):

@@ -15,8 +15,10 @@ name and its arguments' types (numba compiles one kernel per argument type). num
 functions give the same token in every process, so their kernels are cached on disk like any
 other (keyed by the functions' source). A user's function gets a number unique to this process
 in its token: numba cannot key a disk cache on it (it may read globals that change), so a kernel
-with a user's function compiles once per process (``cacheable``).
+with a user's function compiles once per process (``cacheable``): define such a function once,
+not per call (each new function object is a new kernel, kept for the process).
 """
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -57,6 +59,7 @@ class Composition:
 
 _registry = {}   # token -> Composition
 _user_ids = {}   # a user's function -> its number in this process (the function is kept alive)
+_next_id = itertools.count(1)  # next() is atomic: two threads never draw the same number
 
 
 def _is_builtin(fn):
@@ -68,7 +71,9 @@ def _name(fn):
     name = getattr(fn, "__name__", "fn").lstrip("_")
     if _is_builtin(fn):
         return name
-    return f"{name}#{_user_ids.setdefault(fn, len(_user_ids) + 1)}"
+    if fn not in _user_ids:
+        _user_ids.setdefault(fn, next(_next_id))
+    return f"{name}#{_user_ids[fn]}"
 
 
 def _spec(value):
