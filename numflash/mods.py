@@ -425,6 +425,5 @@ def _user_args(mod_args, kind, device_id):
             raise TypeError(f"{name} has dtype {a.dtype}: the GPU kernels read bool, integer "
                             f"and float arrays")
         else:
-            out.append(_array(name, a, kind, device_id) if hasattr(a, "ndim") or kind == "cupy"
-                       else a)
+            out.append(_array(name, a, kind, device_id) if hasattr(a, "ndim") else a)
     return tuple(out)

@@ -427,17 +427,13 @@ class Kernel:
         metadata records: a truncated, corrupt or half-written entry (a full disk, a crash, a
         hand edit) is compiled again and rewritten, with a warning, never loaded.
         """
-        if not self.cacheable:
-            if not quiet:
-                _announce(self, cc, argtypes, None)
-            cubin, entry, _, resources = compile_to_cubin(self.pyfunc, argtypes, cc, self.fastmath)
-            return cubin, {"entry": entry, "resources": resources, "cc": list(cc),
-                           "config": self.config, "source": "compiled", "from_disk": False}
-        d, cubin_path, meta_path = self._paths(argtypes, cc)
-        cached = _read_entry(cubin_path, meta_path)
-        if cached is not None:
-            return cached
-        linked = prebuilt.link(self.prebuilt_key(argtypes), cc)
+        d = linked = None   # a variant that is not cacheable never looks at the disk
+        if self.cacheable:
+            d, cubin_path, meta_path = self._paths(argtypes, cc)
+            cached = _read_entry(cubin_path, meta_path)
+            if cached is not None:
+                return cached
+            linked = prebuilt.link(self.prebuilt_key(argtypes), cc)
         if linked is not None:
             cubin, entry, resources = linked
             source = "prebuilt"
@@ -448,15 +444,16 @@ class Kernel:
             source = "compiled"
         meta = {"entry": entry, "resources": resources, "cc": list(cc), "config": self.config,
                 "sha256": hashlib.sha256(cubin).hexdigest(), "source": source}
-        try:
-            d.mkdir(parents=True, exist_ok=True)
-            for path, data in ((cubin_path, cubin), (meta_path, json.dumps(meta).encode())):
-                fd, tmp = tempfile.mkstemp(dir=d)  # atomic: concurrent processes never see halves
-                with os.fdopen(fd, "wb") as f:
-                    f.write(data)
-                os.replace(tmp, path)
-        except OSError as e:  # an unwritable cache only costs a recompile in the next process
-            _warn_unwritable(d, e)
+        if d is not None:
+            try:
+                d.mkdir(parents=True, exist_ok=True)
+                for path, data in ((cubin_path, cubin), (meta_path, json.dumps(meta).encode())):
+                    fd, tmp = tempfile.mkstemp(dir=d)  # atomic: no process ever sees halves
+                    with os.fdopen(fd, "wb") as f:
+                        f.write(data)
+                    os.replace(tmp, path)
+            except OSError as e:  # an unwritable cache only costs a recompile next process
+                _warn_unwritable(d, e)
         meta["from_disk"] = False
         return cubin, meta
 

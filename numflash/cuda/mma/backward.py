@@ -323,14 +323,15 @@ def key_pass_source(cfg):
     return s.text()
 
 
-def _per_query(s, NN, name, at, emit):
+def _per_query(s, NN, reads, emit):
     """Emit, for each query column of the transposed S fragments (NN n8 tiles; the thread's
-    columns 2t, 2t + 1 of each), the read of its float ``name`` from shared memory at source
-    ``at`` + column, then ``emit(n, r, c)`` for both rows' registers r of that column (the
-    column's offset c in the thread's columns of tile n)."""
+    columns 2t, 2t + 1 of each), the read of each float ``name`` of ``reads`` ((name, source of
+    its offset), ...) from shared memory at that offset + column, then ``emit(n, r, c)`` for
+    both rows' registers r of that column (the column's offset c in the thread's columns of
+    tile n)."""
     for n in range(NN):
         for c in (0, 1):
-            s(f"{name} = smemf[{at} + qc + {U(8 * n + c)}]")
+            s(*(f"{name} = smemf[{at} + qc + {U(8 * n + c)}]" for name, at in reads))
             for r in (c, 2 + c):
                 emit(n, r, c)
 
@@ -372,12 +373,12 @@ def _key_pass_products(s, ops, cfg, SUB, kb, q_off, do_off, lse_off, delta_off, 
             _key_pass_modified(s, ops, cfg, NN, kb, lse_off, delta_off, do_off, OW, VW)
             ds = "dp"   # P^T stays in the S registers for dV, dS^T goes to dP's
         else:
-            _per_query(s, NN, "lse2", f"{kb}{U(lse_off)}",
+            _per_query(s, NN, [("lse2", f"{kb}{U(lse_off)}")],
                        lambda n, r, c: s(f"s_{n}_{r} = ex2(s_{n}_{r} * scale_log2 - lse2)"))
             ops.accumulate_pv(s, kb, do_off, NVN, SUB // k_step, p="s", acc="dv", name="dot",
                               W=OW, rescaled=False)
             _dot_products(s, ops, NN, "dp", "v", VW, "do", do_off, OW, kb, cfg.DV // k_step)
-            _per_query(s, NN, "dlt", f"{kb}{U(delta_off)}",
+            _per_query(s, NN, [("dlt", f"{kb}{U(delta_off)}")],
                        lambda n, r, c: s(f"s_{n}_{r} = "
                                          f"{_ds(f's_{n}_{r}', f'dp_{n}_{r}', 'dlt')}"))
             ds = "s"
@@ -401,12 +402,8 @@ def _key_pass_modified(s, ops, cfg, NN, kb, lse_off, delta_off, do_off, OW, VW):
         s(f"{name} = ex2({name} * scale_log2 - lse2)",
           f"dp_{n}_{r} = {_ds(name, f'dp_{n}_{r}', 'dlt', 'gm')}")
 
-    for n in range(NN):
-        for c in (0, 1):
-            s(f"lse2 = smemf[{kb}{U(lse_off)} + qc + {U(8 * n + c)}]",
-              f"dlt = smemf[{kb}{U(delta_off)} + qc + {U(8 * n + c)}]")
-            for r in (c, 2 + c):
-                modified(n, r, c)
+    _per_query(s, NN, [("lse2", f"{kb}{U(lse_off)}"), ("dlt", f"{kb}{U(delta_off)}")],
+               modified)
     ops.accumulate_pv(s, kb, do_off, NVN, SUB // ops.k_step, p="s", acc="dv", name="dot", W=OW,
                       rescaled=False)
 

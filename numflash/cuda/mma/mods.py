@@ -42,11 +42,15 @@ class Composition:
     specs: tuple
 
     @property
+    def functions(self):
+        """Every function compiled in: masks, score mods and their derivatives."""
+        return tuple(f for f, _ in self.masks) + tuple(f for f, _, _ in self.scores) + \
+            tuple(g for _, g, _ in self.scores if g is not None)
+
+    @property
     def builtin(self):
         """Only numflash's own functions: the same token means the same code in any process."""
-        fns = [f for f, _ in self.masks] + [f for f, g, _ in self.scores] + \
-            [g for _, g, _ in self.scores if g is not None]
-        return all(_is_builtin(f) for f in fns)
+        return all(_is_builtin(f) for f in self.functions)
 
     @property
     def parameters(self):
@@ -167,18 +171,22 @@ def emit_apply(s, token, element_index, guard=""):
     fails ``guard`` (a padding row past Nq, whose indices the mod arrays do not hold)."""
     args = composition(token).locals
     for name, i, j in element_index:
-        cond = f"{name} != NEG_INF" + (f" and {guard.format(i=i, j=j)}" if guard else "")
-        s(f"if {cond}:")
+        s(_applies(name, guard, i, j))
         with s.block():
             s(f"{name} = mod_score({name} * mod_scale, bi, hi, {i}, {j}, {args})")
+
+
+def _applies(name, guard, i, j):
+    """Source of the condition under which a score register is modified: not -inf already and
+    (with a ``guard``) its row in range."""
+    return f"if {name} != NEG_INF" + (f" and {guard.format(i=i, j=j)}:" if guard else ":")
 
 
 def emit_apply_grad(s, token, name, grad, i, j, guard=""):
     """Emit the backward's form for one score register: ``name`` <- the modified score (-inf
     where refused) and ``grad`` <- its derivative in the scaled score (0 where refused; left as
     it is where the row fails ``guard``, as in :func:`emit_apply`)."""
-    s(f"{grad} = ZERO", f"if {name} != NEG_INF" + (f" and {guard.format(i=i, j=j)}:" if guard
-                                                     else ":"))
+    s(f"{grad} = ZERO", _applies(name, guard, i, j))
     with s.block():
         s(f"{name}, {grad} = mod_score_grad({name} * mod_scale, bi, hi, {i}, {j}, "
           f"{composition(token).locals})")
@@ -247,11 +255,8 @@ def _real_type(real, device_jit):
 def identity_functions(token):
     """The functions whose source decides a MODS variant's code besides its generated kernel
     source: this module's composition and the modification functions themselves."""
-    comp = composition(token)
-    fns = [f for f, _ in comp.masks] + [f for f, _, _ in comp.scores] + \
-        [g for _, g, _ in comp.scores if g is not None]
     return (composition_source, namespace, emit_locals,
-            *(getattr(f, "py_func", f) for f in fns))
+            *(getattr(f, "py_func", f) for f in composition(token).functions))
 
 
 def cacheable(token):
