@@ -111,9 +111,12 @@ def test_forward_with_mods_emulated_on_cpu(rng, DT, name, causal):
 
 
 @pytest.mark.parametrize("DT, name, causal, Hkv, tiles", [
-    pytest.param("f16", "all-builtins", "bottom_right", 1, None, id="f16-all-builtins-gqa"),
+    # extended: the README tier's 10 minutes on 2 cores; there the backward with mods is run by
+    # test_rows_a_mask_empties_give_zeros_and_no_gradient_emulated (forward kernel -> backward)
+    pytest.param("f16", "all-builtins", "bottom_right", 1, None, id="f16-all-builtins-gqa",
+                 marks=pytest.mark.extended),
     pytest.param("f64", "user-document-and-relative-bias", True, 2, None,
-                 id="f64-user-document-and-relative-bias"),
+                 id="f64-user-document-and-relative-bias", marks=pytest.mark.extended),
     pytest.param("bf16", "mask-softcap", False, 2, {"keys": (2, 64, 16)},
                  id="bf16-mask-softcap-sub-tiles", marks=pytest.mark.extended),
     pytest.param("f64", "user-tanh-softcap-causal-window", True, 1, None,
@@ -333,7 +336,8 @@ def _compile(cases):
 
 
 @pytest.mark.parametrize("cases", [
-    pytest.param([((9, 0), "forward", "f16", 64, False)], id="sm90-f16-d64"),
+    pytest.param([((9, 0), "forward", "f16", 64, False)], id="sm90-f16-d64",
+                 marks=pytest.mark.extended),
     pytest.param([((9, 0), "backward", "f16", 64, False)], id="sm90-backward-d64",
                  marks=pytest.mark.extended),
     pytest.param([((9, 0), "forward", "f16", 128, True), ((9, 0), "forward", "3xtf32", 64, False),
