@@ -28,10 +28,17 @@ def _unit(score, b, h, i, j, table):
     return 1.0
 
 
+def _key_padding(b, h, i, j, lengths):
+    return j < lengths[b]
+
+
 def cases(B, H, N, rng, cupy, dtype):
-    """name -> numflash options (on the GPU), in the order of issue 15's table."""
+    """name -> numflash options (on the GPU), in the order of issue 15's table (the block-mask
+    rows' masks are built on the GPU here, once, as a model would for all its layers)."""
+    import numflash
     docs = np.sort(rng.integers(0, 8, (B, N)), axis=1).astype(np.int32)
     lengths = np.array([N - 37 * (b + 1) for b in range(B)])
+    dev_docs, dev_lengths = cupy.asarray(docs), cupy.asarray(lengths)
     return {
         "causal": {},
         "softcap 30": dict(softcap=30.0),
@@ -40,8 +47,11 @@ def cases(B, H, N, rng, cupy, dtype):
             rng.standard_normal((1, H, N, N)).astype(dtype))),
         "key padding (B, 1, 1, N)": dict(attn_mask=cupy.asarray(
             np.arange(N)[None, None, None, :] < lengths[:, None, None, None])),
-        "document mask (8 docs, mask_mod)": dict(mask_mod=_doc_mask,
-                                                 mod_args=(cupy.asarray(docs),)),
+        "key padding, block mask": dict(block_mask=numflash.create_block_mask(
+            _key_padding, B, None, N, N, (dev_lengths,))),
+        "document mask (8 docs, mask_mod)": dict(mask_mod=_doc_mask, mod_args=(dev_docs,)),
+        "document mask, block mask": dict(block_mask=numflash.create_block_mask(
+            _doc_mask, B, None, N, N, (dev_docs,))),
         "relative bias table (score_mod)": dict(
             score_mod=_rel_bias, score_mod_grad=_unit,
             mod_args=(cupy.asarray(rng.standard_normal((H, 2 * N + 1)).astype(np.float32)),)),
@@ -59,7 +69,7 @@ def flex_cases(B, H, N, torch, docs, lengths):
 
     def causal(b, h, q, kv):
         return q >= kv
-    return {
+    rows = {
         "causal": (None, causal),
         "softcap 30": (lambda s, b, h, q, kv: 30.0 * torch.tanh(s / 30.0), causal),
         "alibi": (lambda s, b, h, q, kv: s - slopes[h] * (q - kv).abs(), causal),
@@ -70,6 +80,9 @@ def flex_cases(B, H, N, torch, docs, lengths):
         "relative bias table (score_mod)": (lambda s, b, h, q, kv: s + table[h, q - kv + N],
                                             causal),
     }
+    rows["key padding, block mask"] = rows["key padding (B, 1, 1, N)"]
+    rows["document mask, block mask"] = rows["document mask (8 docs, mask_mod)"]
+    return rows
 
 
 def main():
@@ -125,8 +138,12 @@ def main():
         checked = "-"
         if not a.backward:
             rows = np.sort(rng.choice(N, 64, replace=False))
+            host = dict(opts)
+            if "block_mask" in host:   # the reference takes the block mask's mask_mod
+                bm = host.pop("block_mask")
+                host.update(mask_mod=bm.mask_mod, mod_args=bm.mod_args)
             host = {n: (tuple(x.get() if hasattr(x, "get") else x for x in o) if n == "mod_args"
-                        else (o.get() if hasattr(o, "get") else o)) for n, o in opts.items()}
+                        else (o.get() if hasattr(o, "get") else o)) for n, o in host.items()}
             rep = check(call().get(), q.get(), k.get(), v.get(), causal=True, rows=rows, **host)
             checked = "ok" if rep.ok else f"FAIL {rep}"
         line = f"| {name} | {ms:.3f} | {ms / base:.2f} | {checked} |"

@@ -3,10 +3,12 @@ import importlib
 
 from . import reference
 from .api import attention, attention_backward, explain
+from .block_mask import BlockMask, create_block_mask
 from .io_model import io_model
 from .varlen import attention_varlen, attention_varlen_backward, merge_partials
 
-__all__ = ["attention", "attention_backward", "explain", "attention_varlen",
+__all__ = ["attention", "attention_backward", "explain", "create_block_mask", "BlockMask",
+           "attention_varlen",
            "attention_varlen_backward", "merge_partials", "reference", "io_model"]
 __version__ = "0.1.0"
 

@@ -5,7 +5,7 @@ from .cuda import fastpath as _fastpath
 from .inputs import normalize, normalize_backward
 
 MOD_OPTIONS = ("score_mod", "mask_mod", "mod_args", "score_mod_grad", "window_size", "softcap",
-               "alibi_slopes", "attn_bias", "attn_mask")
+               "alibi_slopes", "attn_bias", "attn_mask", "block_mask")
 
 
 def _with_mods(problem, options):
@@ -18,18 +18,20 @@ def _with_mods(problem, options):
 
 
 def _mod_options(score_mod, mask_mod, mod_args, score_mod_grad, window_size, softcap,
-                 alibi_slopes, attn_bias, attn_mask):
+                 alibi_slopes, attn_bias, attn_mask, block_mask):
     """The modification options that were given (not left at their defaults)."""
     given = dict(score_mod=score_mod, mask_mod=mask_mod, mod_args=mod_args,
                  score_mod_grad=score_mod_grad, window_size=window_size, softcap=softcap,
-                 alibi_slopes=alibi_slopes, attn_bias=attn_bias, attn_mask=attn_mask)
+                 alibi_slopes=alibi_slopes, attn_bias=attn_bias, attn_mask=attn_mask,
+                 block_mask=block_mask)
     return {k: v for k, v in given.items() if v is not None and not (k == "mod_args" and v == ())}
 
 
 def attention(q, k, v, *, causal=False, softmax_scale=None, layout="bhsd", backend="auto",
               algorithm="auto", return_lse=False, out=None, precision="auto", score_mod=None,
               mask_mod=None, mod_args=(), score_mod_grad=None, window_size=None, softcap=None,
-              alibi_slopes=None, attn_bias=None, attn_mask=None):
+              alibi_slopes=None, attn_bias=None, attn_mask=None,
+              block_mask=None):
     """Exact attention softmax(softmax_scale * q k^T + mask) v with O(N) memory.
 
     q: (B, H, Nq, d), k: (B, Hk, Nk, d), v: (B, Hk, Nk, dv) for ``layout="bhsd"``;
@@ -69,15 +71,17 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, layout="bhsd", backe
     from the causal alignment's diagonal, top-left unless causal="bottom_right"); softcap
     (cap * tanh(score / cap)); alibi_slopes ((H,) or (B, H): score - slope * |i + offset - j|);
     attn_bias (float, broadcastable to (B, H, Nq, Nk), added; never expanded in memory);
-    attn_mask (bool, broadcastable, True = take part). A row that nothing is left in gives zeros
-    and lse = -inf.
+    attn_mask (bool, broadcastable, True = take part); block_mask (a numflash.BlockMask from
+    :func:`numflash.create_block_mask`: its mask_mod, with the blocks it leaves empty skipped and,
+    on cuda.mma, the mask evaluated only in blocks it leaves partly filled). A row that nothing
+    is left in gives zeros and lse = -inf.
 
     Returns the output in q's dtype, array kind and layout; ``(out, lse)`` if ``return_lse``.
     A forced backend or algorithm that cannot run the inputs raises ValueError saying why;
     :func:`explain` shows the choice without running it.
     """
     mod_options = _mod_options(score_mod, mask_mod, mod_args, score_mod_grad, window_size,
-                               softcap, alibi_slopes, attn_bias, attn_mask)
+                               softcap, alibi_slopes, attn_bias, attn_mask, block_mask)
     key = None
     if out is None and not mod_options:  # a repeated CuPy call replays its recorded launch
         key = _fastpath.signature(q, k, v, _fastpath.call_options(
@@ -115,7 +119,7 @@ def attention_backward(do, q, k, v, o, lse, *, causal=False, softmax_scale=None,
                        backend="auto", algorithm="auto", precision="auto", deterministic=False,
                        dq=None, dk=None, dv=None, score_mod=None, mask_mod=None, mod_args=(),
                        score_mod_grad=None, window_size=None, softcap=None, alibi_slopes=None,
-                       attn_bias=None, attn_mask=None):
+                       attn_bias=None, attn_mask=None, block_mask=None):
     """Gradients (dq, dk, dv) of :func:`attention` for the output gradient ``do``, in O(N) memory.
 
     ``o`` and ``lse`` are what ``attention(q, k, v, ..., return_lse=True)`` returned for the same
@@ -134,7 +138,7 @@ def attention_backward(do, q, k, v, o, lse, *, causal=False, softmax_scale=None,
     attn_bias or alibi_slopes yet.
     """
     mod_options = _mod_options(score_mod, mask_mod, mod_args, score_mod_grad, window_size,
-                               softcap, alibi_slopes, attn_bias, attn_mask)
+                               softcap, alibi_slopes, attn_bias, attn_mask, block_mask)
     if _is_torch(q):
         from . import torch as _torch
         return _torch.attention_backward(do, q, k, v, o, lse, causal=causal,
@@ -170,7 +174,7 @@ def explain(q, k, v, *, causal=False, softmax_scale=None, layout="bhsd", backend
             algorithm="auto", return_lse=False, out=None, precision="auto", backward=False,
             deterministic=False, score_mod=None, mask_mod=None, mod_args=(),
             score_mod_grad=None, window_size=None, softcap=None, alibi_slopes=None,
-            attn_bias=None, attn_mask=None):
+            attn_bias=None, attn_mask=None, block_mask=None):
     """The :class:`numflash.plan.Plan` that :func:`attention` would run for these arguments
     (with ``backward=True``: that :func:`attention_backward` would run for these q, k, v).
 
@@ -178,7 +182,7 @@ def explain(q, k, v, *, causal=False, softmax_scale=None, layout="bhsd", backend
     Raises the same errors as :func:`attention` would.
     """
     mod_options = _mod_options(score_mod, mask_mod, mod_args, score_mod_grad, window_size,
-                               softcap, alibi_slopes, attn_bias, attn_mask)
+                               softcap, alibi_slopes, attn_bias, attn_mask, block_mask)
     if _is_torch(q):  # the plan for the tensors' memory, seen as NumPy / CuPy arrays
         from . import torch as _torch
         _torch._check_tensors(q=q, k=k, v=v)

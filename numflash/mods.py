@@ -122,7 +122,7 @@ class Mods:
     :func:`window_key_range`): a kernel can skip the key tiles outside it instead of masking them.
     """
 
-    def __init__(self, masks, scores, names, kinds, window=None):
+    def __init__(self, masks, scores, names, kinds, window=None, block=None):
         self.masks = tuple(masks)      # ((fn, args), ...)
         self.scores = tuple(scores)    # ((fn, grad or None, args), ...)
         self.names = tuple(names)
@@ -131,11 +131,16 @@ class Mods:
             raise ValueError("Mods needs the kinds of its modifications (numflash.kernels "
                              "decides by them which kernel may run it)")
         self.window = window
+        # a block mask's arrays (numflash.block_mask.BlockMask.structure); its mask_mod is the
+        # last of ``masks``, which kernels that know the blocks evaluate in PARTIAL ones only
+        self.block = block
 
     @property
     def args(self):
-        """Every function's arguments, in order: what the compiled composition reads."""
-        return tuple(a for _, a in self.masks) + tuple(a for _, _, a in self.scores)
+        """Every function's arguments, in order: what the compiled composition reads (with a
+        block mask, last, its (state, block rows, block columns))."""
+        args = tuple(a for _, a in self.masks) + tuple(a for _, _, a in self.scores)
+        return args + ((self.block[0], self.block[5], self.block[6]),) if self.block else args
 
     @property
     def has_grad(self):
@@ -174,8 +179,8 @@ class Mods:
 
     # -- compiled, for the kernels --
     def compiled(self):
-        """(apply_forward, apply_backward, visible) njit functions of the composition."""
-        key = self.key()
+        """(apply_forward, apply_backward, visible, live) njit functions of the composition."""
+        key = self.key() + (self.block is not None,)
         hit = _COMPILED.get(key)
         if hit is None:
             hit = _COMPILED[key] = _compile(self)
@@ -233,7 +238,9 @@ def _compile(mods):
     apply_forward(s, b, h, i0, j0, scale, args): s <- the modified scaled scores, -inf where a
         mask says no (a -inf already there, the causal mask's, stays);
     apply_backward(s, g, ...): the same, and g <- d(modified)/d(scaled score) (0 where masked);
-    visible(b, h, i, j, args): whether the masks let the pair take part.
+    visible(b, h, i, j, args): whether the masks let the pair take part;
+    live(b, h, i0, rows, j0, cols, args): False when a block mask marks every block the tile
+        touches EMPTY (the tile is skipped), True otherwise (always, without a block mask).
     ``args`` is the tuple of every function's argument tuple, in :attr:`Mods.args` order.
     """
     from numba import njit
@@ -274,11 +281,23 @@ def _compile(mods):
         lines += ["                g[r, c] = gr"] if grad else []
         return "\n".join(lines) + "\n"
 
+    if mods.block is None:
+        live = ["def live(b, h, i0, rows, j0, cols, args):", "    return True"]
+    else:
+        live = ["def live(b, h, i0, rows, j0, cols, args):",
+                f"    state, bq, bk = args[{len(mods.masks) + len(mods.scores)}]",
+                "    for qb in range(i0 // bq, (i0 + rows - 1) // bq + 1):",
+                "        for kb in range(j0 // bk, (j0 + cols - 1) // bk + 1):",
+                "            if state[b, h, qb, kb] != 0:",
+                "                return True",
+                "    return False"]
     exec("\n".join(lines_vis), env)  # noqa: S102 - generated from the functions' names only
+    exec("\n".join(live), env)  # noqa: S102
     env["visible"] = njit(env["visible"])
     exec(apply_source("apply_forward", False), env)  # noqa: S102
     exec(apply_source("apply_backward", True), env)  # noqa: S102
-    return njit(env["apply_forward"]), njit(env["apply_backward"]), env["visible"]
+    return (njit(env["apply_forward"]), njit(env["apply_backward"]), env["visible"],
+            njit(env["live"]))
 
 
 # ---- checking the options and building a call's Mods ----
@@ -321,12 +340,12 @@ def _broadcast(name, a, shape, dims):
 
 def build(problem_shape, kind, causal_offset, *, device_id=None, score_mod=None, mask_mod=None,
           mod_args=(), score_mod_grad=None, window_size=None, softcap=None, alibi_slopes=None,
-          attn_bias=None, attn_mask=None):
+          attn_bias=None, attn_mask=None, block_mask=None):
     """The :class:`Mods` of one call, or None when it has none (checked: each argument named in
     its error). ``kind``: "numpy" or "cupy" (then arrays must be CuPy arrays on GPU
     ``device_id``)."""
     B, H, Nq, Nk = problem_shape[:4]
-    masks, scores, names, kinds, window = [], [], [], [], None
+    masks, scores, names, kinds, window, block = [], [], [], [], None, None
     full = (B, H, Nq, Nk)
     if window_size is not None:
         try:
@@ -359,6 +378,16 @@ def build(problem_shape, kind, causal_offset, *, device_id=None, score_mod=None,
         masks.append((mask_mod, _user_args(mod_args, kind, device_id)))
         names.append(f"mask_mod={getattr(mask_mod, '__name__', 'fn')}")
         kinds.append("mask_mod")
+    if block_mask is not None:  # last of the masks: see Mods.block
+        from .block_mask import BlockMask
+        if not isinstance(block_mask, BlockMask):
+            raise TypeError(f"block_mask must be a numflash.BlockMask (numflash."
+                            f"create_block_mask); got {type(block_mask).__name__}")
+        block = block_mask.structure(B, H, Nq, Nk, kind, device_id)
+        masks.append((block_mask.mask_mod, block_mask.mod_args))
+        names.append(f"block_mask={getattr(block_mask.mask_mod, '__name__', 'fn')} "
+                     f"({block[5]}x{block[6]} blocks)")
+        kinds.append("block_mask")
     if softcap is not None and softcap != 0:
         cap = float(softcap)
         if not (math.isfinite(cap) and cap > 0):
@@ -401,7 +430,7 @@ def build(problem_shape, kind, causal_offset, *, device_id=None, score_mod=None,
         raise ValueError("mod_args were given without a score_mod or mask_mod to read them")
     if not masks and not scores:
         return None
-    return Mods(masks, scores, names, kinds, window)
+    return Mods(masks, scores, names, kinds, window, block)
 
 
 def _user_args(mod_args, kind, device_id):

@@ -70,6 +70,11 @@ class Plan:
         elif self.mods:
             lines.append(f"  modifications: {self.mods} (compiled into the kernel on first use "
                          f"in a process, a few seconds, not cached on disk)")
+        if "block_mask=" in self.mods:
+            lines.append("  block mask: the tiles in its EMPTY blocks are skipped" + (
+                "; in FULL blocks its mask_mod is not evaluated" if self.backend == "cuda"
+                else " (a CPU tile covering only EMPTY blocks); its mask_mod is evaluated in "
+                     "the others"))
         for name, why in self.rejected.items():
             lines.append(f"  not {name}: {why}")
         return "\n".join(lines)

@@ -52,13 +52,14 @@ def _masked_products(p, ds, qr, dor, kc, t_v, t_k, t_q, b, h, i0, j0, cols, caus
 def _key_block_gradients(q, k, v, do, lse2, delta, dq_acc, dk, dv, b, hk, group, j0, cols, c2,
                          scale, causal, causal_offset, block_q, lut, kj, vj, qi, doi, s_buf,
                          dp_buf, dk_acc, dv_acc, t_k, t_v, t_q, g_buf, mod, mod_visible,
-                         mod_args):
+                         mod_live, mod_args):
     """dK and dV for keys j0:j0+cols of key/value head (b, hk), summed over the `group` query
     heads that read it (grouped-query attention), and their dQ contributions into dq_acc.
 
     ``mod`` (None, or numflash.mods' compiled apply_backward): each tile of raw scores becomes
     the modified scaled scores (then c2 = log2(e)) and g_buf the score_mod's derivative, which
-    dS picks up by the chain rule."""
+    dS picks up by the chain rule. Query blocks that ``mod_live`` says a block mask empties
+    for these keys are skipped."""
     Nq = q.shape[2]
     d = q.shape[3]
     dvd = v.shape[3]
@@ -77,6 +78,8 @@ def _key_block_gradients(q, k, v, do, lse2, delta, dq_acc, dk, dv, b, hk, group,
         h = hk * group + step % group
         i0 = first + (step // group) * block_q
         rows = min(block_q, Nq - i0)
+        if mod is not None and not mod_live(b, h, i0, rows, j0, cols, mod_args):
+            continue
         _load_block(q, b, h, i0, rows, lut, qi)
         _load_block(do, b, h, i0, rows, lut, doi)
         qr, dor = qi[:rows], doi[:rows]
@@ -135,12 +138,14 @@ def _key_block_gradients(q, k, v, do, lse2, delta, dq_acc, dk, dv, b, hk, group,
 
 @njit(parallel=True, fastmath=FASTMATH, cache=True)
 def tiled_backward(q, k, v, do, lse2, delta, dq_parts, dk, dv, c2, scale, causal, causal_offset,
-                   block_q, block_k, lut, mod, mod_visible, mod_args, task_first, task_step):
+                   block_q, block_k, lut, mod, mod_visible, mod_live, mod_args, task_first,
+                   task_step):
     """dk, dv (compute dtype) and dq_parts[split] (zeroed; summed by the caller) for every head.
 
     q, k, v, do: (B, H, N, .) of any strides (float32, float64, or float16 bits as uint16);
     lse2 = lse * log2(e) and delta = rowsum(dO * O): (B, H, Nq) in the compute dtype.
-    With a modification (mod, mod_visible, mod_args from numflash.mods; None, None, () without)
+    With a modification (mod, mod_visible, mod_live, mod_args from numflash.mods; None, None,
+    None, () without)
     c2 = log2(e): the kernel scales and modifies the scores itself. Runs tasks task_first,
     task_first + task_step, ... (0, 1: all; tiled.run_tasks spreads them over threads).
     """
@@ -176,7 +181,7 @@ def tiled_backward(q, k, v, do, lse2, delta, dq_parts, dk, dv, c2, scale, causal
             _key_block_gradients(q, k, v, do, lse2, delta, dq_parts[split], dk, dv, b, hk, group,
                                  j0, min(block_k, Nk - j0), c2, scale, causal, causal_offset,
                                  block_q, lut, kj, vj, qi, doi, s_buf, dp_buf, dk_acc, dv_acc,
-                                 t_k, t_v, t_q, g_buf, mod, mod_visible, mod_args)
+                                 t_k, t_v, t_q, g_buf, mod, mod_visible, mod_live, mod_args)
 
 
 _MOD_KERNELS = {}
@@ -220,16 +225,16 @@ def run(problem, config, device=None):
     dvo = p.dv if p.dv.dtype == compute else np.empty(p.dv.shape, compute)
     args = (q, k, v, do, lse2, delta, dq_parts, dk, dvo, compute(p.scale * LOG2E),
             compute(p.scale), p.causal, p.causal_offset, config["block_q"], config["block_k"],
-            lut, None, None, ())
+            lut, None, None, None, ())
     chunk = numba.set_parallel_chunksize(1)
     try:
         with _SingleThreadedBlas(), compile_errors(p.mods):
             if p.mods is None:
                 tiled_backward(*args, 0, 1)
             else:  # scores are scaled and modified in the kernel
-                _, apply_backward, visible = p.mods.compiled()
+                _, apply_backward, visible, live = p.mods.compiled()
                 args = args[:9] + (compute(LOG2E),) + args[10:16] + (apply_backward, visible,
-                                                                    p.mods.args)
+                                                                    live, p.mods.args)
                 run_tasks(_backward_with_mods(), args, B * k.shape[1] * config["splits"])
     finally:
         numba.set_parallel_chunksize(chunk)

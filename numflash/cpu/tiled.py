@@ -193,10 +193,11 @@ def _online_softmax(s, c2, p, m, l, alpha, zero):
 
 @njit(fastmath=FASTMATH, cache=True)
 def _attend_block(q, k, v, out, lse, b, h, hk, i0, rows, kend, causal, causal_offset, block_k, c2,
-                  lut, scale, mod, mod_visible, mod_args):
+                  lut, scale, mod, mod_visible, mod_live, mod_args):
     """Rows i0:i0+rows of out[b, h] and lse[b, h] from keys 0:kend of key/value head hk: one
     parallel task. ``mod`` (None, or numflash.mods' compiled apply_forward) turns each tile of
-    raw scores into modified scaled scores; the caller then passes c2 = log2(e)."""
+    raw scores into modified scaled scores; the caller then passes c2 = log2(e). A tile that
+    ``mod_live`` says a block mask empties is skipped (it would add nothing)."""
     d = q.shape[3]
     dv = v.shape[3]
     dt = out.dtype
@@ -216,6 +217,8 @@ def _attend_block(q, k, v, out, lse, b, h, hk, i0, rows, kend, causal, causal_of
 
     for j0 in range(0, kend, block_k):
         cols = min(block_k, kend - j0)
+        if mod is not None and not mod_live(b, h, i0, rows, j0, cols, mod_args):
+            continue
         _load_block(k, b, hk, j0, cols, lut, kj)
         _load_block(v, b, hk, j0, cols, lut, vj)
         s = s_buf[:rows * cols].reshape((rows, cols))  # contiguous, so np.dot can write it
@@ -258,13 +261,14 @@ def _attend_block(q, k, v, out, lse, b, h, hk, i0, rows, kend, causal, causal_of
 
 @njit(parallel=True, fastmath=FASTMATH, cache=True)
 def tiled_forward(q, k, v, out, lse, c2, causal, causal_offset, block_q, block_k, lut, scale,
-                  mod, mod_visible, mod_args, task_first, task_step):
+                  mod, mod_visible, mod_live, mod_args, task_first, task_step):
     """out[b, h] = softmax(scale q k^T [causal mask]) v; lse[b, h] = log of each row's denominator.
 
     q, k, v: (B, H, N, d) arrays of any strides (float32, float64, or float16 bits as uint16);
     out: (B, H, Nq, dv) in the compute dtype (float64 for float64 inputs, float32 otherwise).
     c2 = softmax_scale * log2(e) in the compute dtype: exp(scale * s) = exp2(c2 * s); with a
-    modification (mod, mod_visible, mod_args from numflash.mods; None, None, () without) the
+    modification (mod, mod_visible, mod_live, mod_args from numflash.mods; None, None, None, ()
+    without) the
     scores are scaled and modified first and c2 = log2(e). Runs tasks task_first, task_first +
     task_step, ... (0, 1: all of them; see run_tasks for the modification path's threads).
     Call with the BLAS single-threaded (see run()).
@@ -288,7 +292,7 @@ def tiled_forward(q, k, v, out, lse, c2, causal, causal_offset, block_q, block_k
         if causal:
             kend = min(Nk, max(0, i0 + rows + causal_offset))
         _attend_block(q, k, v, out, lse, b, h, h // group, i0, rows, kend, causal, causal_offset,
-                      block_k, c2, lut, scale, mod, mod_visible, mod_args)
+                      block_k, c2, lut, scale, mod, mod_visible, mod_live, mod_args)
 
 
 def uncached(dispatcher, **rebind):
@@ -412,15 +416,15 @@ def run(problem, config, device=None):
     out = p.out if p.out.dtype == compute else np.empty(p.out.shape, compute)
     lse = p.empty_lse()
     args = (q, k, v, out, lse, compute(p.scale * LOG2E), p.causal, p.causal_offset,
-            config["block_q"], config["block_k"], lut, compute(p.scale), None, None, ())
+            config["block_q"], config["block_k"], lut, compute(p.scale), None, None, None, ())
     chunk = numba.set_parallel_chunksize(1)  # returns the previous value
     try:
         with _SingleThreadedBlas(), compile_errors(p.mods):
             if p.mods is None:
                 tiled_forward(*args, 0, 1)
             else:  # scores are scaled and modified in the kernel, then exp2(log2(e) x)
-                apply_forward, _, visible = p.mods.compiled()
-                args = args[:5] + (compute(LOG2E),) + args[6:12] + (apply_forward, visible,
+                apply_forward, _, visible, live = p.mods.compiled()
+                args = args[:5] + (compute(LOG2E),) + args[6:12] + (apply_forward, visible, live,
                                                                    p.mods.args)
                 B, H, Nq = p.q.shape[:3]
                 run_tasks(_forward_with_mods(), args, B * H * -(-Nq // config["block_q"]))

@@ -24,7 +24,7 @@ A row that sees no key (lse = -inf) reads lse as +inf, so its P, and its gradien
 
 from . import mods
 from .emit import U, Source, define, emit_thread_indices
-from .forward import emit_modified_scale, namespace_with_mods
+from .forward import emit_block_row, emit_modified_scale, namespace_with_mods
 from .mask import _end, _first, emit_row_bounds, emit_score_mask, warp_sees_tile
 from .operands import operands_for
 from .staging import emit_cp_async_rows, tile_loop
@@ -201,8 +201,8 @@ def query_pass_source(cfg):
             s("cp_async_commit()")
             return k_off, v_off
 
-        with tile_loop(s, stage_kv, cfg.BC, kv_words, 1, kv_off, KW, window) as (k_off, v_off,
-                                                                                  kb):
+        with tile_loop(s, stage_kv, cfg.BC, kv_words, 1, kv_off, KW, window,
+                       sparse=emit_block_row(s, cfg.MODS)) as (k_off, v_off, kb):
             s(f"if {warp_sees_tile(cfg.BC, window)}:")
             with s.block():
                 if cfg.MODS:
@@ -302,9 +302,13 @@ def key_pass_source(cfg):
               "cuda.syncthreads()  # the previous head's last tile is no longer read")
             if cfg.MODS:
                 s("hi = I(h)")
+            sparse = None
+            if mods.sparse(cfg.MODS):   # the query blocks listed for this key block column
+                s("bm_col = I(j0k) // bm_bk", "bm_list = bm_q_blocks[b, h, bm_col]")
+                sparse = ("bm_list", "bm_q_count[b, h, bm_col]", "bm_bq")
             with tile_loop(s, stage_queries, cfg.BC, tile_words, 1, tiles_off, QW, True,
-                           start="q_first", end="q_end" if window else "Nq") as (q_off, do_off,
-                                                                                   kb):
+                           start="q_first", end="q_end" if window else "Nq",
+                           sparse=sparse) as (q_off, do_off, kb):
                 if SUB == cfg.BC:
                     s("js = j0")
                     _key_pass_products(s, ops, cfg, SUB, kb, q_off, do_off, q_off + lse_rel,

@@ -50,6 +50,20 @@ def modifications(problem):
     return mods.token_for(getattr(problem, "mods", None))
 
 
+def check_block_tiles(problem, tiles):
+    """Raise Unsupported when a block mask's blocks are not made of whole tiles of the kernels:
+    ``tiles``: ((query rows, key columns, which kernel), ...) of a tile each (a kernel's tile
+    loop visits a block's tiles, so a tile may not straddle two blocks)."""
+    block = getattr(getattr(problem, "mods", None), "block", None)
+    for rows, cols, what in tiles if block else ():
+        bq, bk = block[5], block[6]
+        if bq % rows or bk % cols:
+            raise Unsupported(f"{NAME}: the block mask's {bq} x {bk} blocks are not whole tiles "
+                              f"of the {what} ({rows} queries x {cols} keys): create it with "
+                              f"block_size=128 or a multiple of 128, which every {NAME} tile "
+                              f"divides (the CPU path takes any block size)")
+
+
 def config(problem, device):
     """The MmaConfig for ``problem`` on ``device`` (one the operator's declarations admit);
     raises Unsupported saying why not."""
@@ -101,6 +115,7 @@ def config(problem, device):
     NW, BC, HOLDQ = choose_tile(D, DV, DT, device.smem_per_block_optin, VEC, device.cc, window,
                                 bool(token))
     cfg = MmaConfig(D, DV, NW, BC, HOLDQ, DT, VEC, MMA=form, WINDOW=int(window), MODS=token)
+    check_block_tiles(problem, ((cfg.BR, cfg.BC, "forward"),))
     need = shared_bytes(cfg)
     if need > device.smem_per_block_optin:
         raise Unsupported(f"{NAME}: needs {need} bytes of shared memory for d={d}, dv={dv}, more "

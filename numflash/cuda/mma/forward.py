@@ -49,8 +49,8 @@ def kernel_source(cfg):
         def stage_kv(j0u, buf):
             return ops.stage_kv(s, j0u, buf)
 
-        with tile_loop(s, stage_kv, cfg.BC, L.kv_words, cfg.VEC, L.kv_off, L.KW, window) as \
-                (k_off, v_off, kb):
+        with tile_loop(s, stage_kv, cfg.BC, L.kv_words, cfg.VEC, L.kv_off, L.KW, window,
+                       sparse=emit_block_row(s, cfg.MODS)) as (k_off, v_off, kb):
             s(f"if {warp_sees_tile(cfg.BC, window)}:")
             with s.block():
                 # ---- S = Q K^T
@@ -81,6 +81,16 @@ def kernel_source(cfg):
 
         emit_epilogue(s, NVN, lambda n, ra, rb, half: ops.store_o(s, n, ra, rb, half))
     return s.text()
+
+
+def emit_block_row(s, token):
+    """With a block mask, emit the block row of the thread block's queries (which bq divides:
+    config.py checks) and return tile_loop's ``sparse`` for the key blocks it lists; else
+    None."""
+    if not mods.sparse(token):
+        return None
+    s("bm_row = I(i0) // bm_bq", "bm_list = bm_kv_blocks[b, h, bm_row]")
+    return "bm_list", "bm_kv_count[b, h, bm_row]", "bm_bk"
 
 
 def emit_modified_scale(s, flt, token, scale):

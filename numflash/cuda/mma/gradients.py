@@ -14,7 +14,7 @@ from ...device import Unsupported
 from ...mods import compile_errors
 from .backward import make_key_kernel, make_query_kernel, shared_bytes
 from . import mods
-from .config import modifications, padded_dims, vector_ok
+from .config import check_block_tiles, modifications, padded_dims, vector_ok
 from .tiles import NAME, MmaConfig
 
 #: the largest padded head dim of the backward: the key pass keeps dK and dV fragments (D / 2 +
@@ -91,6 +91,8 @@ def config(problem, device):
     cfg = {kernel: dataclasses.replace(c, DT=DT, MODS=token)
            for kernel, c in tiles(D, DV, device.smem_per_block_optin, window,
                                   bool(token)).items()}
+    check_block_tiles(problem, ((cfg["queries"].BR, cfg["queries"].BC, "backward's query pass"),
+                                (cfg["keys"].BC, cfg["keys"].BR, "backward's key pass")))
     for kernel, c in cfg.items():
         need = shared_bytes(c, kernel)
         if need > device.smem_per_block_optin:

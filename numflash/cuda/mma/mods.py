@@ -8,7 +8,11 @@ tensor-core kernels call for each score a thread holds, forward and backward.
         (made when every score mod has its derivative: the backward refuses one without)
 
 The sliding window is not among them: mask.py makes it a key range per row, so the tiles outside
-it are skipped. Other masks are applied score by score (no tile is skipped for them yet).
+it are skipped. Other masks are applied score by score. A block mask's mask_mod (numflash.
+block_mask) is evaluated in its PARTIAL blocks only: the kernels' tile loops (staging.py) visit
+only the blocks its lists name, and set ``tile_full`` for a tile inside a FULL block, where
+``mod_score_dense`` (every modification but that mask) runs instead, or, when nothing else is
+compiled in, only the scaling.
 
 A kernel variant names its composition in ``MmaConfig.MODS``: a token made of each function's
 name and its arguments' types (numba compiles one kernel per argument type). numflash's own
@@ -34,18 +38,26 @@ INT, FLOAT = "i", "f"
 @dataclass(frozen=True)
 class Composition:
     """The modifications compiled into a kernel variant: masks ((fn, n_args), ...) and score
-    mods ((fn, grad, n_args), ...) in the order numflash.mods applies them, and one spec per
-    argument (INT, FLOAT, or (dtype str, ndim) of an array)."""
+    mods ((fn, grad, n_args), ...) in the order numflash.mods applies them, a block mask's
+    mask_mod ((fn, n_args),) or (), and one spec per argument (INT, FLOAT, or (dtype str, ndim)
+    of an array): the masks', the score mods', the block mask's, then its BLOCK_ARRAYS."""
     token: str
     masks: tuple
     scores: tuple
     specs: tuple
+    sparse: tuple = ()
 
     @property
     def functions(self):
         """Every function compiled in: masks, score mods and their derivatives."""
-        return tuple(f for f, _ in self.masks) + tuple(f for f, _, _ in self.scores) + \
+        return tuple(f for f, _ in self.masks + self.sparse) + \
+            tuple(f for f, _, _ in self.scores) + \
             tuple(g for _, g, _ in self.scores if g is not None)
+
+    @property
+    def dense(self):
+        """Whether anything besides a block mask's mask_mod is compiled in."""
+        return bool(self.masks or self.scores)
 
     @property
     def builtin(self):
@@ -60,6 +72,10 @@ class Composition:
     def locals(self):
         return ", ".join(f"ma{n}" for n in range(len(self.specs)))
 
+
+#: the kernel's names for a block mask's arrays (numflash.block_mask.BlockMask.structure), the
+#: last arguments of a composition with one
+BLOCK_ARRAYS = ("bm_kv_count", "bm_kv_blocks", "bm_q_count", "bm_q_blocks", "bm_bq", "bm_bk")
 
 _registry = {}   # token -> Composition
 _user_ids = {}   # a user's function -> its number in this process (the function is kept alive)
@@ -94,22 +110,33 @@ def _spec_text(spec):
 
 def kernel_mods(mods):
     """The modifications of a numflash.mods.Mods a kernel computes score by score (all but the
-    sliding window): (masks ((fn, args), ...), score mods ((fn, grad, args), ...))."""
+    sliding window and a block mask's mask_mod): (masks ((fn, args), ...), score mods ((fn,
+    grad, args), ...))."""
     if mods is None:
         return (), ()
-    return tuple(m for m in mods.masks if m[0] is not user_mods._window_mask), mods.scores
+    masks = mods.masks[:-1] if mods.block else mods.masks
+    return tuple(m for m in masks if m[0] is not user_mods._window_mask), mods.scores
+
+
+def _block_part(mods):
+    """((fn, args),) of a block mask's mask_mod and its BLOCK_ARRAYS' values, or ((), ())."""
+    if mods is None or not mods.block:
+        return (), ()
+    return (mods.masks[-1],), tuple(mods.block[1:])
 
 
 def token_for(mods):
     """The MODS token of a call's modifications ("" if the kernel computes none), registered so
     that the kernel factory finds the functions."""
     masks, scores = kernel_mods(mods)
-    if not masks and not scores:
+    sparse, arrays = _block_part(mods)
+    if not masks and not scores and not sparse:
         return ""
     parts, specs = [], []
     for kind, fns, args in ([("mask", (f,), a) for f, a in masks] +
                             [("score", (f,) + ((g,) if g is not None else ()), a)
-                             for f, g, a in scores]):
+                             for f, g, a in scores] +
+                            [("block", (f,), a + arrays) for f, a in sparse]):
         arg_specs = [_spec(a) for a in args]
         specs += arg_specs
         parts.append(f"{kind}:{'/'.join(_name(f) for f in fns)}"
@@ -117,7 +144,8 @@ def token_for(mods):
     token = "+".join(parts)
     if token not in _registry:
         _registry[token] = Composition(token, tuple((f, len(a)) for f, a in masks),
-                                       tuple((f, g, len(a)) for f, g, a in scores), tuple(specs))
+                                       tuple((f, g, len(a)) for f, g, a in scores), tuple(specs),
+                                       tuple((f, len(a)) for f, a in sparse))
     return token
 
 
@@ -133,8 +161,10 @@ def arguments(mods):
     """The kernel's modification arguments of a call, flattened in the token's order: arrays as
     they are, integers as int, floats as float (the launch packs Python int / float)."""
     masks, scores = kernel_mods(mods)
+    sparse, arrays = _block_part(mods)
     out = []
-    for args in [a for _, a in masks] + [a for _, _, a in scores]:
+    for args in [a for _, a in masks] + [a for _, _, a in scores] + [a for _, a in sparse] + \
+            [arrays]:
         for a in args:
             spec = _spec(a)
             out.append(int(a) if spec == INT else float(a) if spec == FLOAT else a)
@@ -160,20 +190,44 @@ def emit_locals(s, token, flt):
     """Emit the modification arguments as the functions read them: a float scalar in the
     kernel's float type (one float64 in the score arithmetic would make it float64), the rest
     as passed."""
-    for n, spec in enumerate(composition(token).specs):
+    specs = composition(token).specs
+    for n, spec in enumerate(specs):
         s(f"ma{n} = {flt}(mod{n})" if spec == FLOAT else f"ma{n} = mod{n}")
+    if sparse(token):
+        first = len(specs) - len(BLOCK_ARRAYS)
+        s(*(f"{name} = ma{first + n}" for n, name in enumerate(BLOCK_ARRAYS)))
+
+
+def sparse(token):
+    """Whether the variant has a block mask (its tile loops visit the blocks' lists)."""
+    return bool(token) and bool(composition(token).sparse)
 
 
 def emit_apply(s, token, element_index, guard=""):
     """Emit, for each score register ``(name, query index source, key index source)`` of
     ``element_index``, the modified score in place of the scaled one (-inf where a mask
     refuses). A register that is -inf already (a bound of mask.py) is left, as is one whose row
-    fails ``guard`` (a padding row past Nq, whose indices the mod arrays do not hold)."""
-    args = composition(token).locals
-    for name, i, j in element_index:
-        s(_applies(name, guard, i, j))
-        with s.block():
-            s(f"{name} = mod_score({name} * mod_scale, bi, hi, {i}, {j}, {args})")
+    fails ``guard`` (a padding row past Nq, whose indices the mod arrays do not hold). With a
+    block mask, a tile in a FULL block (``tile_full``) skips its mask_mod."""
+    comp = composition(token)
+
+    def apply(fn):
+        for name, i, j in element_index:
+            s(_applies(name, guard, i, j))
+            with s.block():
+                s(f"{name} = {fn}({name} * mod_scale, bi, hi, {i}, {j}, {comp.locals})")
+    if not comp.sparse:
+        apply("mod_score")
+        return
+    s("if tile_full:")
+    with s.block():
+        if comp.dense:
+            apply("mod_score_dense")
+        else:   # only the scale the softmax (in log2(e) units) expects
+            s(*(f"{name} = {name} * mod_scale" for name, _, _ in element_index))
+    s("else:")
+    with s.block():
+        apply("mod_score")
 
 
 def _applies(name, guard, i, j):
@@ -185,33 +239,64 @@ def _applies(name, guard, i, j):
 def emit_apply_grad(s, token, name, grad, i, j, guard=""):
     """Emit the backward's form for one score register: ``name`` <- the modified score (-inf
     where refused) and ``grad`` <- its derivative in the scaled score (0 where refused; left as
-    it is where the row fails ``guard``, as in :func:`emit_apply`)."""
-    s(f"{grad} = ZERO", _applies(name, guard, i, j))
+    it is where the row fails ``guard``, as in :func:`emit_apply`; a block mask's FULL tiles
+    skip its mask_mod)."""
+    comp = composition(token)
+
+    def apply(fn):
+        s(f"{grad} = ZERO", _applies(name, guard, i, j))
+        with s.block():
+            s(f"{name}, {grad} = {fn}({name} * mod_scale, bi, hi, {i}, {j}, {comp.locals})")
+    if not comp.sparse:
+        apply("mod_score_grad")
+        return
+    s("if tile_full:")
     with s.block():
-        s(f"{name}, {grad} = mod_score_grad({name} * mod_scale, bi, hi, {i}, {j}, "
-          f"{composition(token).locals})")
+        if comp.dense:
+            apply("mod_score_dense_grad")
+        else:
+            s(f"{name} = {name} * mod_scale", f"{grad} = ONE")
+    s("else:")
+    with s.block():
+        apply("mod_score_grad")
 
 
 def composition_source(token, real):
     """Python source of mod_score and mod_score_grad for a token: masks and-ed, score mods in
-    order, every intermediate in the kernel's float type ``real`` ("float32" / "float64")."""
+    order, every intermediate in the kernel's float type ``real`` ("float32" / "float64"); with
+    a block mask and other modifications also mod_score_dense(_grad), without its mask_mod."""
     comp = composition(token)
-    n = 0
+    text = _functions_source(comp, real, "mod_score", True)
+    if comp.sparse and comp.dense:
+        text += _functions_source(comp, real, "mod_score_dense", False)
+    return text
+
+
+def _functions_source(comp, real, name, with_block_mask):
+    """Source of ``name`` and ``name``_grad (the latter when every score mod has its
+    derivative), each taking every argument of the composition."""
     params = ", ".join(f"a{k}" for k in range(len(comp.specs)))
     head = "x, b, h, i, j" + (f", {params}" if params else "")
-    score, grad = Source(), Source()  # the grad only if every score mod has its derivative
-    score(f"def mod_score({head}):")
-    grad(f"def mod_score_grad({head}):")
+
+    def args(first, nargs):
+        return "".join(f", a{first + k}" for k in range(nargs))
+    # masks' arguments first, then the score mods', then the block mask's (specs' order)
+    firsts = list(itertools.accumulate([nargs for _, nargs in comp.masks] +
+                                       [nargs for _, _, nargs in comp.scores], initial=0))
+    masks = [(f"m{m}", firsts[m], nargs) for m, (_, nargs) in enumerate(comp.masks)]
+    if with_block_mask:
+        masks += [(f"bm{m}", firsts[-1], nargs) for m, (_, nargs) in enumerate(comp.sparse)]
+    score, grad = Source(), Source()
+    score(f"def {name}({head}):")
+    grad(f"def {name}_grad({head}):")
     with score.block(), grad.block():
-        for m, (_, nargs) in enumerate(comp.masks):
-            call = f"m{m}(b, h, i, j{''.join(f', a{n + k}' for k in range(nargs))})"
-            n += nargs
+        for fn, first, nargs in masks:
+            call = f"{fn}(b, h, i, j{args(first, nargs)})"
             score(f"if not {call}:", "    return NEG_INF")
             grad(f"if not {call}:", "    return NEG_INF, ZERO")
         grad("gr = ONE")
         for m, (_, _, nargs) in enumerate(comp.scores):
-            a = "".join(f", a{n + k}" for k in range(nargs))
-            n += nargs
+            a = args(firsts[len(comp.masks) + m], nargs)
             grad(f"gr = gr * {real}(g{m}(x, b, h, i, j{a}))")
             for src in (score, grad):
                 src(f"x = {real}(s{m}(x, b, h, i, j{a}))")
@@ -237,12 +322,15 @@ def namespace(token, real, device_jit=None):
            real.__name__: _real_type(real, device_jit)}
     for m, (f, _) in enumerate(comp.masks):
         env[f"m{m}"] = fn(f)
+    for m, (f, _) in enumerate(comp.sparse):
+        env[f"bm{m}"] = fn(f)
     for m, (f, g, _) in enumerate(comp.scores):
         env[f"s{m}"] = fn(f)
         if g is not None:
             env[f"g{m}"] = fn(g)
     exec(composition_source(token, real.__name__), env)  # noqa: S102 - names generated here
-    return {name: fn(env[name]) for name in ("mod_score", "mod_score_grad") if name in env}
+    return {name: fn(env[name]) for name in ("mod_score", "mod_score_grad", "mod_score_dense",
+                                             "mod_score_dense_grad") if name in env}
 
 
 def _real_type(real, device_jit):

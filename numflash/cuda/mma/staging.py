@@ -30,34 +30,123 @@ def emit_cp_async_rows(s, src, rows, row, first, limit, width, dim, off, W, chun
 
 @contextlib.contextmanager
 def tile_loop(s, stage_kv, BC, kv_words, VEC, KV_OFF, KW, window=False, start="block_first",
-              end="block_keys"):
+              end="block_keys", sparse=None):
     """Emit the K/V tile loop's head and enter its body, yielding the word offsets of the tile
     being read (k_off, v_off) and the source prefix of its buffer (kb): VEC double-buffers with
     cp.async; otherwise each tile is staged synchronously between two barriers. The loop visits
     the tiles from 0 (with a window: from the one holding row ``start``) up to row ``end`` of the
     streamed array (the keys; the backward's key pass streams the queries). j0 is the first row
-    of the tile in the body."""
-    if window:
+    of the tile in the body.
+
+    ``sparse``: a block mask's (list, count, block): the source of the 1-D view of this block
+    row's (or column's) entries (block index * 2 + 1 if FULL, ascending; numflash.block_mask),
+    of their number, and of the blocks' size along the streamed axis. The loop then visits the
+    BC-row tiles of the listed blocks between ``start`` and ``end`` only, and the body has
+    ``tile_full`` (the tile lies in a FULL block)."""
+    if sparse:
+        _emit_sparse_range(s, BC, start if window else None, end, *sparse)
+        if VEC:
+            _emit_sparse_double_buffered_loop(s, stage_kv, BC, kv_words, sparse[0], sparse[2])
+        else:
+            s("for it in range(ntiles):")
+    elif window:
         s(f"t_first = {start} // {BC}",
           f"ntiles = max(0, ({end} - t_first * {BC} + {BC - 1}) // {BC})")
         first = f"(t_first + it) * {BC}"
     else:
         s(f"ntiles = ({end} + {BC - 1}) // {BC}")
         first = f"it * {BC}"
-    if VEC:
+    if VEC and not sparse:
         _emit_double_buffered_loop(s, stage_kv, BC, kv_words, first,
                                    f"U(t_first * {BC})" if window else U(0))
-    else:
+    elif not VEC and not sparse:
         s("for it in range(ntiles):")
     with s.block():
         if VEC:
             yield KV_OFF, KV_OFF + BC * KW, "buf + "
             return
-        s(f"j0 = {first}", "j0u = U(j0)")
+        if sparse:
+            s(f"entry = I({sparse[0]}[e])",
+              f"j0 = (entry // 2) * {sparse[2]} + sub * {BC}",
+              "tile_full = entry % 2 == 1")
+            _emit_next_tile(s)
+        else:
+            s(f"j0 = {first}")
+        s("j0u = U(j0)")
         s("cuda.syncthreads()  # the previous tile is no longer read")
         k_off, v_off = stage_kv("j0u", 0)
         s("cuda.syncthreads()")
         yield k_off, v_off, ""
+
+
+def _emit_next_tile(s, entry_next=None):
+    """Emit the step to the next listed tile without a division (64-bit integer division costs
+    dozens of instructions a tile): the next sub-tile of the block, or the first of the next
+    block (whose entry becomes ``entry``; with ``entry_next``, the entry after it is read now,
+    a block ahead of its use)."""
+    s("sub += 1", "if sub == bm_reps:")
+    with s.block():
+        s("sub = I(0)", "e += 1")
+        if entry_next:
+            s("entry = entry_next", f"entry_next = {entry_next}")
+
+
+def _emit_sparse_range(s, BC, start, end, lst, count, block):
+    """Emit the range [e_lo, e_hi) of a block mask's list ``lst`` (``count`` entries, ascending)
+    whose blocks of ``block`` rows reach past row ``start`` (None: 0) and begin before row
+    ``end``, and ntiles, the BC-row tiles in them. Each warp counts both ends at once, its lanes
+    reading the entries 32 apart (a serial scan would wait on one dependent load per block)."""
+    s(f"bm_reps = {block} // {BC}", "n_lo = I(0)", "n_hi = I(0)",
+      f"for e in range(I(lane), I({count}), 32):")
+    with s.block():
+        s(f"block_row = I({lst}[e] // 2) * {block}")
+        if start is not None:
+            s(f"if block_row + {block} <= {start}:")
+            with s.block():
+                s("n_lo += 1")
+        s(f"if block_row < {end}:")
+        with s.block():
+            s("n_hi += 1")
+    for shift in (16, 8, 4, 2, 1):
+        if start is not None:
+            s(f"n_lo += cuda.shfl_xor_sync(FULL, n_lo, {shift})")
+        s(f"n_hi += cuda.shfl_xor_sync(FULL, n_hi, {shift})")
+    s("e_lo = n_lo", "e_hi = max(n_hi, e_lo)", "ntiles = (e_hi - e_lo) * bm_reps",
+      "e = e_lo", "sub = I(0)")
+
+
+def _emit_sparse_double_buffered_loop(s, stage_kv, BC, kv_words, lst, block):
+    """The double-buffered loop over a block mask's listed tiles: as _emit_double_buffered_loop,
+    walking the list with a block (e) and sub-tile (sub) counter; the entry of the block after
+    the current one is read when the current one is entered, so the address of the next
+    cp.async never waits on a global load."""
+    def entry_at(e):
+        return f"I({lst}[min({e}, e_hi - 1)])"
+    s("entry = I(0)", "entry_next = I(0)", "if ntiles > 0:")
+    with s.block():
+        s(f"entry = {entry_at('e')}")
+        stage_kv(f"U((entry // 2) * {block})", 0)
+        s(f"entry_next = {entry_at('e + 1')}")
+    s("for it in range(ntiles):")
+    with s.block():
+        s(f"j0 = (entry // 2) * {block} + sub * {BC}", "tile_full = entry % 2 == 1",
+          f"buf = U(it % 2) * {U(kv_words)}")
+        s("cuda.syncthreads()  # everyone is done reading the buffer refilled next")
+        s("if it + 1 < ntiles:")
+        with s.block():
+            s(f"next_row = j0 + {BC} if sub + 1 < bm_reps else (entry_next // 2) * {block}")
+            s("if it % 2 == 0:")
+            with s.block():
+                stage_kv("U(next_row)", 1)
+            s("else:")
+            with s.block():
+                stage_kv("U(next_row)", 0)
+            s("cp_async_wait_1()")
+        s("else:")
+        with s.block():
+            s("cp_async_wait_0()")
+        s("cuda.syncthreads()")
+        _emit_next_tile(s, entry_at("e + 1"))
 
 
 def _emit_double_buffered_loop(s, stage_kv, BC, kv_words, first, first_key):
@@ -87,6 +176,7 @@ def _emit_double_buffered_loop(s, stage_kv, BC, kv_words, first, first_key):
         with s.block():
             s("cp_async_wait_0()")
         s("cuda.syncthreads()")
+
 
 
 def emit_q_ready(s, VEC, HOLDQ, NKK, load_q):
