@@ -7,10 +7,14 @@ does (FlexAttention's ``create_block_mask`` idea).
 
 A :class:`BlockMask` marks each block of ``block_size`` queries by ``block_size`` keys EMPTY
 (no pair takes part), FULL (every pair does) or PARTIAL, per batch entry and head (B or H of
-None: one mask for all, the mask_mod then sees b = 0 / h = 0). It is made once and reused by
-every call and layer with the same shape, and by the backward. A call with a block mask applies
-its mask_mod (and the call's other options, causal and windows included), so the result is that
-of ``mask_mod=bm.mask_mod, mod_args=bm.mod_args``; only the cost changes:
+None: one mask for all, made from b = 0 / h = 0). It is made once and reused by every call and
+layer with the same shape, and by the backward. A call with a block mask applies its mask_mod
+(and the call's other options, causal and windows included), so the result is that of
+``mask_mod=bm.mask_mod, mod_args=bm.mod_args`` -- provided the marks are the mask's: a mask
+made with B (or H) None whose mask_mod does depend on b (or h), for example a document mask
+with other documents in each batch entry, gives wrong rows where the entries differ (the
+kernels trust the marks; nothing can check this without evaluating the mask again). Only the
+cost changes:
 
 - cuda.mma (forward and both backward passes) visits only the non-empty blocks of a row (or of
   a key column) through the lists below, and evaluates the mask_mod only in PARTIAL blocks;
@@ -51,6 +55,14 @@ class BlockMask:
     def kind(self):
         """'numpy' or 'cupy': where the mask lives (the call's q must live there too)."""
         return "numpy" if isinstance(self.state, np.ndarray) else "cupy"
+
+    def to_host(self):
+        """This mask on the CPU (NumPy state and mod_args; itself if it is there already): what
+        the float64 reference takes for a GPU call's mask."""
+        if self.kind == "numpy":
+            return self
+        args = tuple(a.get() if hasattr(a, "get") else a for a in self.mod_args)
+        return BlockMask(self.mask_mod, args, self.shape, self.block_size, self.state.get())
 
     def counts(self):
         """(empty, partial, full) numbers of blocks, over every (batch, head) the mask holds."""
@@ -112,8 +124,9 @@ def create_block_mask(mask_mod, B, H, Nq, Nk, mod_args=(), *, block_size=128, de
     """A :class:`BlockMask` of ``mask_mod(b, h, q_idx, kv_idx, *mod_args) -> bool`` (True = the
     pair takes part) for calls of shape (B, H, Nq, Nk).
 
-    B, H: None where the mask is the same for every batch entry / head (it is then evaluated
-    with b = 0 / h = 0 and broadcast). block_size: an int or (queries, keys), multiples of 16;
+    B, H: None only where the mask is the same for every batch entry / head (it is then
+    evaluated with b = 0 / h = 0 and broadcast; a mask_mod that depends on b or h needs B or H
+    given, or its marks are wrong for the other entries and so is the attention). block_size: an int or (queries, keys), multiples of 16;
     128 (the default, as FlexAttention's) suits every cuda.mma tile (a kernel tile that does not
     divide the block is refused with the reason by ``numflash.explain``). device: "cpu", "cuda"
     (the current GPU) or a GPU number; by default the GPU of a CuPy array among mod_args, else
@@ -272,6 +285,11 @@ def _fill_on_gpu(mask_mod, args, state, Nq, Nk, bq, bk):
         raise ValueError(f"the block mask has {nqb} query blocks and {Bm * Hm} (batch, head) "
                          f"pairs; a GPU fill takes at most 65535 of each: use a larger "
                          f"block_size or broadcast B / H")
+    import cupy
+    from numba import cuda
+    # on CuPy's current stream, where the lists are then built from the states (numba's default
+    # stream would not order them under a non-blocking CuPy stream)
+    stream = cuda.external_stream(cupy.cuda.get_current_stream().ptr)
     with _compile_errors(mask_mod, "the block mask's GPU filler"):
-        _filler(mask_mod, len(args), True)[(nkb, nqb, Bm * Hm), 128](state, Nq, Nk, bq, bk,
-                                                                       *args)
+        _filler(mask_mod, len(args), True)[(nkb, nqb, Bm * Hm), 128, stream](
+            state, Nq, Nk, bq, bk, *args)

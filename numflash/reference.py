@@ -44,6 +44,8 @@ def _on_host(mod_options):
         import cupy  # any device array (CuPy, numba, torch CUDA tensors) through CuPy
         return cupy.asnumpy(cupy.asarray(a))
     out = {name: host(a) for name, a in mod_options.items()}
+    if out.get("block_mask") is not None:
+        out["block_mask"] = out["block_mask"].to_host()
     if "mod_args" in out:
         out["mod_args"] = tuple(host(a) for a in out["mod_args"])
     return out

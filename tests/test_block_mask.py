@@ -155,6 +155,9 @@ def test_cpu_calls_equal_the_mask_mod_call_and_meet_the_rule(rng, dtype, causal,
     np.testing.assert_array_equal(l1, l2)
     rep = testing.check(o1, q, k, v, lse=l1, causal=causal, mask_mod=m, mod_args=args)
     assert rep.ok, rep
+    ref = numflash.reference.attention(q, k, v, causal=causal, block_mask=bm)
+    np.testing.assert_array_equal(ref, numflash.reference.attention(q, k, v, causal=causal,
+                                                                    mask_mod=m, mod_args=args))
     g1 = numflash.attention_backward(do, q, k, v, o1, l1, causal=causal, block_mask=bm)
     g2 = numflash.attention_backward(do, q, k, v, o2, l2, causal=causal, mask_mod=m,
                                      mod_args=args)
@@ -193,19 +196,23 @@ def test_the_cpu_path_skips_the_tiles_of_empty_blocks(rng):
     assert np.abs(out - want).max() < 1e-12
 
 
-def _emulated(DT, causal, extra, VEC=1, fast=False):
-    return pytest.param(DT, causal, extra, VEC,
-                        id=f"{DT}-{causal}-{'-'.join(extra) or 'alone'}-VEC{VEC}",
+def _emulated(DT, causal, extra, VEC=1, wide=False, fast=False):
+    return pytest.param(DT, causal, extra, VEC, wide,
+                        id=f"{DT}-{causal}-{'-'.join(extra) or 'alone'}-VEC{VEC}"
+                           f"{'-wide-blocks' if wide else ''}",
                         marks=() if fast else pytest.mark.extended)
 
 
-@pytest.mark.parametrize("DT, causal, extra, VEC", [
+# wide: 32 x 32 blocks of two 16-key tiles (the sub-tile counter and the next tile inside a
+# block) and a key pass of 32-query tiles read 16 at a time
+@pytest.mark.parametrize("DT, causal, extra, VEC, wide", [
     _emulated("f64", "bottom_right", (), fast=True),
     _emulated("f64", False, ("softcap",), VEC=0),
     _emulated("f16", True, ("softcap", "window")),
+    _emulated("f64", "bottom_right", ("window",), wide=True),
 ])
 def test_mma_source_visits_the_listed_blocks_and_skips_the_mask_in_full_ones(rng, DT, causal,
-                                                                             extra, VEC):
+                                                                             extra, VEC, wide):
     """The generated cuda.mma forward (double-buffered, VEC=1, or staged between barriers) and
     both backward passes (warp emulator) with a doctored block mask: a block marked EMPTY is
     never visited, one marked FULL takes every pair (its mask_mod is not evaluated), PARTIAL
@@ -214,7 +221,9 @@ def test_mma_source_visits_the_listed_blocks_and_skips_the_mask_in_full_ones(rng
     from mma_tools import run_backward_kernels, run_forward_kernel
     from test_mma_mods import _inputs
     B, H, Nq, Nk, d = 1, 2, 40, 56, 16
-    bm, dense = _doctored(_stripes, (5, 3), B, H, Nq, Nk, 16,
+    if wide:
+        B, Nq, Nk = 2, 70, 100
+    bm, dense = _doctored(_stripes, (5, 3), B, H, Nq, Nk, 32 if wide else 16,
                           {(0, 1): EMPTY, (1, 2): FULL, (2, 0): EMPTY, (2, 3): FULL})
     opts = {"softcap": 4.0} if "softcap" in extra else {}
     if "window" in extra:
@@ -222,8 +231,8 @@ def test_mma_source_visits_the_listed_blocks_and_skips_the_mask_in_full_ones(rng
     q, k, v, do = _inputs(rng, DT, B, H, H, Nq, Nk, d)
     is_causal, off = parse_causal(causal, Nq, Nk)
     built = mods.build((B, H, Nq, Nk, d, d), "numpy", off, block_mask=bm, **opts)
-    out, lse = run_forward_kernel(q, k, v, DT, is_causal, off, VEC=VEC, tile=(1, 16, 0),
-                                  mods=built)
+    out, lse = run_forward_kernel(q, k, v, DT, is_causal, off, VEC=VEC,
+                                  tile=(2 if wide else 1, 16, 0), mods=built)
     want, want_lse = numflash.reference.attention(q, k, v, causal=causal, return_lse=True,
                                                   attn_mask=dense, **opts)
     rep = testing.check(out, q, k, v, lse=lse, causal=causal, attn_mask=dense, **opts)
@@ -231,7 +240,8 @@ def test_mma_source_visits_the_listed_blocks_and_skips_the_mask_in_full_ones(rng
     assert (np.isneginf(lse) == np.isneginf(want_lse)).all()
     grads = run_backward_kernels(q, k, v, do, want.astype(q.dtype),
                                  want_lse.astype(lse.dtype), DT, is_causal, off,
-                                 tiles={"queries": (1, 16), "keys": (1, 16)}, mods=built)
+                                 tiles={"queries": (1, 16), "keys": (2, 32, 16) if wide
+                                        else (1, 16)}, mods=built)
     rep = testing.assert_gradients_accurate(grads, do, q, k, v, causal=causal, attn_mask=dense,
                                             **opts)
     if DT == "f64":
@@ -293,8 +303,9 @@ def test_gpu_block_mask_equals_its_mask_mod_at_real_sizes(rng, dtype):
                                     mod_args=(dev_ids, dev_ids), return_lse=True)
         assert bool((o1 == o2).all()) and bool((l1 == l2).all())
         rows = np.linspace(0, N - 1, 64).astype(int)
-        rep = testing.check(o1.get(), q, k, v, lse=l1.get(), causal=causal, mask_mod=m,
-                            mod_args=(ids, ids), rows=rows)
+        # the reference takes the GPU block mask itself (BlockMask.to_host)
+        rep = testing.check(o1.get(), q, k, v, lse=l1.get(), causal=causal, block_mask=bm,
+                            rows=rows)
         assert rep.ok, rep
         if dtype == "float32":
             continue   # cuda.mma's backward takes 16-bit inputs

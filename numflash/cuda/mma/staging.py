@@ -178,7 +178,6 @@ def _emit_double_buffered_loop(s, stage_kv, BC, kv_words, first, first_key):
         s("cuda.syncthreads()")
 
 
-
 def emit_q_ready(s, VEC, HOLDQ, NKK, load_q):
     """Emit the wait for the staged Q tile and, when HOLDQ, its load into registers qf_{kk}_{r}
     (after which K/V may overwrite Q's shared memory)."""
