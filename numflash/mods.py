@@ -21,7 +21,8 @@ path (cpu.tiled, forward and backward) takes them all; the tensor-core kernels (
 and backward) take ``window_size`` as a key range per row (:func:`window_key_range`), skipping
 the key tiles outside it, and every other one as CUDA device functions applied score by score
 (numflash/cuda/mma/mods.py); cuda.block and cuda.row refuse them with a reason
-(``numflash.explain`` shows it). With CuPy inputs the arrays of a modification must be CuPy
+(``numflash.explain`` shows it). A ``block_mask`` (numflash.block_mask) is a mask_mod with its
+blocks marked once: kernels skip its EMPTY blocks (cuda.mma also its evaluation in FULL ones). With CuPy inputs the arrays of a modification must be CuPy
 arrays on q's GPU. A new modification compiles a new CPU kernel (a few seconds) once per process
 and combination of argument types; on the GPU a kernel with numflash's built-ins is cached on
 disk, one with a user's function compiles once per process (numba cannot key a disk cache on a
