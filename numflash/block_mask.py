@@ -24,11 +24,25 @@ Built on the GPU (a CUDA kernel evaluates the mask_mod at every pair, block by b
 mod_args or ``device="cuda"``, on the CPU (numba, parallel) otherwise; it must live where the
 call's q lives.
 """
+from typing import NamedTuple
+
 import numpy as np
 
 __all__ = ["BlockMask", "create_block_mask", "EMPTY", "PARTIAL", "FULL"]
 
 EMPTY, PARTIAL, FULL = 0, 1, 2
+
+
+class BlockArrays(NamedTuple):
+    """What the kernels read of a block mask for one call (BlockMask.structure): the states
+    and the lists, broadcast to the call's (B, H), and the block sizes."""
+    state: object
+    kv_count: object
+    kv_blocks: object
+    q_count: object
+    q_blocks: object
+    bq: int
+    bk: int
 
 
 class BlockMask:
@@ -80,9 +94,8 @@ class BlockMask:
                 f"{e} empty / {p} partial / {f} full blocks)")
 
     def structure(self, B, H, Nq, Nk, kind, device_id):
-        """The arrays the kernels read, as zero-copy views broadcast to the call's B and H:
-        (state, kv_count, kv_blocks, q_count, q_blocks, bq, bk); checked against the call (the
-        errors name ``block_mask``)."""
+        """The :class:`BlockArrays` the kernels read, zero-copy views broadcast to the call's B
+        and H; checked against the call (the errors name ``block_mask``)."""
         mB, mH, mNq, mNk = self.shape
         if (mNq, mNk) != (Nq, Nk) or mB not in (1, B) or mH not in (1, H):
             raise ValueError(f"block_mask was made for (B, H, Nq, Nk) = {self.shape} (B, H of 1 "
@@ -100,8 +113,8 @@ class BlockMask:
 
         def wide(a):
             return xp.broadcast_to(a, (B, H) + a.shape[2:])
-        return (wide(self.state), wide(self.kv_count), wide(self.kv_blocks), wide(self.q_count),
-                wide(self.q_blocks), self.block_size[0], self.block_size[1])
+        return BlockArrays(wide(self.state), wide(self.kv_count), wide(self.kv_blocks),
+                           wide(self.q_count), wide(self.q_blocks), *self.block_size)
 
 
 def _xp(a):

@@ -132,7 +132,7 @@ class Mods:
             raise ValueError("Mods needs the kinds of its modifications (numflash.kernels "
                              "decides by them which kernel may run it)")
         self.window = window
-        # a block mask's arrays (numflash.block_mask.BlockMask.structure); its mask_mod is the
+        # a block mask's numflash.block_mask.BlockArrays, or None; its mask_mod is the
         # last of ``masks``, which kernels that know the blocks evaluate in PARTIAL ones only
         self.block = block
 
@@ -141,7 +141,7 @@ class Mods:
         """Every function's arguments, in order: what the compiled composition reads (with a
         block mask, last, its (state, block rows, block columns))."""
         args = tuple(a for _, a in self.masks) + tuple(a for _, _, a in self.scores)
-        return args + ((self.block[0], self.block[5], self.block[6]),) if self.block else args
+        return args + ((self.block.state, self.block.bq, self.block.bk),) if self.block else args
 
     @property
     def has_grad(self):
@@ -387,7 +387,7 @@ def build(problem_shape, kind, causal_offset, *, device_id=None, score_mod=None,
         block = block_mask.structure(B, H, Nq, Nk, kind, device_id)
         masks.append((block_mask.mask_mod, block_mask.mod_args))
         names.append(f"block_mask={getattr(block_mask.mask_mod, '__name__', 'fn')} "
-                     f"({block[5]}x{block[6]} blocks)")
+                     f"({block.bq}x{block.bk} blocks)")
         kinds.append("block_mask")
     if softcap is not None and softcap != 0:
         cap = float(softcap)

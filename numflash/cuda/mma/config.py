@@ -56,7 +56,7 @@ def check_block_tiles(problem, tiles):
     loop visits a block's tiles, so a tile may not straddle two blocks)."""
     block = getattr(getattr(problem, "mods", None), "block", None)
     for rows, cols, what in tiles if block else ():
-        bq, bk = block[5], block[6]
+        bq, bk = block.bq, block.bk
         if bq % rows or bk % cols:
             raise Unsupported(f"{NAME}: the block mask's {bq} x {bk} blocks are not whole tiles "
                               f"of the {what} ({rows} queries x {cols} keys): create it with "

@@ -73,8 +73,8 @@ class Composition:
         return ", ".join(f"ma{n}" for n in range(len(self.specs)))
 
 
-#: the kernel's names for a block mask's arrays (numflash.block_mask.BlockMask.structure), the
-#: last arguments of a composition with one
+#: the kernel's names for a block mask's arrays (numflash.block_mask.BlockArrays, less the state
+#: the CPU path reads), the last arguments of a composition with one
 BLOCK_ARRAYS = ("bm_kv_count", "bm_kv_blocks", "bm_q_count", "bm_q_blocks", "bm_bq", "bm_bk")
 
 _registry = {}   # token -> Composition
@@ -122,7 +122,8 @@ def _block_part(mods):
     """((fn, args),) of a block mask's mask_mod and its BLOCK_ARRAYS' values, or ((), ())."""
     if mods is None or not mods.block:
         return (), ()
-    return (mods.masks[-1],), tuple(mods.block[1:])
+    b = mods.block
+    return (mods.masks[-1],), (b.kv_count, b.kv_blocks, b.q_count, b.q_blocks, b.bq, b.bk)
 
 
 def token_for(mods):
@@ -216,18 +217,27 @@ def emit_apply(s, token, element_index, guard=""):
             s(_applies(name, guard, i, j))
             with s.block():
                 s(f"{name} = {fn}({name} * mod_scale, bi, hi, {i}, {j}, {comp.locals})")
+    _emit_by_tile(s, comp, apply, "",
+                  lambda: s(*(f"{name} = {name} * mod_scale" for name, _, _ in element_index)))
+
+
+def _emit_by_tile(s, comp, apply, suffix, scale_only):
+    """Emit ``apply("mod_score" + suffix)``; with a block mask, inside a branch on tile_full
+    whose FULL side applies mod_score_dense + suffix (everything but the block mask's mask_mod)
+    or, with nothing else compiled in, ``scale_only()`` (the scale the softmax, in log2(e)
+    units, expects)."""
     if not comp.sparse:
-        apply("mod_score")
+        apply(f"mod_score{suffix}")
         return
     s("if tile_full:")
     with s.block():
         if comp.dense:
-            apply("mod_score_dense")
-        else:   # only the scale the softmax (in log2(e) units) expects
-            s(*(f"{name} = {name} * mod_scale" for name, _, _ in element_index))
+            apply(f"mod_score_dense{suffix}")
+        else:
+            scale_only()
     s("else:")
     with s.block():
-        apply("mod_score")
+        apply(f"mod_score{suffix}")
 
 
 def _applies(name, guard, i, j):
@@ -247,18 +257,8 @@ def emit_apply_grad(s, token, name, grad, i, j, guard=""):
         s(f"{grad} = ZERO", _applies(name, guard, i, j))
         with s.block():
             s(f"{name}, {grad} = {fn}({name} * mod_scale, bi, hi, {i}, {j}, {comp.locals})")
-    if not comp.sparse:
-        apply("mod_score_grad")
-        return
-    s("if tile_full:")
-    with s.block():
-        if comp.dense:
-            apply("mod_score_dense_grad")
-        else:
-            s(f"{name} = {name} * mod_scale", f"{grad} = ONE")
-    s("else:")
-    with s.block():
-        apply("mod_score_grad")
+    _emit_by_tile(s, comp, apply, "_grad", lambda: s(f"{name} = {name} * mod_scale",
+                                                      f"{grad} = ONE"))
 
 
 def composition_source(token, real):
