@@ -5,11 +5,12 @@ from . import reference
 from .api import attention, attention_backward, explain
 from .block_mask import BlockMask, create_block_mask
 from .io_model import io_model
+from .kvcache import attention_with_kvcache
 from .varlen import attention_varlen, attention_varlen_backward, merge_partials
 
 __all__ = ["attention", "attention_backward", "explain", "create_block_mask", "BlockMask",
-           "attention_varlen",
-           "attention_varlen_backward", "merge_partials", "reference", "io_model"]
+           "attention_varlen", "attention_varlen_backward", "merge_partials",
+           "attention_with_kvcache", "reference", "io_model"]
 __version__ = "0.1.0"
 
 # The framework layers import their framework: loaded on first use (numflash.torch,

@@ -31,7 +31,7 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, layout="bhsd", backe
               algorithm="auto", return_lse=False, out=None, precision="auto", score_mod=None,
               mask_mod=None, mod_args=(), score_mod_grad=None, window_size=None, softcap=None,
               alibi_slopes=None, attn_bias=None, attn_mask=None,
-              block_mask=None):
+              block_mask=None, num_splits=None):
     """Exact attention softmax(softmax_scale * q k^T + mask) v with O(N) memory.
 
     q: (B, H, Nq, d), k: (B, Hk, Nk, d), v: (B, Hk, Nk, dv) for ``layout="bhsd"``;
@@ -76,6 +76,12 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, layout="bhsd", backe
     on cuda.mma, the mask evaluated only in blocks it leaves partly filled). A row that nothing
     is left in gives zeros and lse = -inf.
 
+    num_splits: split-KV, how many shares of the keys each block of queries is split into on
+        the GPU (cuda.mma), their partial results then merged exactly (:func:`merge_partials`'s
+        rule, one more launch). None: chosen from the GPU's size, splitting when the query
+        blocks cannot fill it (decoding, few long rows); 1: never; any other backend takes
+        only None or 1. :func:`explain` says the choice.
+
     Returns the output in q's dtype, array kind and layout; ``(out, lse)`` if ``return_lse``.
     A forced backend or algorithm that cannot run the inputs raises ValueError saying why;
     :func:`explain` shows the choice without running it.
@@ -85,19 +91,23 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, layout="bhsd", backe
     key = None
     if out is None and not mod_options:  # a repeated CuPy call replays its recorded launch
         key = _fastpath.signature(q, k, v, _fastpath.call_options(
-            causal, softmax_scale, layout, backend, algorithm, return_lse, precision))
+            causal, softmax_scale, layout, backend, algorithm, return_lse, precision,
+            num_splits))
         replay = _fastpath.lookup(key)
         if replay is not None:
             return replay(q, k, v)
     if _is_torch(q):
         from . import torch as _torch
+        if num_splits is not None:
+            raise TypeError("num_splits is not passed through for torch tensors yet: leave it "
+                            "None (cuda.mma chooses), or call with CuPy arrays")
         return _torch.attention(q, k, v, causal=causal, softmax_scale=softmax_scale,
                                 layout=layout, backend=backend, algorithm=algorithm,
                                 return_lse=return_lse, out=out, precision=precision,
                                 **mod_options)
     problem = _with_mods(normalize(q, k, v, causal=causal, softmax_scale=softmax_scale,
                                    layout=layout, return_lse=return_lse, out=out,
-                                   precision=precision), mod_options)
+                                   precision=precision, num_splits=num_splits), mod_options)
     plan = _plan.choose(problem, backend, algorithm)
     B, H, Nq, Nk, d, dv = problem.shape
     if B * H * Nq == 0:
@@ -174,7 +184,7 @@ def explain(q, k, v, *, causal=False, softmax_scale=None, layout="bhsd", backend
             algorithm="auto", return_lse=False, out=None, precision="auto", backward=False,
             deterministic=False, score_mod=None, mask_mod=None, mod_args=(),
             score_mod_grad=None, window_size=None, softcap=None, alibi_slopes=None,
-            attn_bias=None, attn_mask=None, block_mask=None):
+            attn_bias=None, attn_mask=None, block_mask=None, num_splits=None):
     """The :class:`numflash.plan.Plan` that :func:`attention` would run for these arguments
     (with ``backward=True``: that :func:`attention_backward` would run for these q, k, v).
 
@@ -189,9 +199,12 @@ def explain(q, k, v, *, causal=False, softmax_scale=None, layout="bhsd", backend
         q, k, v = _torch._views(q, k, v)
         out = None if out is None else _torch._views(out)[0]
         mod_options = _torch._mod_arrays(mod_options)
+    if backward and num_splits is not None:
+        raise ValueError("num_splits is a forward option (the backward's kernels parallelize "
+                         "over keys already): leave it None with backward=True")
     problem = _with_mods(normalize(q, k, v, causal=causal, softmax_scale=softmax_scale,
                                    layout=layout, return_lse=return_lse, out=out,
-                                   precision=precision), mod_options)
+                                   precision=precision, num_splits=num_splits), mod_options)
     if backward:
         problem.direction, problem.deterministic = "backward", bool(deterministic)
     return _plan.choose(problem, backend, algorithm)

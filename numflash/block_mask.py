@@ -60,10 +60,8 @@ class BlockMask:
         self.shape = tuple(int(n) for n in shape)   # (B, H, Nq, Nk); B, H = 1 when broadcast
         self.block_size = tuple(int(n) for n in block_size)
         self.state = state
-        xp = _xp(state)
-        self.kv_count, self.kv_blocks = _ascending_lists(xp, state)
-        self.q_count, self.q_blocks = _ascending_lists(
-            xp, xp.ascontiguousarray(xp.swapaxes(state, -1, -2)))
+        self.kv_count, self.kv_blocks = _block_lists(state, by_key_block=False)
+        self.q_count, self.q_blocks = _block_lists(state, by_key_block=True)
 
     @property
     def kind(self):
@@ -121,16 +119,87 @@ def _xp(a):
     return np if isinstance(a, np.ndarray) else __import__("cupy")
 
 
-def _ascending_lists(xp, state):
-    """(count, entries) of the non-EMPTY blocks along the last axis: how many, and 2 * position
-    + (1 if FULL) of each in ascending order first (then the others: padding a kernel never
-    reads), both int32."""
-    n = state.shape[-1]
-    pos = xp.arange(n, dtype=np.int32)
-    nonempty = state != EMPTY
-    order = xp.sort(xp.where(nonempty, pos, pos + n), axis=-1) % n
-    full = xp.take_along_axis(state, order, axis=-1) == FULL
-    return nonempty.sum(axis=-1).astype(np.int32), (2 * order + full).astype(np.int32)
+def _list_blocks(state, count, entries, row, by_key_block):
+    """Write one list: for row ``row`` of the flattened (B, H, blocks) rows (a query block's
+    row of the states, or with ``by_key_block`` a key block's column), the number of its
+    non-EMPTY blocks into ``count`` and, in ascending order, 2 * block index + (1 if FULL) of
+    each into ``entries``, then zeros (padding a kernel never reads). Compiled for the CPU
+    and as a CUDA device function: the same code builds both."""
+    Hm = state.shape[1]
+    rows = state.shape[3] if by_key_block else state.shape[2]
+    others = state.shape[2] if by_key_block else state.shape[3]
+    b = row // (Hm * rows)
+    h = (row // rows) % Hm
+    r = row % rows
+    n = 0
+    for x in range(others):
+        mark = state[b, h, x, r] if by_key_block else state[b, h, r, x]
+        if mark != EMPTY:
+            entries[b, h, r, n] = 2 * x + (1 if mark == FULL else 0)
+            n += 1
+    count[b, h, r] = n
+    for x in range(n, others):
+        entries[b, h, r, x] = 0
+
+
+_LISTERS = {}   # "cpu" / "gpu" -> the compiled list builder; kept for the process
+
+
+def _lister(gpu):
+    """The list builder over every row: a parallel loop on the CPU, a thread per row on the
+    GPU (numba compiles it once per process; CuPy's sort and reductions, used before, compiled
+    new kernels for every new shape: seconds per mask on a fresh process)."""
+    key = "gpu" if gpu else "cpu"
+    if key not in _LISTERS:
+        if gpu:   # generated as the fillers are, so numba's simulator sees its cuda module
+            from numba import cuda
+            env = {"cuda": cuda, "one": cuda.jit(device=True)(_list_blocks)}
+            exec(_BUILD_ON_GPU, env)  # noqa: S102 - generated here
+            _LISTERS[key] = cuda.jit(env["build"])
+        else:
+            from numba import njit, prange
+            env = {"prange": prange, "one": njit(_list_blocks)}
+            exec(_BUILD_ON_CPU, env)  # noqa: S102 - generated here
+            _LISTERS[key] = njit(parallel=True)(env["build"])
+    return _LISTERS[key]
+
+
+_BUILD_ON_GPU = """
+def build(state, count, entries, n_rows, by_key_block):
+    row = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    if row < n_rows:
+        one(state, count, entries, row, by_key_block)
+"""
+_BUILD_ON_CPU = """
+def build(state, count, entries, n_rows, by_key_block):
+    for row in prange(n_rows):
+        one(state, count, entries, row, by_key_block)
+"""
+
+
+def _block_lists(state, by_key_block):
+    """(count, entries), int32, of every query block's row of the states (or, with
+    ``by_key_block``, every key block's column): see _list_blocks."""
+    Bm, Hm, nqb, nkb = state.shape
+    rows, others = (nkb, nqb) if by_key_block else (nqb, nkb)
+    if isinstance(state, np.ndarray):
+        count = np.empty((Bm, Hm, rows), np.int32)
+        entries = np.empty((Bm, Hm, rows, others), np.int32)
+        if count.size and others:
+            _lister(False)(state, count, entries, count.size, by_key_block)
+        elif count.size:
+            count[...] = 0
+        return count, entries
+    import cupy
+    from numba import cuda
+    with cupy.cuda.Device(state.device.id):
+        count = cupy.zeros((Bm, Hm, rows), np.int32)
+        entries = cupy.empty((Bm, Hm, rows, others), np.int32)
+        if count.size and others:
+            stream = cuda.external_stream(cupy.cuda.get_current_stream().ptr)
+            _lister(True)[(count.size + 127) // 128, 128, stream](state, count, entries,
+                                                                  count.size, by_key_block)
+    return count, entries
 
 
 def create_block_mask(mask_mod, B, H, Nq, Nk, mod_args=(), *, block_size=128, device=None):

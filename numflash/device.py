@@ -20,6 +20,7 @@ class Device:
     cc: tuple = None
     smem_per_block_optin: int = 48 * 1024
     simulator: bool = False
+    sm_count: int = None   # multiprocessors (split-KV fills them); None when not known
 
     @classmethod
     def of_arch(cls, cc):

@@ -82,6 +82,8 @@ class Problem:
     dv: object = None
     deterministic: bool = False
     mods: object = None  # numflash.mods.Mods: score / mask modifications, or None
+    num_splits: int = None  # the forward's forced split-KV share count (None: the kernel picks)
+    kvcache: object = None  # numflash.kvcache.KVCache: per-entry key counts and pages, or None
 
     @property
     def shape(self):
@@ -276,9 +278,25 @@ def _user_shape(layout, B, H, N, d):
     return (B, H, N, d) if layout == "bhsd" else (B, N, H, d)
 
 
+def check_num_splits(num_splits):
+    """num_splits as given: None, or an int from 1 to MAX_NUM_SPLITS (a grid dimension)."""
+    if num_splits is None:
+        return None
+    if isinstance(num_splits, bool) or not isinstance(num_splits, (int, np.integer)):
+        raise TypeError(f"num_splits must be None or an int; got {type(num_splits).__name__}")
+    if not 1 <= num_splits <= MAX_NUM_SPLITS:
+        raise ValueError(f"num_splits must be between 1 and {MAX_NUM_SPLITS}; got {num_splits}")
+    return int(num_splits)
+
+
+#: the most shares num_splits may ask for (the CUDA grid's z dimension)
+MAX_NUM_SPLITS = 65535
+
+
 def normalize(q, k, v, *, causal=False, softmax_scale=None, layout="bhsd", return_lse=False,
-              out=None, precision="auto"):
+              out=None, precision="auto", num_splits=None):
     """The forward's :class:`Problem` for an ``attention`` call (raises on bad arguments)."""
+    num_splits = check_num_splits(num_splits)
     kind, dtype, (q4, k4, v4), scale, is_causal, offset = _check_qkv(
         q, k, v, causal, softmax_scale, layout, precision)
     B, H, Nq, _ = q4.shape
@@ -291,7 +309,8 @@ def normalize(q, k, v, *, causal=False, softmax_scale=None, layout="bhsd", retur
     return Problem(q=q4, k=k4, v=v4, out=_dims(layout, result), result=result, kind=kind,
                    dtype=dtype, dtype_name=dtype_name(dtype), scale=scale, causal=is_causal,
                    causal_offset=offset,
-                   return_lse=bool(return_lse), layout=layout, precision=precision)
+                   return_lse=bool(return_lse), layout=layout, precision=precision,
+                   num_splits=num_splits)
 
 
 def _device_id(a, kind):

@@ -33,6 +33,8 @@ class Operator:
     #                                   product with precision="tf32"; not precision="ieee"
     mods: object = ()                 # the modification kinds it takes (numflash.mods.Mods
     #                                   kinds, e.g. ("window_size",)), or "all"
+    splits: bool = False              # splits the keys over blocks (num_splits > 1)
+    kvcache: bool = False             # reads a KV cache in one launch (attention_with_kvcache)
     summary: str = ""
 
     @property
@@ -50,6 +52,15 @@ class Operator:
         if refused:
             return (f"{self.name} takes {', '.join(self.mods)} of the modifications, not "
                     f"{', '.join(refused)}; the CPU path (cpu.tiled, NumPy arrays) takes them all")
+        if getattr(problem, "kvcache", None) is not None and not self.kvcache:
+            return (f"{self.name} does not read a KV cache in one launch; cuda.mma's forward "
+                    f"does (CuPy arrays, compute capability >= 8.0), and "
+                    f"attention_with_kvcache runs one call per batch entry elsewhere")
+        splits = getattr(problem, "num_splits", None)
+        if splits is not None and splits > 1 and not self.splits:
+            return (f"{self.name} does not split the keys (num_splits={splits}); cuda.mma's "
+                    f"forward does (CuPy arrays, compute capability >= 8.0), and num_splits=None "
+                    f"or 1 runs anywhere")
         precision = getattr(problem, "precision", "auto")
         if precision == "tf32" and not self.tf32:
             return (f"{self.name} computes in exact {dt}; precision='tf32' runs on cuda.mma only "
@@ -120,13 +131,15 @@ FORWARD = (
     Operator("cuda.mma", "cuda", "mma", _cuda_mma,
              dtypes=("float16", "bfloat16", "float32", "float64"), max_head_dim=256,
              min_cc=(8, 0), min_cc_why="mma.sync bf16 / f64, cp.async", runs_in_simulator=False,
-             tf32=True, mods="all",
+             tf32=True, mods="all", splits=True, kvcache=True,
              summary="FlashAttention-2 on tensor cores: mma.sync m16n8k16, register online "
                      "softmax, cp.async double-buffered K/V, ldmatrix; float64 (d <= 128, 64 on "
                      "sm_8x) on float64 mma.sync; float32 (d <= 128, cc 8.0 / 9.0) as 3xTF32 "
                      "on m16n8k8 tf32, or one tf32 mma per product with precision='tf32'; "
                      "sliding windows skip the key tiles outside them, other modifications are "
-                     "device functions applied score by score"),
+                     "device functions applied score by score; split-KV (the keys of a query "
+                     "block over several blocks, merged by cuda.merge) when the query blocks "
+                     "cannot fill the GPU"),
     Operator("cpu.tiled", "cpu", "block", _cpu_tiled,
              dtypes=("float16", "float32", "float64"), mods="all",
              summary="numba.njit block-tiled online softmax, parallel over (batch, head, query "

@@ -26,6 +26,7 @@ class Plan:
     direction: str = "forward"
     mods: str = ""  # the modifications compiled into the kernel, in words
     dtype: str = ""  # the inputs' dtype name (which compiled variants the config launches)
+    notes: list = field(default_factory=list)  # the kernel's schedule in words (split-KV)
 
     @property
     def operator(self):
@@ -75,6 +76,7 @@ class Plan:
                 "; in FULL blocks its mask_mod is not evaluated" if self.backend == "cuda"
                 else " (a CPU tile covering only EMPTY blocks); its mask_mod is evaluated in "
                      "the others"))
+        lines += [f"  {note}" for note in self.notes]
         for name, why in self.rejected.items():
             lines.append(f"  not {name}: {why}")
         return "\n".join(lines)
@@ -96,7 +98,8 @@ def _cuda_device(problem):
         cc = (int(props["major"]), int(props["minor"]))
         name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
         _device_cache[dev_id] = Device(name=f"{name} (cc {cc[0]}.{cc[1]})", cc=cc,
-                                       smem_per_block_optin=int(props["sharedMemPerBlockOptin"]))
+                                       smem_per_block_optin=int(props["sharedMemPerBlockOptin"]),
+                                       sm_count=int(props["multiProcessorCount"]))
     return _device_cache[dev_id]
 
 
@@ -131,7 +134,9 @@ def choose(problem, backend="auto", algorithm="auto"):
     mods = getattr(problem, "mods", None)
     key = (None if mods is None else (mods.key(), str(mods), mods.argument_types()),
            getattr(problem, "direction", "forward"), backend, algorithm,
-           getattr(problem, "precision", "auto"), problem.kind, problem.dtype,
+           getattr(problem, "precision", "auto"), getattr(problem, "num_splits", None),
+           None if getattr(problem, "kvcache", None) is None else ("kvcache", problem.kvcache.page),
+           problem.kind, problem.dtype,
            problem.shape, simulator_enabled(),
            tuple(a.strides for a in arrays),  # configs may depend on layout (mma's vector path)
            (problem.q.device.id, tuple(a.data.ptr % 16 for a in arrays))
@@ -206,7 +211,9 @@ def _choose(problem, backend, algorithm, device=None):
         raise ValueError(f"no numflash kernel can run {asked} for these inputs: {reasons}")
 
     mods = getattr(problem, "mods", None)
+    notes = getattr(chosen.module, "notes", None)
     return Plan(backend=backend, algorithm=chosen.algorithm, kernel=chosen.name, device=device,
                 config=config, rejected=rejected, direction=direction,
-                mods="" if mods is None else str(mods), dtype=problem.dtype_name)
+                mods="" if mods is None else str(mods), dtype=problem.dtype_name,
+                notes=notes(problem, config, device) if notes else [])
 

@@ -302,9 +302,10 @@ class Emu:
         self.tls.groups = groups[len(groups) - n:]
 
     def run(self, fn, args):
-        gx, gy = self.grid
+        gx, gy, gz = (tuple(self.grid) + (1,))[:3]
         self.grid_dim = _Dim(gx)
-        for by in range(gy):
+        self.grid_dim.y, self.grid_dim.z = gy, gz
+        for by, bz in ((y, z) for z in range(gz) for y in range(gy)):
             for bx in range(gx):
                 fill = 0xDEADBEEF if self.word is np.uint32 else np.nan
                 self.smem = np.full(self.shared_bytes // np.dtype(self.word).itemsize, fill,
@@ -314,7 +315,7 @@ class Emu:
                 self.wbar = [threading.Barrier(32) for _ in range(nw)]
                 self.wslots = [[None] * 32 for _ in range(nw)]
                 errs = []
-                blk = _Dim(bx); blk.y = by
+                blk = _Dim(bx); blk.y, blk.z = by, bz
 
                 def body(tid):
                     self.tls.tid, self.tls.block = tid, blk
@@ -451,27 +452,45 @@ def run_backward_kernels(q, k, v, do, o, lse, DT, causal=False, causal_offset=0,
 
 
 def run_forward_kernel(q, k, v, DT, causal=False, causal_offset=0, scale=None, VEC=0, tile=None,
-                       window=None, mods=None):
+                       window=None, mods=None, splits=None, kvcache=None):
     """Run mma.kernel_source of operand kind DT under the emulator: "tf32" / "3xtf32" (float32
     q, k, v), "f64" (float64), "f16" / "bf16" (float16 / ml_dtypes.bfloat16); returns (out,
     lse). VEC=1 runs the cp.async / double-buffered staging (16-bit kinds: with ldmatrix);
     ``tile`` (NW, BC, HOLDQ) overrides the default tile; ``window``: a sliding window's (left,
     right) (the WINDOW variant); ``mods``: a numflash.mods.Mods (its window, and the MODS
-    variant for the rest)."""
+    variant for the rest); ``splits``: run the split-KV variant (SPLIT) with this many shares
+    and return its partials, (splits, B, H, Nq, dv) and (splits, B, H, Nq), in float32 (float64
+    for f64); ``kvcache``: (kv_lens, block_table or None, page or 0) for the KVLEN / PAGE
+    variant (k, v then hold every page's rows, the batch axis broadcast)."""
     from numflash.cuda import mma
     token, window, extra = _mods_setup(mods, window)
+    if kvcache is not None:   # the cache's arguments come after the window's
+        lens, table, page = kvcache
+        at = len(window or ())
+        extra[at:at] = [lens] + ([table] if page else [])
     B, H, Nq, d = q.shape
     dv = v.shape[3]
     D, DV = mma.head_dim_pad(d), mma.head_dim_pad(dv)
     NW, BC, HOLDQ = tile or mma.choose_tile(D, DV, DT)
     cfg = mma.MmaConfig(D, DV, NW, BC, HOLDQ, DT, VEC, WINDOW=int(window is not None),
-                        MODS=token)
+                        MODS=token, SPLIT=int(splits is not None),
+                        KVLEN=int(kvcache is not None), PAGE=kvcache[2] if kvcache else 0)
     src = mma.kernel_source(cfg)
     real = np.float64 if DT == "f64" else np.float32
     word = {"f64": np.float64, "3xtf32": np.float32}.get(DT, np.uint32)
-    emu = Emu(cfg.NT, (-(-Nq // cfg.BR), B * H), mma.shared_bytes(cfg), word)
+    grid = (-(-Nq // cfg.BR), B * H) + ((splits,) if splits is not None else ())
+    emu = Emu(cfg.NT, grid, mma.shared_bytes(cfg), word)
     ns = with_mods(emulator_namespace(emu, DT), token, DT)
     exec(compile(src, f"<{DT} emu>", "exec"), ns)
+    if splits is not None:   # the partials, written as floats
+        out = np.full((splits, B, H, Nq, dv), np.nan, real)
+        lse = np.full((splits, B, H, Nq), np.nan, real)
+        scale = 1 / math.sqrt(d) if scale is None else scale
+        args = tuple(as_kernel_array(a, DT) for a in (q, k, v)) + (out,)
+        with np.errstate(all="ignore"):
+            emu.run(ns["mma_attention"], args + (lse, None, scale * math.log2(math.e), scale,
+                                                 int(causal), int(causal_offset)) + tuple(extra))
+        return out, lse
     out = np.full((B, H, Nq, dv), np.nan, q.dtype if DT in ("f16", "bf16") else real)
     lse = np.full((B, H, Nq), np.nan, real)  # numflash's lse is float64 for float64 inputs
     scale = 1 / math.sqrt(d) if scale is None else scale

@@ -82,6 +82,30 @@ def test_the_gpu_filler_gives_the_cpu_fillers_states(rng):
     np.testing.assert_array_equal(cpu, want)
 
 
+@pytest.mark.parametrize("by_key_block", [False, True])
+def test_the_gpu_list_builder_gives_the_cpu_lists(rng, by_key_block):
+    """The lists' CUDA builder (a thread per row; the same function as the CPU's) on host
+    arrays: in the simulator here, on the GPU there; both against a NumPy construction."""
+    from numflash import block_mask
+    state = rng.choice(np.array([EMPTY, PARTIAL, FULL], np.int8), (2, 3, 5, 7))
+    count, entries = block_mask._block_lists(state, by_key_block)
+    rows = state.shape[3] if by_key_block else state.shape[2]
+    others = state.shape[2] if by_key_block else state.shape[3]
+    gpu_count = np.full_like(count, -1)
+    gpu_entries = np.full_like(entries, -1)
+    block_mask._lister(True)[1, 128](state, gpu_count, gpu_entries, count.size, by_key_block)
+    np.testing.assert_array_equal(gpu_count, count)
+    np.testing.assert_array_equal(gpu_entries, entries)
+    marks = np.swapaxes(state, 2, 3) if by_key_block else state
+    assert count.shape == (2, 3, rows) and entries.shape == (2, 3, rows, others)
+    for b, h, r in np.ndindex(2, 3, rows):
+        kept = np.flatnonzero(marks[b, h, r] != EMPTY)
+        assert count[b, h, r] == kept.size
+        np.testing.assert_array_equal(entries[b, h, r, :kept.size],
+                                      2 * kept + (marks[b, h, r, kept] == FULL))
+        assert not entries[b, h, r, kept.size:].any()
+
+
 def test_bad_input_names_the_argument(rng):
     m, args = _doc_mask(rng, 2, 40)
     with pytest.raises(ValueError, match="block_size entries must be positive multiples of 16"):

@@ -171,6 +171,8 @@ REPLAY_CASES = [  # (dtype, shapes (B, H, Nq, Nk, d, dv), options)
     ("float32", (1, 2, 100, 300, 32, 32), {"algorithm": "row", "softmax_scale": 0.3}),
     ("float64", (1, 2, 100, 100, 64, 64), {"return_lse": True}),
     ("float16", (2, 2, 300, 300, 64, 64), {"causal": True}),  # cuda.mma
+    ("float16", (1, 4, 1, 6000, 128, 128), {"num_splits": 5}),  # split-KV: two launches
+    ("float16", (2, 8, 1, 20000, 64, 64), {}),                  # split-KV chosen
 ]
 
 

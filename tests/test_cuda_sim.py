@@ -256,3 +256,25 @@ def test_a_launch_is_replayable_only_on_its_own_pointers_and_kept_arrays():
     assert fastpath.replayable([launch, launch], ours) is None            # two launches
     assert fastpath.replayable([launch], (10, 20, 31, 40, 50)) is None    # another array
     assert fastpath.replayable([SimpleNamespace(pointers=ours + (7,))], ours) is None  # not kept
+
+
+def test_replay_steps_map_each_launchs_arrays_to_the_calls():
+    """fastpath.replay_steps, the CuPy replay's: every array argument of every launch is one of
+    the call's q, k, v, out, lse, a scratch array (split-KV's partials, read by the merge) or a
+    kept one; q = k = v maps by position; anything else, or an ambiguous pointer out of its
+    position, is not replayable."""
+    from types import SimpleNamespace
+    from numflash.cuda import fastpath
+    kept = fastpath.keep(SimpleNamespace(data=SimpleNamespace(ptr=998)))
+    part, part_lse = (SimpleNamespace(data=SimpleNamespace(ptr=p)) for p in (60, 70))
+    ours = (10, 20, 30, 40, 50)
+    main = SimpleNamespace(pointers=(10, 20, 30, 60, 70, 998))
+    merge = SimpleNamespace(pointers=(60, 70, 40, 50))
+    steps = fastpath.replay_steps([main, merge], ours, (part, part_lse))
+    assert steps == [(main, (0, 1, 2, 5, 6, None)), (merge, (5, 6, 3, 4))]
+    same = SimpleNamespace(pointers=(10, 10, 10, 40, 50, 998))   # q is k is v
+    assert fastpath.replay_steps([same], (10, 10, 10, 40, 50)) == [(same, (0, 1, 2, 3, 4, None))]
+    assert fastpath.replay_steps([main, merge], ours) is None               # scratch not noted
+    moved = SimpleNamespace(pointers=(40, 50, 998, 10))     # q (= k = v) out of its places
+    assert fastpath.replay_steps([moved], (10, 10, 10, 40, 50)) is None
+    assert kept.data.ptr == 998

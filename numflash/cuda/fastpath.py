@@ -1,10 +1,11 @@
 """Repeated GPU calls replay the recorded launch: no argument checks, planning or packing again.
 
 The first call with a given signature runs the full path: normalize() checks every argument,
-plan.choose() picks the kernel, the kernel module packs and launches it. That launch is recorded
-(a launch.Recipe) under the call's signature. A later call with the same signature allocates the
-output (and the lse if it is returned), patches five data pointers (q, k, v, out, lse) into the
-recorded parameters and launches: ~17-22 us of host time a call instead of ~125-135 us on the
+plan.choose() picks the kernel, the kernel module packs and launches it. Those launches are
+recorded (launch.Recipe each) under the call's signature. A later call with the same signature
+allocates the output (and the lse if it is returned), patches the data pointers of q, k, v, out
+and lse into the recorded parameters and launches (a split-KV call launches twice and passes
+scratch partials between them, reused on the recording's stream): ~17-22 us of host time a call instead of ~125-135 us on the
 full path (bench/NOTES.md, "Launch overhead").
 
 The signature holds everything the checks, the plan and the packed parameters depend on: the
@@ -32,11 +33,29 @@ def note_launch(recipe):
         launches.append(recipe)
 
 
+def note_scratch(array):
+    """Called by a kernel module for a work array that only its own launches read (split-KV's
+    partials): a replay reuses it on the recording's stream and allocates a new one on
+    another."""
+    launches = getattr(_recorded, "launches", None)
+    if launches is not None:
+        launches.scratch.append(array)
+    return array
+
+
+class Launches(list):
+    """The launches recorded in a call, and the scratch arrays they pass (note_scratch)."""
+
+    def __init__(self):
+        super().__init__()
+        self.scratch = []
+
+
 class recording:
     """Collect the launches made in this thread inside the block."""
 
     def __enter__(self):
-        self.launches = _recorded.launches = []
+        self.launches = _recorded.launches = Launches()
         return self.launches
 
     def __exit__(self, *exc):
@@ -68,9 +87,11 @@ def signature(q, k, v, options):
     return key
 
 
-def call_options(causal, softmax_scale, layout, backend, algorithm, return_lse, precision):
+def call_options(causal, softmax_scale, layout, backend, algorithm, return_lse, precision,
+                 num_splits=None):
     """attention()'s options as they enter the signature."""
-    return (causal, softmax_scale, layout, backend, algorithm, bool(return_lse), precision)
+    return (causal, softmax_scale, layout, backend, algorithm, bool(return_lse), precision,
+            num_splits)
 
 
 _kept = {}
@@ -89,31 +110,48 @@ def keep(array):
 SCRATCH_LSE_BYTES = 1 << 18
 
 
-class Replay:
-    """A recorded call: allocate out (and lse, if returned) like the full path did, relaunch."""
-    __slots__ = ("recipe", "out_shape", "dtype", "lse_shape", "lse_dtype", "return_lse",
-                 "scratch_lse", "scratch_stream")
+#: a call whose launches pass more scratch than this is not replayed (a replay keeps its
+#: scratch for as long as it is remembered)
+SCRATCH_BYTES = 64 << 20
 
-    def __init__(self, recipe, problem, lse):
-        self.recipe = recipe
+
+class Replay:
+    """A recorded call: allocate out (and lse, if returned) like the full path did, relaunch.
+
+    ``steps``: (recipe, mapping) per launch, in order; mapping gives for each of the recipe's
+    array arguments where its pointer comes from: an index into (q, k, v, out, lse, scratch...)
+    or None (an array kept for the process)."""
+    __slots__ = ("steps", "out_shape", "dtype", "lse_shape", "lse_dtype", "return_lse",
+                 "scratch_lse", "scratch_stream", "scratch")
+
+    def __init__(self, steps, problem, lse, scratch=()):
+        self.steps = steps
         self.dtype = problem.dtype
         self.out_shape = tuple(problem.result.shape)
         self.lse_shape = tuple(problem.q.shape[:3])
         self.lse_dtype = lse.dtype
         self.return_lse = problem.return_lse
+        stream = _cupy.cuda.get_current_stream().ptr
         small = not self.return_lse and lse.nbytes <= SCRATCH_LSE_BYTES
         self.scratch_lse = lse if small else None
-        self.scratch_stream = _cupy.cuda.get_current_stream().ptr if small else None
+        self.scratch = tuple(scratch)
+        self.scratch_stream = stream if small or self.scratch else None
 
     def __call__(self, q, k, v):
         cupy = _cupy
         stream = cupy.cuda.get_current_stream().ptr
         out = cupy.empty(self.out_shape, self.dtype)
-        lse = self.scratch_lse if stream == self.scratch_stream else None
+        same_stream = stream == self.scratch_stream
+        lse = self.scratch_lse if same_stream else None
         if lse is None:
             lse = cupy.empty(self.lse_shape, self.lse_dtype)
-        self.recipe.launch(stream, (q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr,
-                                    lse.data.ptr))
+        pointers = [q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, lse.data.ptr]
+        if self.scratch:   # on another stream, new scratch (the pool orders its reuse there)
+            scratch = self.scratch if same_stream else [cupy.empty(a.shape, a.dtype)
+                                                        for a in self.scratch]
+            pointers += [a.data.ptr for a in scratch]
+        for recipe, mapping in self.steps:
+            recipe.launch(stream, [None if m is None else pointers[m] for m in mapping])
         return (out, lse) if self.return_lse else out
 
 
@@ -134,16 +172,42 @@ def replayable(launches, pointers):
     return recipe
 
 
+def replay_steps(launches, pointers, scratch=()):
+    """[(recipe, mapping)] replaying ``launches`` with new ``pointers`` (q, k, v, out, lse) and
+    ``scratch`` arrays (see Replay), or None if some launch passes an array that is none of
+    those and not kept, or a pointer that could be two of them (q is k) anywhere but in its
+    own position."""
+    known = list(pointers) + [a.data.ptr for a in scratch]
+    steps = []
+    for recipe in launches:
+        mapping = []
+        for position, p in enumerate(recipe.pointers):
+            where = [i for i, x in enumerate(known) if x == p]
+            if len(where) == 1 or position in where:
+                mapping.append(where[0] if len(where) == 1 else position)
+            elif not where and p in _kept:
+                mapping.append(None)
+            else:
+                return None
+        steps.append((recipe, tuple(mapping)))
+    return steps
+
+
 def remember(key, launches, problem, lse):
-    """Keep the call's launch for replay if :func:`replayable`. Returns the Replay, or None if
-    the call cannot be one."""
-    recipe = None if key is None else replayable(launches, [
-        a.data.ptr for a in (problem.q, problem.k, problem.v, problem.out, lse)])
-    if recipe is None:
+    """Keep the call's launches for replay if they can be (replay_steps; scratch up to
+    SCRATCH_BYTES). Returns the Replay, or None if the call cannot be one."""
+    if key is None or not launches:
+        return None
+    scratch = getattr(launches, "scratch", ())
+    if sum(a.nbytes for a in scratch) > SCRATCH_BYTES:
+        return None
+    steps = replay_steps(launches, [a.data.ptr for a in (problem.q, problem.k, problem.v,
+                                                          problem.out, lse)], scratch)
+    if steps is None:
         return None
     if len(_replays) >= _MAX_REPLAYS:
         _replays.clear()
-    replay = _replays[key] = Replay(recipe, problem, lse)
+    replay = _replays[key] = Replay(steps, problem, lse, scratch)
     return replay
 
 

@@ -184,10 +184,12 @@ class Recipe:
         return buf
 
     def launch(self, stream, pointers=()):
-        """Launch on `stream` (a CUstream handle), the first array arguments at `pointers`."""
+        """Launch on `stream` (a CUstream handle), the first array arguments at `pointers` (None:
+        the recorded one)."""
         values, _, params = self._buffer()
         for slot, ptr in zip(self.slots, pointers):
-            values[slot] = ptr
+            if ptr is not None:
+                values[slot] = ptr
         err = (_launch_fn or _cu_launch_kernel())(*self._head, stream, params, None)
         if err:
             from cuda.bindings import driver

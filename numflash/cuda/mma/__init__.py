@@ -20,19 +20,21 @@ Head dims are padded (zero-filled) up to the next of 32, 64, 96, 128, 256. A sli
 (``window_size``) is a key range per row (mask.py): the key tiles outside every row's range of a
 block are never loaded, so its cost grows as N x window, not N^2.
 """
+import functools
 import math
 
 import numpy as np
 
 from ...mods import compile_errors
 from . import mods
-from .config import F64_MAX_HEAD_DIM, TF32_MAX_HEAD_DIM, config, vector_ok
+from .config import F64_MAX_HEAD_DIM, TF32_MAX_HEAD_DIM, config, split_count, vector_ok
 from .forward import kernel_source, make_kernel
 from .tiles import HEAD_DIMS, NAME, X3_CCS, MmaConfig, choose_tile, head_dim_pad, shared_bytes
 
 __all__ = ["NAME", "HEAD_DIMS", "X3_CCS", "MmaConfig", "head_dim_pad", "choose_tile",
            "shared_bytes", "config", "vector_ok", "TF32_MAX_HEAD_DIM", "F64_MAX_HEAD_DIM",
-           "kernel_source", "make_kernel", "signature", "compiled_kernels", "run"]
+           "kernel_source", "make_kernel", "signature", "compiled_kernels", "split_count",
+           "notes", "run"]
 
 _dummy = {}
 
@@ -42,24 +44,54 @@ def _as_bits(a):
     return a.view(cupy.uint16)
 
 
-def signature(dtype, window=False, token=""):
+@functools.lru_cache(maxsize=256)   # numba types are made anew otherwise: ~0.1 ms a call
+def signature(dtype, window=False, token="", split=False, kvlen=False, paged=False):
     """The kernel's argument types: q, k, v, out (16-bit inputs as their bits), lse, a float32
     debug array, the exp2 and natural scales, causal, causal_offset (and with a window its left
-    and right sizes, with modifications their arguments: mods.argument_types)."""
+    and right sizes, with modifications their arguments: mods.argument_types). Split-KV: out and
+    lse are the (splits, B, H, Nq, .) partials (cuda.merge's precision)."""
     from numba import types
     from ...inputs import lse_dtype
     from ..launch import array_type
     arr = array_type("uint16" if np.dtype(dtype).itemsize == 2 else dtype)
-    return (arr, arr, arr, arr, array_type(lse_dtype(dtype), 3), array_type("float32"),
+    out, lse = arr, array_type(lse_dtype(dtype), 3)
+    if split:
+        part = lse_dtype(dtype)
+        out, lse = array_type(part, 5), array_type(part, 4)
+    cache = (array_type("int32", 1),) if kvlen else ()
+    cache += (array_type("int32", 2),) if paged else ()
+    return (arr, arr, arr, out, lse, array_type("float32"),
             types.float64, types.float64, types.int64, types.int64) + \
-        ((types.int64, types.int64) if window else ()) + mods.argument_types(token)
+        ((types.int64, types.int64) if window else ()) + cache + mods.argument_types(token)
 
 
 def compiled_kernels(cfg, dtype):
     """What run() launches for this config and input dtype: [(Kernel, numba argument types)],
     for `numflash.precompile` and `explain`'s cache status."""
-    from .. import launch
-    return [(launch.get_kernel(NAME, make_kernel, cfg), signature(dtype, cfg.WINDOW, cfg.MODS))]
+    from .. import launch, merge
+    kernels = [(launch.get_kernel(NAME, make_kernel, cfg),
+                signature(dtype, cfg.WINDOW, cfg.MODS, bool(cfg.SPLIT), bool(cfg.KVLEN),
+                          bool(cfg.PAGE)))]
+    return kernels + ([merge.kernel(str(dtype))] if cfg.SPLIT else [])
+
+
+def notes(problem, cfg, device):
+    """What explain adds about this config's schedule: the split-KV choice."""
+    n = split_count(problem, cfg, device)
+    lines = []
+    if cfg.KVLEN:
+        lines.append("KV cache: each batch entry's keys counted by kv_lens, causal aligned "
+                     "bottom-right per entry" + (f"; rows read in place through the block "
+                                                 f"table, {cfg.PAGE} a page" if cfg.PAGE else ""))
+    if not cfg.SPLIT:
+        return lines
+    B, H, Nq = problem.shape[:3]
+    blocks = -(-Nq // cfg.BR) * B * H
+    why = ("num_splits was given" if getattr(problem, "num_splits", None) is not None else
+           f"{blocks} query blocks for {device.sm_count} SMs")
+    return lines + [f"split-KV: each query block's keys in {n} shares ({why}); the partial "
+                    f"results are merged by cuda.merge (one more launch, float32 partials: "
+                    f"{n} x B x H x Nq x dv)"]
 
 
 def run(problem, cfg, device, debug=None):
@@ -69,7 +101,7 @@ def run(problem, cfg, device, debug=None):
     from .. import fastpath
     p = problem
     B, H, Nq, Nk, d, dv = p.shape
-    (kernel, _), = compiled_kernels(cfg, p.dtype_name)
+    kernel = compiled_kernels(cfg, p.dtype_name)[0][0]
     lse = p.empty_lse()
     if debug is None:
         key = p.q.device.id
@@ -80,10 +112,22 @@ def run(problem, cfg, device, debug=None):
     # 16-bit kernels take the bits; tf32, 3xTF32 and float64 read their inputs as they are
     bits = _as_bits if cfg.DT in ("f16", "bf16") else (lambda a: a)
     window = tuple(int(w) for w in p.mods.window) if cfg.WINDOW else ()
+    cache = ()
+    if cfg.KVLEN:
+        cache = (p.kvcache.lens,) + ((p.kvcache.block_table,) if cfg.PAGE else ())
+    out, out_lse = bits(p.out), lse
+    if cfg.SPLIT:   # the shares' partials, merged below
+        n = split_count(p, cfg, device)
+        grid += (n,)
+        out = fastpath.note_scratch(cupy.empty((n, B, H, Nq, dv), lse.dtype))
+        out_lse = fastpath.note_scratch(cupy.empty((n, B, H, Nq), lse.dtype))
     with compile_errors(p.mods, NAME):
         kernel(grid, (cfg.NT,), shared_bytes(cfg),
-               (bits(p.q), bits(p.k), bits(p.v), bits(p.out), lse, debug,
+               (bits(p.q), bits(p.k), bits(p.v), out, out_lse, debug,
                 float(p.scale * math.log2(math.e)), float(p.scale), int(p.causal),
-                int(p.causal_offset)) + window + (mods.arguments(p.mods) if cfg.MODS else ()),
-               device)
+                int(p.causal_offset)) + window + cache +
+               (mods.arguments(p.mods) if cfg.MODS else ()), device)
+    if cfg.SPLIT:
+        from .. import merge
+        merge.run(out, out_lse, bits(p.out), lse, p.dtype_name, device)
     return lse

@@ -64,6 +64,33 @@ def check_block_tiles(problem, tiles):
                               f"divides (the CPU path takes any block size)")
 
 
+#: split-KV: a call whose query blocks fill fewer than this many of the GPU's SMs' block slots
+#: splits each block's keys, into at most MAX_SPLITS shares of at least MIN_SPLIT_TILES tiles
+SPLIT_SLOTS_PER_SM = 4
+MAX_SPLITS = 128
+MIN_SPLIT_TILES = 4
+
+
+def split_count(problem, cfg, device):
+    """How many shares of its keys each query block of ``problem`` takes (1: no split): the
+    call's ``num_splits`` if given, else as many as fill the GPU's block slots (SPLIT_SLOTS_PER_SM
+    a multiprocessor) while every share keeps MIN_SPLIT_TILES key tiles, up to MAX_SPLITS --
+    flash-attn's num_splits idea (one query block cannot fill a GPU, decoding most of all).
+    Never with a block mask (its lists are walked whole) or for a GPU of unknown size."""
+    forced = getattr(problem, "num_splits", None)
+    if forced is not None:
+        return forced
+    B, H, Nq, Nk, d, dv = problem.shape
+    if device.sm_count is None or getattr(getattr(problem, "mods", None), "block", None) is not None:
+        return 1
+    blocks = -(-Nq // cfg.BR) * B * H
+    slots = SPLIT_SLOTS_PER_SM * device.sm_count
+    tiles = -(-Nk // cfg.BC)
+    if blocks >= slots:
+        return 1
+    return max(1, min(MAX_SPLITS, -(-slots // blocks), tiles // MIN_SPLIT_TILES))
+
+
 def config(problem, device):
     """The MmaConfig for ``problem`` on ``device`` (one the operator's declarations admit);
     raises Unsupported saying why not."""
@@ -116,6 +143,18 @@ def config(problem, device):
                                 bool(token))
     cfg = MmaConfig(D, DV, NW, BC, HOLDQ, DT, VEC, MMA=form, WINDOW=int(window), MODS=token)
     check_block_tiles(problem, ((cfg.BR, cfg.BC, "forward"),))
+    cache = getattr(problem, "kvcache", None)
+    if cache is not None:
+        if not VEC:
+            raise Unsupported(f"{NAME} reads a KV cache with 16-byte cp.async only, and "
+                              f"{vector_ok(problem) or 'these are not device arrays'}")
+        cfg = MmaConfig(**{**dict(cfg), "KVLEN": 1, "PAGE": cache.page or 0})
+    if split_count(problem, cfg, device) > 1:
+        if getattr(getattr(problem, "mods", None), "block", None) is not None:
+            raise Unsupported(f"{NAME} does not split the keys (num_splits="
+                              f"{problem.num_splits}) of a call with a block mask yet: leave "
+                              f"num_splits unset (the block mask's lists are walked whole)")
+        cfg = MmaConfig(**{**dict(cfg), "SPLIT": 1})
     need = shared_bytes(cfg)
     if need > device.smem_per_block_optin:
         raise Unsupported(f"{NAME}: needs {need} bytes of shared memory for d={d}, dv={dv}, more "

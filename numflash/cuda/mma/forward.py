@@ -7,6 +7,10 @@ online softmax on the accumulator fragments in registers, and feeds P straight b
 operand of P V, accumulating O in registers. O is normalized once at the end; lse is written.
 Tiles no row of the block can see are never loaded, and warps skip tiles none of their rows see.
 A row that sees no key gives zeros and lse = -inf.
+
+Split-KV (MmaConfig.SPLIT, for calls with too few query blocks to fill the GPU: decoding): the
+blocks of grid z take equal runs of each query block's key tiles and write partial results,
+which numflash.cuda.merge combines.
 """
 import hashlib
 import math
@@ -18,11 +22,13 @@ from . import mods
 from .mask import emit_debug_dump, emit_row_bounds, emit_score_mask, warp_sees_tile
 from .operands import operands_for
 from .softmax import emit_accumulators, emit_epilogue, emit_online_update
-from .staging import emit_q_ready, tile_loop
+from .staging import emit_q_ready, emit_split_range, tile_loop
 from .tiles import MmaConfig
 
 ARGUMENTS = "q, k, v, out, lse, dbg, scale_log2_in, scale_in, causal, causal_offset"
 WINDOW_ARGUMENTS = ", window_left, window_right"  # -1 = unbounded (numflash.mods.window_key_range)
+#: a KV cache's (KVLEN) per-entry key counts, and (PAGE) the pages of each entry's rows
+KVCACHE_ARGUMENTS = {False: ", kv_lens", True: ", kv_lens, block_table"}
 
 
 def kernel_source(cfg):
@@ -34,14 +40,24 @@ def kernel_source(cfg):
     window = bool(cfg.WINDOW)
     s = Source()
     s(f"def mma_attention({ARGUMENTS}{WINDOW_ARGUMENTS if window else ''}"
+      f"{KVCACHE_ARGUMENTS[bool(cfg.PAGE)] if cfg.KVLEN else ''}"
       f"{mods.parameters(cfg.MODS)}):")
     with s.block():
-        emit_prologue(s, cfg.BR, ops.float, ops.word)
+        if cfg.SPLIT:   # out, lse: (splits, B, H, Nq, .) partials; blockIdx.z is the share
+            emit_prologue(s, cfg.BR, ops.float, ops.word, views=(
+                "qh = q[b, h]", "kh = k[b, hk]", "vh = v[b, hk]",
+                "oh = out[U(cuda.blockIdx.z), b, h]"))
+        else:
+            emit_prologue(s, cfg.BR, ops.float, ops.word)
+        if cfg.KVLEN:   # this entry's cached keys; the queries are the newest of them
+            s("Nk = I(kv_lens[b])", "Nk_u = U(Nk)", "causal_offset = Nk - Nq")
         if cfg.MODS:
             emit_modified_scale(s, ops.float, cfg.MODS, "ONE")
             s("hi = I(h)")
         ops.stage_q(s)
         emit_row_bounds(s, cfg.BR, window)
+        if cfg.SPLIT:
+            emit_split_range(s, cfg.BC, window)
         ops.a_fragments(s)
         emit_q_ready(s, cfg.VEC, cfg.HOLDQ, NKK, lambda kk, names: ops.load_a(s, kk, names))
         emit_accumulators(s, NVN)
@@ -49,8 +65,10 @@ def kernel_source(cfg):
         def stage_kv(j0u, buf):
             return ops.stage_kv(s, j0u, buf)
 
-        with tile_loop(s, stage_kv, cfg.BC, L.kv_words, cfg.VEC, L.kv_off, L.KW, window,
-                       sparse=emit_block_row(s, cfg.MODS)) as (k_off, v_off, kb):
+        bounds = {"start": "split_first", "end": "split_end"} if cfg.SPLIT else {}
+        with tile_loop(s, stage_kv, cfg.BC, L.kv_words, cfg.VEC, L.kv_off, L.KW,
+                       window or bool(cfg.SPLIT), sparse=emit_block_row(s, cfg.MODS),
+                       **bounds) as (k_off, v_off, kb):
             s(f"if {warp_sees_tile(cfg.BC, window)}:")
             with s.block():
                 # ---- S = Q K^T
@@ -79,7 +97,11 @@ def kernel_source(cfg):
                 emit_online_update(s, NN, NVN, rescale_o=ops.rescales_o_in_softmax)
                 ops.accumulate_pv(s, kb, v_off, NVN, NPK)
 
-        emit_epilogue(s, NVN, lambda n, ra, rb, half: ops.store_o(s, n, ra, rb, half))
+        if cfg.SPLIT:
+            emit_epilogue(s, NVN, lambda n, ra, rb, half: ops.store_partial(s, n, ra, rb, half),
+                          lse_at="lse[U(cuda.blockIdx.z), b, h, ru]")
+        else:
+            emit_epilogue(s, NVN, lambda n, ra, rb, half: ops.store_o(s, n, ra, rb, half))
     return s.text()
 
 

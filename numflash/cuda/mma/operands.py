@@ -31,7 +31,7 @@ g = 0..3, t = 0..3 must hit 16 distinct word slots mod 16, which DV + 2 gives fo
 from collections import namedtuple
 
 from .emit import U
-from .staging import emit_cp_async_rows
+from .staging import emit_cp_async_rows, paged_row
 
 #: Shared-memory layout in words: row pitches of Q, K, V; the Q tile's words; one K/V buffer's
 #: words; where K/V start (over Q's space once Q is held in registers); the whole block's words.
@@ -81,14 +81,21 @@ class _OperandKind:
         k_off = L.kv_off + buf * L.kv_words
         v_off = k_off + c.BC * L.KW
         if c.VEC:
+            rows = paged_row(c.PAGE) if c.PAGE else None
             emit_cp_async_rows(s, "kh", c.BC, "j", j0u, "Nk_u", c.D, "d_u", k_off, L.KW,
-                               self.chunk, self.per_word, c.NT)
+                               self.chunk, self.per_word, c.NT, rows)
             emit_cp_async_rows(s, "vh", c.BC, "j", j0u, "Nk_u", c.DV, "dv_u", v_off, L.VW,
-                               self.chunk, self.per_word, c.NT)
+                               self.chunk, self.per_word, c.NT, rows)
             s("cp_async_commit()")
         else:
+            assert not c.PAGE, "a paged cache is read with cp.async"
             self._stage_kv_scalar(s, j0u, k_off, v_off)
         return k_off, v_off
+
+    def store_partial(self, s, n, ra, rb, half):
+        """Emit the store of O tile n's registers ra, rb (row half), normalized, as floats: a
+        split-KV share's partial O (in the accumulators' precision, for cuda.merge)."""
+        self._store_pair(s, n, f"o_{n}_{ra} * inv{half}", f"o_{n}_{rb} * inv{half}")
 
     @staticmethod
     def _store_pair(s, n, first, second, before=(), out="oh", dim="dv_u"):

@@ -38,9 +38,9 @@ def emit_online_update(s, NN, NVN, rescale_o=True):
                 s(f"o_{n}_{r} *= alpha{half}")
 
 
-def emit_epilogue(s, NVN, store):
+def emit_epilogue(s, NVN, store, lse_at="lse[b, h, ru]"):
     """Emit the quad sums of l, 1 / l, the O stores (``store(n, ra, rb, half)`` writes O tile n's
-    registers ra, rb of row half, in scope: ru, cbase, inv0 / inv1) and lse."""
+    registers ra, rb of row half, in scope: ru, cbase, inv0 / inv1) and lse (into ``lse_at``)."""
     for half, row in ((0, "r0"), (1, "r1")):
         s(f"l{half} += cuda.shfl_xor_sync(FULL, l{half}, 1)",
           f"l{half} += cuda.shfl_xor_sync(FULL, l{half}, 2)",
@@ -54,5 +54,5 @@ def emit_epilogue(s, NVN, store):
                 store(n, ra, rb, half)
             s("if t == U(0):")
             with s.block():
-                s(f"lse[b, h, ru] = NEG_INF if l{half} == ZERO else "
+                s(f"{lse_at} = NEG_INF if l{half} == ZERO else "
                   f"m{half} * scale + math.log(l{half})")

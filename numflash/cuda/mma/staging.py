@@ -10,22 +10,47 @@ import contextlib
 from .emit import U
 
 
+def paged_row(page):
+    """``row_map`` for emit_cp_async_rows reading a paged cache of ``page`` rows a page (a power
+    of two): logical row r of batch entry b is row r % page of page block_table[b, r / page] in
+    the view of all pages' rows."""
+    shift = page.bit_length() - 1
+    return lambda r: (f"(U(block_table[b, {r} >> {U(shift)}]) << {U(shift)}) + "
+                      f"({r} & {U(page - 1)})")
+
+
 def emit_cp_async_rows(s, src, rows, row, first, limit, width, dim, off, W, chunk, per_word,
-                       NT):
+                       NT, row_map=None):
     """Emit the 16-byte cp.async copy of rows x width elements of ``src`` (a 2-D global view)
     into shared rows of W words at word offset ``off``: ``chunk`` elements per 16 bytes,
     ``per_word`` elements per shared word. Rows at or past ``limit`` and columns at or past
-    ``dim`` are zero-filled (cp.async's src-size 0), so padding needs no second pass."""
+    ``dim`` are zero-filled (cp.async's src-size 0), so padding needs no second pass.
+    ``row_map``: the source row of a logical row (paged_row); only rows below ``limit`` are
+    mapped."""
     col = "c" if per_word == 1 else f"c // {U(per_word)}"
+    at = row_map(row) if row_map else row
     s(f"for idx in range(tid, {U(rows * width // chunk)}, {U(NT)}):")
     with s.block():
         s(f"r = idx // {U(width // chunk)}",
           f"c = (idx % {U(width // chunk)}) * {U(chunk)}",
           f"{row} = {first} + r",
           f"n = {U(16)} if {row} < {limit} and c < {dim} else {U(0)}",
-          f"src = global_addr2({src}, {row} if {row} < {limit} else {U(0)}, "
+          f"src = global_addr2({src}, {at} if {row} < {limit} else {U(0)}, "
           f"c if c < {dim} else {U(0)})",
           f"cp_async_16(shared_addr(smem, {U(off)} + r * {U(W)} + {col}), src, n)")
+
+
+def emit_split_range(s, BC, window):
+    """Emit split_first / split_end, the keys of this block's share of its key range when the
+    range is split over gridDim.z blocks (split-KV, MmaConfig.SPLIT): the range's tiles (from
+    the window's first one) dealt out in runs of equal length, so every share starts on a tile
+    and only the range's own ends need masking. A share past the range is empty."""
+    s(f"split_t0 = block_first // {BC}" if window else "split_t0 = I(0)",
+      f"split_tiles = max(0, (block_keys - split_t0 * {BC} + {BC - 1}) // {BC})",
+      "split_n = I(cuda.gridDim.z)",
+      "split_per = (split_tiles + split_n - 1) // split_n",
+      f"split_first = (split_t0 + I(cuda.blockIdx.z) * split_per) * {BC}",
+      f"split_end = min(block_keys, split_first + split_per * {BC})")
 
 
 @contextlib.contextmanager

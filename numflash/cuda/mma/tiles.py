@@ -29,11 +29,16 @@ class MmaConfig(Mapping):
     WINDOW: a sliding window's key range per row (its two sizes are run-time arguments), the key
     tiles outside every row's range of a block skipped. SUB: the backward's key pass takes its
     staged tile of BC queries SUB at a time (0: all BC at once). MODS: the score / mask
-    modifications computed score by score (mods.py's token; "" for none).
+    modifications computed score by score (mods.py's token; "" for none). SPLIT: the forward
+    splits each block's key range over gridDim.z blocks (split-KV), each writing its rows'
+    normalized partial O and lse in float32 (float64 for float64) for cuda.merge to combine.
+    KVLEN: the keys of batch entry b are the first kv_lens[b] rows (a KV cache), the causal and
+    window alignment bottom-right per entry. PAGE: K and V rows come through block_table (a paged
+    cache of PAGE rows a page; k, v are views of all pages' rows).
 
     A read-only mapping too (``cfg["D"]``, ``dict(cfg)``, ``f(**cfg)``) for code that treats
     every kernel's config alike (the launcher's cache key, ``explain``); unset MMA, DBG=0,
-    WINDOW=0, SUB=0 and MODS="" are left out of it.
+    WINDOW=0, SUB=0, MODS="", SPLIT=0, KVLEN=0 and PAGE=0 are left out of it.
     """
     D: int
     DV: int
@@ -47,6 +52,9 @@ class MmaConfig(Mapping):
     WINDOW: int = 0
     SUB: int = 0
     MODS: str = ""
+    SPLIT: int = 0
+    KVLEN: int = 0
+    PAGE: int = 0
 
     @property
     def BR(self):
@@ -59,7 +67,8 @@ class MmaConfig(Mapping):
     def _items(self):
         return {f.name: getattr(self, f.name) for f in fields(self)
                 if not (f.name == "MMA" and self.MMA is None)
-                and not (f.name in ("DBG", "WINDOW", "SUB", "MODS") and not getattr(self, f.name))}
+                and not (f.name in ("DBG", "WINDOW", "SUB", "MODS", "SPLIT", "KVLEN", "PAGE")
+                         and not getattr(self, f.name))}
 
     def __getitem__(self, key):
         return self._items()[key]

@@ -1,0 +1,134 @@
+"""Decoding on the GPU: a few query rows against a long K/V, where one block per (batch, head)
+cannot fill the GPU and split-KV (num_splits) has to. numflash with its automatic split count
+and with num_splits=1 against PyTorch SDPA's backends on the same memory.
+
+    python bench/decode.py [--dtypes float16,bfloat16,float32] [--nk 131072] [--heads 32]
+                           [--kv-heads 32] [--d 128] [--nq 1,16] [--batch 1]
+
+Reports ms (CUDA events: warm-up, median of repeats; numflash.bench.timing.median_ms) and the
+K/V read rate in GB/s (the bytes of K and V over the time), and the largest difference of each
+output from SDPA's first backend that ran (the GPU tests check numflash against the float64
+reference at these shapes' smaller siblings). Not causal: SDPA's is_causal aligns top-left,
+which for Nq < Nk is not decoding's bottom-right (numflash's causal="bottom_right").
+"""
+import argparse
+
+import numpy as np
+
+
+def _sdpa_backends(torch):
+    from torch.nn.attention import SDPBackend
+    return {"SDPA flash": SDPBackend.FLASH_ATTENTION, "SDPA cuDNN": SDPBackend.CUDNN_ATTENTION,
+            "SDPA efficient": SDPBackend.EFFICIENT_ATTENTION}
+
+
+def main():
+    import cupy
+    import numflash
+    from numflash.bench.timing import median_ms
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dtypes", default="float16,bfloat16,float32")
+    ap.add_argument("--nk", type=int, default=131072)
+    ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--kv-heads", type=int, default=None)
+    ap.add_argument("--d", type=int, default=128)
+    ap.add_argument("--nq", default="1,16")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--kvcache", action="store_true",
+                    help="time attention_with_kvcache (contiguous, pages of 16 and 256) instead")
+    a = ap.parse_args()
+    if a.kvcache:
+        return kvcache_table(a)
+    try:
+        import torch
+        from torch.nn.attention import sdpa_kernel
+        backends = _sdpa_backends(torch)
+    except ImportError:
+        torch = None
+        backends = {}
+    B, H, Hk, Nk, d = a.batch, a.heads, a.kv_heads or a.heads, a.nk, a.d
+    rng = np.random.default_rng(0)
+    print(f"B{B} H{H} Hk{Hk} Nk{Nk} d{d}: ms (K/V GB/s)")
+    print("| dtype | Nq | numflash auto | splits | numflash num_splits=1 | " +
+          " | ".join(backends) + " | auto vs best peer | max diff |")
+    print("|---" * (6 + len(backends)) + "|")
+    for dtype in a.dtypes.split(","):
+        dt = np.dtype(__import__("ml_dtypes").bfloat16) if dtype == "bfloat16" else dtype
+        k, v = (cupy.asarray(rng.standard_normal((B, Hk, Nk, d), np.float32)).astype(dt)
+                for _ in range(2))
+        kv_gb = 2 * k.nbytes / 1e9
+        for Nq in (int(n) for n in a.nq.split(",")):
+            q = cupy.asarray(rng.standard_normal((B, H, Nq, d), np.float32)).astype(dt)
+            plan = numflash.explain(q, k, v)
+            splits = next((n.split(" shares")[0].rsplit(" ", 1)[1] for n in plan.notes
+                           if "split-KV" in n), "1")
+            row = {}
+            row["auto"] = median_ms(lambda: numflash.attention(q, k, v))
+            row["one"] = median_ms(lambda: numflash.attention(q, k, v, num_splits=1))
+            ours = numflash.attention(q, k, v)
+            peers, diff = {}, "-"
+            if torch is not None:
+                tq, tk, tv = (torch.from_dlpack(x) for x in (q, k, v))
+                gqa = {"enable_gqa": True} if Hk != H else {}
+                for name, backend in backends.items():
+                    try:
+                        with sdpa_kernel(backend):
+                            def call():
+                                return torch.nn.functional.scaled_dot_product_attention(
+                                    tq, tk, tv, **gqa)
+                            ref = call()
+                            peers[name] = median_ms(call)
+                        if diff == "-":
+                            diff = float(abs(torch.from_dlpack(ours).float() - ref.float())
+                                         .max())
+                    except RuntimeError as e:
+                        peers[name] = f"n/a ({str(e).splitlines()[0][:40]})"
+            best = min((t for t in peers.values() if isinstance(t, float)), default=None)
+            cells = [f"{row['auto']:.3f} ({kv_gb / row['auto'] * 1e3:.0f})", splits,
+                     f"{row['one']:.3f} ({kv_gb / row['one'] * 1e3:.0f})"]
+            cells += [f"{t:.3f} ({kv_gb / t * 1e3:.0f})" if isinstance(t, float) else t
+                      for t in peers.values()]
+            cells += [f"{best / row['auto']:.2f}x" if best else "-",
+                      f"{diff:.2e}" if isinstance(diff, float) else diff]
+            print(f"| {dtype} | {Nq} | " + " | ".join(cells) + " |", flush=True)
+
+
+def kvcache_table(a):
+    """attention_with_kvcache at the decode shape, one new row appended a call, the cache in
+    flash-attn's (B, S, Hk, d) layout (paged: the same rows in shuffled pages), against
+    attention() on the same K / V (bhsd)."""
+    import cupy
+    import numflash
+    from numflash.bench.timing import median_ms
+    B, H, Hk, S, d = a.batch, a.heads, a.kv_heads or a.heads, a.nk, a.d
+    rng = np.random.default_rng(0)
+    print(f"attention_with_kvcache, B{B} H{H} Hk{Hk} cache {S} rows d{d}, Nq 1: ms (K/V GB/s)")
+    print("| dtype | attention (bhsd K/V) | attention (the cache, bshd) | kvcache contiguous | "
+          "paged 16 | paged 256 |")
+    print("|---|---|---|---|---|---|")
+    for dtype in a.dtypes.split(","):
+        dt = np.dtype(__import__("ml_dtypes").bfloat16) if dtype == "bfloat16" else dtype
+        kc, vc = (cupy.asarray(rng.standard_normal((B, S, Hk, d), np.float32)).astype(dt)
+                  for _ in range(2))
+        q = cupy.asarray(rng.standard_normal((B, 1, H, d), np.float32)).astype(dt)
+        new = cupy.asarray(rng.standard_normal((B, 1, Hk, d), np.float32)).astype(dt)
+        lens = cupy.full((B,), S - 1, cupy.int32)
+        gb = 2 * kc.nbytes / 1e9
+        kb, vb = (cupy.ascontiguousarray(c.transpose(0, 2, 1, 3)) for c in (kc, vc))
+        qb = cupy.ascontiguousarray(q.transpose(0, 2, 1, 3))
+        cells = [median_ms(lambda: numflash.attention(qb, kb, vb)),
+                 median_ms(lambda: numflash.attention(q, kc, vc, layout="bshd"))]
+        cells.append(median_ms(lambda: numflash.attention_with_kvcache(q, kc, vc, new, new,
+                                                                       lens)))
+        for page in (16, 256):
+            n = B * S // page
+            kp, vp = (c.reshape(n, page, Hk, d) for c in (kc, vc))
+            table = cupy.asarray(rng.permutation(n).astype(np.int32).reshape(B, -1))
+            cells.append(median_ms(lambda: numflash.attention_with_kvcache(
+                q, kp, vp, new, new, lens, table)))
+        print(f"| {dtype} | " + " | ".join(f"{t:.3f} ({gb / t * 1e3:.0f})" for t in cells) +
+              " |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,228 @@
+"""Attention over a KV cache (flash-attn's ``flash_attn_with_kvcache`` conventions): new keys and
+values appended in place at each sequence's length, then the queries attend to everything
+cached, from a contiguous cache or a paged one (vLLM's layout: pages of ``page_size`` rows
+picked by a block table).
+
+On the GPU the tensor-core forward reads the cache in one launch (cuda.mma's KVLEN / PAGE
+variant: each batch entry's key count from ``kv_lens``, a paged cache's rows through the block
+table, in place; split-KV when the query rows cannot fill the GPU). Everywhere else (the CPU,
+cuda.block / cuda.row, page sizes that are not powers of two, rows cp.async cannot read) it runs
+one :func:`numflash.attention` call per batch entry on the cached rows: views of a contiguous
+cache, a gather of a paged cache's pages. The lengths and the block table are checked on the
+host before anything is written (one copy of each to the host).
+"""
+from dataclasses import dataclass
+
+import numpy as np
+
+from .inputs import array_kind, lse_dtype
+
+__all__ = ["attention_with_kvcache"]
+
+
+@dataclass
+class KVCache:
+    """What cuda.mma's KV-cache variant reads besides q, k, v (Problem.kvcache): each entry's key
+    count after the append (int32 (B,)), and for a paged cache its block table (int32 (B,
+    max_pages)) and rows a page (None: contiguous)."""
+    lens: object
+    block_table: object = None
+    page: int = None
+
+#: the attention() options that pass through unchanged (per-batch arrays would need slicing)
+PASSED_OPTIONS = ("softmax_scale", "backend", "algorithm", "precision", "window_size",
+                  "softcap", "num_splits")
+
+
+def _host_ints(name, a, B):
+    """An int, a list or a (B,) integer array (NumPy or CuPy) as a host int64 array of B
+    entries."""
+    if isinstance(a, (int, np.integer)) and not isinstance(a, bool):
+        return np.full(B, int(a), np.int64)
+    kind = array_kind(a)
+    if kind in ("cupy", "cuda"):
+        import cupy
+        a = cupy.asarray(a).get()   # B integers: the host slices by them
+    elif kind is None and not isinstance(a, (list, tuple)):
+        raise TypeError(f"{name} must be an int, a list or a (B,) integer array; got "
+                        f"{type(a).__name__}")
+    a = np.asarray(a)
+    if a.shape != (B,) or a.dtype.kind not in "iu":
+        raise ValueError(f"{name} must be an int or a ({B},) integer array; got shape {a.shape}, "
+                         f"dtype {a.dtype}")
+    return a.astype(np.int64)
+
+
+def _check(q, k_cache, v_cache, k, v, block_table):
+    """The arrays' kinds, dims, dtypes and shapes; returns (kind, B, page or None, capacity
+    per sequence)."""
+    arrays = {"q": q, "k_cache": k_cache, "v_cache": v_cache}
+    arrays.update({n: a for n, a in (("k", k), ("v", v)) if a is not None})
+    if (k is None) != (v is None):
+        raise ValueError("k and v must be given together (the new keys and values) or not at all")
+    kinds = {}
+    for name, a in arrays.items():
+        kinds[name] = array_kind(a)
+        if kinds[name] is None:
+            raise TypeError(f"{name} must be a NumPy or CuPy array; got {type(a).__name__}")
+        if getattr(a, "ndim", None) != 4:
+            axes = "B, N, H, d" if name in ("q", "k", "v") else "B, S, Hk, d; paged: pages, " \
+                "page_size, Hk, d"
+            raise ValueError(f"{name} must be 4-D ({axes}); got shape "
+                             f"{tuple(getattr(a, 'shape', ()))}")
+    if len({k_ in ("cupy", "cuda") for k_ in kinds.values()}) > 1:
+        raise TypeError("q, k_cache, v_cache (and k, v) must all be NumPy arrays or all CuPy "
+                        "arrays on one GPU")
+    dtype = np.dtype(q.dtype)
+    for name, a in arrays.items():
+        if np.dtype(a.dtype) != dtype:
+            raise TypeError(f"{name} has dtype {a.dtype}, q has {dtype}")
+    B, Nq, H, d = q.shape
+    if k_cache.shape[:3] != v_cache.shape[:3]:
+        raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} "
+                         f"differ in their first three axes")
+    Hk = k_cache.shape[2]
+    if k_cache.shape[3] != d:
+        raise ValueError(f"k_cache's head dim {k_cache.shape[3]} is not q's {d}")
+    if Hk == 0 or H % Hk:
+        raise ValueError(f"q's {H} heads do not divide into the cache's {Hk} K/V heads")
+    for name, a, cache in (("k", k, k_cache), ("v", v, v_cache)):
+        if a is not None and (a.shape[0] != B or a.shape[2:] != cache.shape[2:]
+                              or a.shape[1] != k.shape[1]):
+            raise ValueError(f"{name} must have shape (B={B}, N_new, {cache.shape[2]}, "
+                             f"{cache.shape[3]}) like {name}_cache's rows (and k's N_new); got "
+                             f"{tuple(a.shape)}")
+    if block_table is None:
+        if k_cache.shape[0] != B:
+            raise ValueError(f"k_cache holds {k_cache.shape[0]} sequences, q has batch {B} (a "
+                             f"paged cache needs block_table)")
+        return B, None, k_cache.shape[1]
+    if array_kind(block_table) is None or getattr(block_table, "ndim", None) != 2 \
+            or block_table.shape[0] != B or np.dtype(block_table.dtype).kind not in "iu":
+        raise ValueError(f"block_table must be a (B={B}, max_pages) integer array; got "
+                         f"{getattr(block_table, 'shape', type(block_table).__name__)}")
+    return B, k_cache.shape[1], block_table.shape[1] * k_cache.shape[1]
+
+
+def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None,
+                           block_table=None, *, causal=False, return_lse=False, **options):
+    """Append ``k``, ``v`` to the cache at each sequence's length, then attend ``q`` to the
+    cached keys and values; flash-attn's ``flash_attn_with_kvcache`` conventions (bshd layout).
+
+    q: (B, Nq, H, d). k_cache, v_cache: (B, S, Hk, d) / (B, S, Hk, dv), or paged (pages,
+    page_size, Hk, d) with ``block_table`` (B, max_pages) integers: sequence b's row j lives in
+    page block_table[b, j // page_size], row j % page_size. k, v: (B, N_new, Hk, d) new rows
+    written into the caches in place at rows cache_seqlens[b] ... + N_new (decode: N_new = Nq =
+    1; chunked or speculative prefill: more). cache_seqlens: an int or (B,) integers, the rows
+    cached before the append (None: every row of a contiguous cache). Sequence b attends to its
+    first cache_seqlens[b] + N_new rows; ``causal=True`` aligns the queries with the last of them
+    (bottom-right: the query rows are the newest positions). Options: softmax_scale, backend,
+    algorithm, precision, window_size, softcap, num_splits, as for :func:`numflash.attention`.
+
+    Returns the output (B, Nq, H, dv) in q's dtype and kind, and with ``return_lse`` the
+    (B, H, Nq) lse.
+    """
+    from .api import attention
+    unknown = sorted(set(options) - set(PASSED_OPTIONS))
+    if unknown:
+        raise TypeError(f"attention_with_kvcache does not take {', '.join(unknown)} yet; it "
+                        f"takes {', '.join(PASSED_OPTIONS)}, causal and return_lse")
+    B, page, capacity = _check(q, k_cache, v_cache, k, v, block_table)
+    new = 0 if k is None else k.shape[1]
+    if cache_seqlens is None:
+        if block_table is not None:
+            raise ValueError("cache_seqlens is needed with a paged cache (block_table)")
+        lengths = np.full(B, capacity - new, np.int64)
+    else:
+        lengths = _host_ints("cache_seqlens", cache_seqlens, B)
+    if (lengths < 0).any() or (lengths + new > capacity).any():
+        b = int(np.argmax((lengths < 0) | (lengths + new > capacity)))
+        raise ValueError(f"cache_seqlens[{b}] = {int(lengths[b])} plus {new} new rows does not "
+                         f"fit the cache's {capacity} rows a sequence")
+    pages = None
+    if page is not None:
+        pages = (block_table.get() if array_kind(block_table) in ("cupy", "cuda")
+                 else np.asarray(block_table)).astype(np.int64)
+        n_pages = k_cache.shape[0]
+        for b in range(B):
+            used = pages[b, :-(-(int(lengths[b]) + new) // page)]
+            bad = used[(used < 0) | (used >= n_pages)]
+            if bad.size:
+                raise ValueError(f"block_table[{b}] names page {int(bad[0])}, outside the "
+                                 f"cache's {n_pages} pages")
+    xp = np if array_kind(q) == "numpy" else __import__("cupy")
+    flat = None
+    if page is not None:   # every page's rows as one axis: a view, so appends land in place
+        for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+            if c.strides[0] != c.shape[1] * c.strides[1]:
+                raise ValueError(f"{name}'s pages must be contiguous along their rows (stride "
+                                 f"of axis 0 = page_size x stride of axis 1) to be read in place")
+        flat = tuple(c.reshape((-1,) + c.shape[2:]) for c in (k_cache, v_cache))
+    if new:
+        _append(xp, k_cache, v_cache, flat, k, v, lengths, pages, page)
+    one = _one_launch(xp, q, k_cache, v_cache, flat, lengths + new, pages, page, causal,
+                      return_lse, options)
+    if one is not None:
+        return one
+    Nq, H = q.shape[1], q.shape[2]
+    out = xp.empty((B, Nq, H, v_cache.shape[3]), q.dtype)
+    lse = xp.empty((B, H, Nq), lse_dtype(q.dtype)) if return_lse else None
+    for b in range(B):
+        end = int(lengths[b]) + new
+        if page is None:
+            keys, values = k_cache[b:b + 1, :end], v_cache[b:b + 1, :end]
+        else:
+            used = pages[b, :-(-end // page)]
+            keys, values = (c[xp.asarray(used)].reshape((1, -1) + c.shape[2:])[:, :end]
+                            for c in (k_cache, v_cache))
+        res = attention(q[b:b + 1], keys, values, layout="bshd",
+                        causal="bottom_right" if causal else False, out=out[b:b + 1],
+                        return_lse=return_lse, **options)
+        if return_lse:
+            lse[b] = res[1][0]
+    return (out, lse) if return_lse else out
+
+
+def _append(xp, k_cache, v_cache, flat, k, v, lengths, pages, page):
+    """Write the new rows k[b], v[b] at rows lengths[b] ... of entry b's cache (its pages), in
+    one scatter per array."""
+    B, new = k.shape[:2]
+    rows = lengths[:, None] + np.arange(new)[None, :]          # (B, new), checked to fit
+    if page is None:
+        at = (xp.asarray(np.repeat(np.arange(B), new).reshape(B, new)), xp.asarray(rows))
+        k_cache[at] = k
+        v_cache[at] = v
+    else:
+        at = xp.asarray(pages[np.arange(B)[:, None], rows // page] * page + rows % page)
+        flat[0][at] = k
+        flat[1][at] = v
+
+
+def _one_launch(xp, q, k_cache, v_cache, flat, ends, pages, page, causal, return_lse, options):
+    """The whole batch in one cuda.mma launch, reading the cache in place; None where that
+    kernel does not take the call (then one call per entry runs)."""
+    from . import plan as _plan
+    from .api import _with_mods
+    from .inputs import normalize
+    if xp is np or (page is not None and page & (page - 1)):
+        return None
+    B = q.shape[0]
+    if flat is None:
+        keys, values = k_cache, v_cache
+    else:   # (B, pages x page_size, Hk, d) views of every page's rows, the batch axis stride 0
+        keys, values = (xp.broadcast_to(c[None], (B,) + c.shape) for c in flat)
+    mods = {n: options[n] for n in ("window_size", "softcap") if n in options}
+    try:
+        problem = _with_mods(normalize(
+            q, keys, values, causal=bool(causal), softmax_scale=options.get("softmax_scale"),
+            layout="bshd", return_lse=return_lse, precision=options.get("precision", "auto"),
+            num_splits=options.get("num_splits")), mods)
+        problem.kvcache = KVCache(xp.asarray(ends.astype(np.int32)),
+                                  None if page is None else xp.asarray(pages.astype(np.int32)),
+                                  page)
+        plan = _plan.choose(problem, options.get("backend", "auto"),
+                            options.get("algorithm", "auto"))
+    except ValueError:
+        return None
+    lse = plan.run(problem)
+    return (problem.result, lse) if return_lse else problem.result

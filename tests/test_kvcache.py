@@ -1,0 +1,202 @@
+"""attention_with_kvcache (numflash/kvcache.py): appends land in the cache rows (contiguous) or
+page rows (paged) they belong to and nothing else changes; the output is the attention over each
+sequence's cached rows (float64 reference by the accuracy rule, causal bottom-right); a paged
+cache gives the contiguous cache's bits; bad lengths, pages and shapes raise naming the
+argument before anything is written. CPU here, the simulator for backend="cuda", the GPU
+marked."""
+import numpy as np
+import pytest
+
+import numflash
+from numflash.testing import check
+
+
+def _cache(rng, B, S, Hk, d, dtype=np.float32):
+    return tuple(rng.standard_normal((B, S, Hk, d)).astype(dtype) for _ in range(2))
+
+
+def _paged(k_cache, v_cache, page, rng, spare=3):
+    """The same rows laid out in pages of ``page`` rows in a shuffled order (with unused pages
+    between them), and the block table that finds them."""
+    B, S, Hk, d = k_cache.shape
+    per = -(-S // page)
+    n_pages = B * per + spare
+    order = rng.permutation(n_pages)[:B * per].reshape(B, per)
+    kp = np.full((n_pages, page, Hk, d), np.nan, k_cache.dtype)
+    vp = np.full_like(kp, np.nan)
+    for b in range(B):
+        for p in range(per):
+            rows = slice(p * page, min(S, (p + 1) * page))
+            n = rows.stop - rows.start
+            kp[order[b, p], :n] = k_cache[b, rows]
+            vp[order[b, p], :n] = v_cache[b, rows]
+    return kp, vp, order.astype(np.int32)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("Nq, new", [(1, 1), (4, 4), (3, 0)])
+def test_append_then_attend_matches_the_reference(rng, causal, Nq, new):
+    B, S, H, Hk, d = 3, 40, 4, 2, 16
+    k_cache, v_cache = _cache(rng, B, S, Hk, d)
+    before = (k_cache.copy(), v_cache.copy())
+    lengths = np.array([0, 7, 40 - new], np.int32)
+    q = rng.standard_normal((B, Nq, H, d)).astype(np.float32)
+    k, v = (_cache(rng, B, new, Hk, d) if new else (None, None))
+    out, lse = numflash.attention_with_kvcache(q, k_cache, v_cache, k, v, lengths,
+                                               causal=causal, return_lse=True)
+    assert out.shape == (B, Nq, H, d) and lse.shape == (B, H, Nq)
+    for b in range(B):
+        start, end = int(lengths[b]), int(lengths[b]) + new
+        if new:   # the new rows landed at the sequence's length; nothing else moved
+            np.testing.assert_array_equal(k_cache[b, start:end], k[b])
+            np.testing.assert_array_equal(v_cache[b, start:end], v[b])
+        for cache, old in zip((k_cache, v_cache), before):
+            np.testing.assert_array_equal(cache[b, :start], old[b, :start])
+            np.testing.assert_array_equal(cache[b, end:], old[b, end:])
+        rep = check(out[b:b + 1], q[b:b + 1], k_cache[b:b + 1, :end], v_cache[b:b + 1, :end],
+                    lse=lse[b:b + 1], layout="bshd", causal="bottom_right" if causal else False)
+        assert rep.ok, f"batch {b}: {rep}"
+    assert (out[0] == 0).all() == (new == 0) and np.isneginf(lse[0]).all() == (new == 0)
+
+
+@pytest.mark.parametrize("page", [16, 5])
+def test_paged_cache_gives_the_contiguous_caches_bits(rng, page):
+    B, S, H, Hk, d = 2, 48, 2, 1, 8
+    k_cache, v_cache = _cache(rng, B, S, Hk, d)
+    kp, vp, table = _paged(k_cache, v_cache, page, rng)
+    lengths = np.array([9, 30], np.int64)
+    q = rng.standard_normal((B, 2, H, d)).astype(np.float32)
+    k, v = _cache(rng, B, 2, Hk, d)
+    want = numflash.attention_with_kvcache(q, k_cache, v_cache, k, v, lengths, causal=True)
+    got = numflash.attention_with_kvcache(q, kp, vp, k, v, lengths, table, causal=True)
+    np.testing.assert_array_equal(got, want)
+    for b in range(B):   # the appended rows are in their pages
+        for r in range(int(lengths[b]), int(lengths[b]) + 2):
+            np.testing.assert_array_equal(kp[table[b, r // page], r % page], k_cache[b, r])
+            np.testing.assert_array_equal(vp[table[b, r // page], r % page], v_cache[b, r])
+
+
+def test_cache_without_lengths_and_options_pass_through(rng):
+    B, S, H, d = 2, 20, 2, 8
+    k_cache, v_cache = _cache(rng, B, S, H, d)
+    q = rng.standard_normal((B, 1, H, d)).astype(np.float32)
+    out = numflash.attention_with_kvcache(q, k_cache, v_cache, softcap=5.0, window_size=(6, 0),
+                                          causal=True)
+    rep = check(out, q, k_cache, v_cache, layout="bshd", causal="bottom_right", softcap=5.0,
+                window_size=(6, 0))
+    assert rep.ok, str(rep)
+
+
+def test_simulator_runs_the_cuda_kernels(rng):
+    B, S, H, d = 2, 33, 2, 16
+    k_cache, v_cache = _cache(rng, B, S, H, d)
+    q = rng.standard_normal((B, 1, H, d)).astype(np.float32)
+    k, v = _cache(rng, B, 1, H, d)
+    got = numflash.attention_with_kvcache(q, k_cache, v_cache, k, v, [5, 20], backend="cuda")
+    for b, n in ((0, 6), (1, 21)):
+        rep = check(got[b:b + 1], q[b:b + 1], k_cache[b:b + 1, :n], v_cache[b:b + 1, :n],
+                    layout="bshd")
+        assert rep.ok, str(rep)
+
+
+def test_bad_input_names_the_argument_and_writes_nothing(rng):
+    B, S, H, d = 2, 16, 2, 8
+    k_cache, v_cache = _cache(rng, B, S, H, d)
+    q = rng.standard_normal((B, 1, H, d)).astype(np.float32)
+    k, v = _cache(rng, B, 1, H, d)
+    kept = k_cache.copy()
+    call = numflash.attention_with_kvcache
+    with pytest.raises(ValueError, match=r"cache_seqlens\[1\] = 16 plus 1 new rows"):
+        call(q, k_cache, v_cache, k, v, [3, 16])
+    with pytest.raises(ValueError, match=r"cache_seqlens\[0\] = -1"):
+        call(q, k_cache, v_cache, k, v, [-1, 2])
+    with pytest.raises(ValueError, match="cache_seqlens must be an int or a \\(2,\\)"):
+        call(q, k_cache, v_cache, k, v, [1, 2, 3])
+    with pytest.raises(ValueError, match="k and v must be given together"):
+        call(q, k_cache, v_cache, k, None, [1, 2])
+    with pytest.raises(TypeError, match="k has dtype float64"):
+        call(q, k_cache, v_cache, k.astype(np.float64), v, [1, 2])
+    with pytest.raises(ValueError, match="k must have shape"):
+        call(q, k_cache, v_cache, k[:, :, :1], v, [1, 2])
+    with pytest.raises(TypeError, match="does not take attn_bias"):
+        call(q, k_cache, v_cache, attn_bias=np.zeros((1, 1, 1, 1)))
+    kp, vp, table = _paged(k_cache, v_cache, 4, rng)
+    bad = table.copy()
+    bad[1, 0] = kp.shape[0]
+    with pytest.raises(ValueError, match=r"block_table\[1\] names page"):
+        call(q, kp, vp, k, v, [3, 5], bad)
+    with pytest.raises(ValueError, match="cache_seqlens is needed"):
+        call(q, kp, vp, k, v, None, table)
+    with pytest.raises(ValueError, match="block_table must be"):
+        call(q, kp, vp, k, v, [3, 5], table[:1])
+    np.testing.assert_array_equal(k_cache, kept)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page", [16, 256])
+def test_gpu_paged_decode_matches_contiguous(rng, monkeypatch, page):
+    """One cuda.mma launch for the batch (no per-entry attention call), paged and contiguous
+    alike, against the reference; with the same shares the paged result has the contiguous
+    one's bits."""
+    cupy = pytest.importorskip("cupy")
+    from numflash import api
+    per_entry = []
+    original = api.attention
+    monkeypatch.setattr(api, "attention", lambda *a, **kw: per_entry.append(1) or
+                        original(*a, **kw))
+    B, S, H, Hk, d = 3, 2048, 8, 2, 128
+    k_cache, v_cache = _cache(rng, B, S, Hk, d, np.float16)
+    kp, vp, table = _paged(k_cache, v_cache, page, rng)
+    lengths = np.array([0, 700, 2047], np.int32)
+    q = rng.standard_normal((B, 1, H, d)).astype(np.float16)
+    k, v = _cache(rng, B, 1, Hk, d, np.float16)
+    dev = [cupy.asarray(a) for a in (q, k_cache, v_cache, k, v, kp, vp, table, lengths)]
+    q_, kc, vc, k_, v_, kp_, vp_, table_, len_ = dev
+    # the same shares (a split count is chosen from the cache's capacity, which differs)
+    want = numflash.attention_with_kvcache(q_, kc, vc, k_, v_, len_, causal=True, num_splits=4)
+    got = numflash.attention_with_kvcache(q_, kp_, vp_, k_, v_, len_, table_, causal=True,
+                                          num_splits=4)
+    cupy.testing.assert_array_equal(got, want)
+    assert per_entry == []
+    auto = numflash.attention_with_kvcache(q_, kp_, vp_, None, None, len_ + 1, table_,
+                                           causal=True)
+    for b in range(B):
+        n = int(lengths[b]) + 1
+        rep = check(auto[b:b + 1], q_[b:b + 1], kc[b:b + 1, :n], vc[b:b + 1, :n],
+                    layout="bshd")
+        assert rep.ok, str(rep)
+    for b in range(B):
+        n = int(lengths[b]) + 1
+        rep = check(want[b:b + 1], q_[b:b + 1], kc[b:b + 1, :n], vc[b:b + 1, :n], layout="bshd")
+        assert rep.ok, str(rep)
+
+
+@pytest.mark.parametrize("DT, page, tile", [("f16", 16, (2, 32, 1)), ("f64", 32, (2, 16, 0)),
+                                           ("f16", 0, (2, 32, 1))])
+@pytest.mark.parametrize("causal", [False, True])
+def test_kvcache_source_emulated_on_cpu(rng, DT, page, tile, causal):
+    """cuda.mma's KVLEN / PAGE variant under the warp emulator: each entry's key count from
+    kv_lens, causal aligned bottom-right per entry, a paged cache's rows through the block table
+    (pages shuffled, a tile spanning pages or a page spanning tiles; page 0: contiguous)."""
+    from mma_tools import run_forward_kernel
+    dtype = np.float16 if DT == "f16" else np.float64
+    B, S, H, Hk, Nq, d = 2, 80, 2, 1, 3, 32
+    k_cache, v_cache = _cache(rng, B, S, Hk, d, dtype)
+    q = rng.standard_normal((B, H, Nq, d)).astype(dtype)
+    ends = np.array([5, 70], np.int32)
+    if page:
+        kp, vp, table = _paged(k_cache, v_cache, page, rng)
+        keys, values = (np.broadcast_to(c.reshape(-1, Hk, d)[None], (B, c.shape[0] * page, Hk, d))
+                        .transpose(0, 2, 1, 3) for c in (kp, vp))
+        cache = (ends, table, page)
+    else:
+        keys, values = (c.transpose(0, 2, 1, 3) for c in (k_cache, v_cache))
+        cache = (ends, None, 0)
+    out, lse = run_forward_kernel(q, keys, values, DT, causal, 0, VEC=1, tile=tile,
+                                  kvcache=cache)
+    for b in range(B):
+        n = int(ends[b])
+        kb, vb = (c[b:b + 1, :n].transpose(0, 2, 1, 3) for c in (k_cache, v_cache))
+        rep = check(out[b:b + 1], q[b:b + 1], kb, vb, lse=lse[b:b + 1],
+                    causal="bottom_right" if causal else False)
+        assert rep.ok, f"entry {b}: {rep}"
