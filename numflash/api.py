@@ -195,6 +195,9 @@ def explain(q, k, v, *, causal=False, softmax_scale=None, layout="bhsd", backend
                                softcap, alibi_slopes, attn_bias, attn_mask, block_mask)
     if _is_torch(q):  # the plan for the tensors' memory, seen as NumPy / CuPy arrays
         from . import torch as _torch
+        if num_splits is not None:
+            raise TypeError("num_splits is not passed through for torch tensors yet: leave it "
+                            "None (cuda.mma chooses), or call with CuPy arrays")
         _torch._check_tensors(q=q, k=k, v=v)
         q, k, v = _torch._views(q, k, v)
         out = None if out is None else _torch._views(out)[0]

@@ -24,10 +24,11 @@ __all__ = ["attention_with_kvcache"]
 class KVCache:
     """What cuda.mma's KV-cache variant reads besides q, k, v (Problem.kvcache): each entry's key
     count after the append (int32 (B,)), and for a paged cache its block table (int32 (B,
-    max_pages)) and rows a page (None: contiguous)."""
+    max_pages)) and rows a page (None: contiguous), and the longest entry's key count."""
     lens: object
     block_table: object = None
     page: int = None
+    max_len: int = None   # the longest entry's keys (what split-KV shares out)
 
 #: the attention() options that pass through unchanged (per-batch arrays would need slicing)
 PASSED_OPTIONS = ("softmax_scale", "backend", "algorithm", "precision", "window_size",
@@ -54,7 +55,7 @@ def _host_ints(name, a, B):
 
 
 def _check(q, k_cache, v_cache, k, v, block_table):
-    """The arrays' kinds, dims, dtypes and shapes; returns (kind, B, page or None, capacity
+    """The arrays' kinds, devices, dims, dtypes and shapes; returns (B, page or None, capacity
     per sequence)."""
     arrays = {"q": q, "k_cache": k_cache, "v_cache": v_cache}
     arrays.update({n: a for n, a in (("k", k), ("v", v)) if a is not None})
@@ -63,16 +64,19 @@ def _check(q, k_cache, v_cache, k, v, block_table):
     kinds = {}
     for name, a in arrays.items():
         kinds[name] = array_kind(a)
-        if kinds[name] is None:
+        if kinds[name] not in ("numpy", "cupy"):
             raise TypeError(f"{name} must be a NumPy or CuPy array; got {type(a).__name__}")
         if getattr(a, "ndim", None) != 4:
             axes = "B, N, H, d" if name in ("q", "k", "v") else "B, S, Hk, d; paged: pages, " \
                 "page_size, Hk, d"
             raise ValueError(f"{name} must be 4-D ({axes}); got shape "
                              f"{tuple(getattr(a, 'shape', ()))}")
-    if len({k_ in ("cupy", "cuda") for k_ in kinds.values()}) > 1:
+    if len(set(kinds.values())) > 1:
         raise TypeError("q, k_cache, v_cache (and k, v) must all be NumPy arrays or all CuPy "
                         "arrays on one GPU")
+    devices = {name: a.device.id for name, a in arrays.items() if kinds[name] == "cupy"}
+    if len(set(devices.values())) > 1:
+        raise ValueError(f"the arrays are on different GPUs: {devices}")
     dtype = np.dtype(q.dtype)
     for name, a in arrays.items():
         if np.dtype(a.dtype) != dtype:
@@ -97,6 +101,11 @@ def _check(q, k_cache, v_cache, k, v, block_table):
             raise ValueError(f"k_cache holds {k_cache.shape[0]} sequences, q has batch {B} (a "
                              f"paged cache needs block_table)")
         return B, None, k_cache.shape[1]
+    if array_kind(block_table) not in (None, "numpy", kinds["q"]):
+        raise TypeError("block_table must be a NumPy array, or a CuPy array with CuPy inputs")
+    if array_kind(block_table) == "cupy" and block_table.device.id != q.device.id:
+        raise ValueError(f"block_table is on GPU {block_table.device.id}, q on GPU "
+                         f"{q.device.id}")
     if array_kind(block_table) is None or getattr(block_table, "ndim", None) != 2 \
             or block_table.shape[0] != B or np.dtype(block_table.dtype).kind not in "iu":
         raise ValueError(f"block_table must be a (B={B}, max_pages) integer array; got "
@@ -114,10 +123,16 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=No
     page block_table[b, j // page_size], row j % page_size. k, v: (B, N_new, Hk, d) new rows
     written into the caches in place at rows cache_seqlens[b] ... + N_new (decode: N_new = Nq =
     1; chunked or speculative prefill: more). cache_seqlens: an int or (B,) integers, the rows
-    cached before the append (None: every row of a contiguous cache). Sequence b attends to its
-    first cache_seqlens[b] + N_new rows; ``causal=True`` aligns the queries with the last of them
-    (bottom-right: the query rows are the newest positions). Options: softmax_scale, backend,
-    algorithm, precision, window_size, softcap, num_splits, as for :func:`numflash.attention`.
+    cached before the append (None: every row of a contiguous cache is in use, nothing is
+    appended). Sequence b attends to its first cache_seqlens[b] + N_new rows; ``causal=True``
+    aligns the queries with the last of them (bottom-right: the query rows are the newest
+    positions). Options: softmax_scale, backend, algorithm, precision, window_size (with
+    causal=True), softcap, num_splits, as for :func:`numflash.attention`; all are checked before
+    anything is written.
+
+    CuPy arrays run as one cuda.mma launch that reads the cache in place when that kernel takes
+    the call (power-of-two page sizes, rows cp.async can read); otherwise, and for NumPy arrays,
+    one :func:`numflash.attention` call per batch entry (a paged cache's pages gathered).
 
     Returns the output (B, Nq, H, dv) in q's dtype and kind, and with ``return_lse`` the
     (B, H, Nq) lse.
@@ -129,10 +144,15 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=No
                         f"takes {', '.join(PASSED_OPTIONS)}, causal and return_lse")
     B, page, capacity = _check(q, k_cache, v_cache, k, v, block_table)
     new = 0 if k is None else k.shape[1]
+    if options.get("window_size") is not None and not causal:
+        raise ValueError("attention_with_kvcache takes window_size with causal=True (the window "
+                         "measured from the newest rows); a window without causal is not "
+                         "supported yet")
     if cache_seqlens is None:
-        if block_table is not None:
-            raise ValueError("cache_seqlens is needed with a paged cache (block_table)")
-        lengths = np.full(B, capacity - new, np.int64)
+        if block_table is not None or new:
+            raise ValueError("cache_seqlens is needed with a paged cache (block_table) and to "
+                             "append k, v (None means every row of the cache is in use)")
+        lengths = np.full(B, capacity, np.int64)
     else:
         lengths = _host_ints("cache_seqlens", cache_seqlens, B)
     if (lengths < 0).any() or (lengths + new > capacity).any():
@@ -141,7 +161,7 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=No
                          f"fit the cache's {capacity} rows a sequence")
     pages = None
     if page is not None:
-        pages = (block_table.get() if array_kind(block_table) in ("cupy", "cuda")
+        pages = (block_table.get() if array_kind(block_table) == "cupy"
                  else np.asarray(block_table)).astype(np.int64)
         n_pages = k_cache.shape[0]
         for b in range(B):
@@ -158,15 +178,26 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=No
                 raise ValueError(f"{name}'s pages must be contiguous along their rows (stride "
                                  f"of axis 0 = page_size x stride of axis 1) to be read in place")
         flat = tuple(c.reshape((-1,) + c.shape[2:]) for c in (k_cache, v_cache))
+    # every option checked (a plan chosen) before anything is written
+    one = _one_launch_plan(xp, q, k_cache, v_cache, flat, lengths + new, pages, page, causal,
+                           return_lse, options)
+    if one is None:
+        from .api import explain
+        explain(q[:1], k_cache[:1], v_cache[:1], layout="bshd", return_lse=return_lse,
+                causal="bottom_right" if causal else False, **options)
     if new:
         _append(xp, k_cache, v_cache, flat, k, v, lengths, pages, page)
-    one = _one_launch(xp, q, k_cache, v_cache, flat, lengths + new, pages, page, causal,
-                      return_lse, options)
-    if one is not None:
-        return one
     Nq, H = q.shape[1], q.shape[2]
     out = xp.empty((B, Nq, H, v_cache.shape[3]), q.dtype)
     lse = xp.empty((B, H, Nq), lse_dtype(q.dtype)) if return_lse else None
+    if out.size == 0:
+        if return_lse:
+            lse[...] = -np.inf
+        return (out, lse) if return_lse else out
+    if one is not None:
+        problem, plan = one
+        lse = plan.run(problem)
+        return (problem.result, lse) if return_lse else problem.result
     for b in range(B):
         end = int(lengths[b]) + new
         if page is None:
@@ -198,9 +229,11 @@ def _append(xp, k_cache, v_cache, flat, k, v, lengths, pages, page):
         flat[1][at] = v
 
 
-def _one_launch(xp, q, k_cache, v_cache, flat, ends, pages, page, causal, return_lse, options):
-    """The whole batch in one cuda.mma launch, reading the cache in place; None where that
-    kernel does not take the call (then one call per entry runs)."""
+def _one_launch_plan(xp, q, k_cache, v_cache, flat, ends, pages, page, causal, return_lse,
+                     options):
+    """(problem, plan) running the whole batch in one cuda.mma launch that reads the cache in
+    place, or None where that kernel does not take the call (NumPy arrays, a page size that is
+    not a power of two, anything cuda.mma refuses: then one call per entry runs)."""
     from . import plan as _plan
     from .api import _with_mods
     from .inputs import normalize
@@ -217,12 +250,13 @@ def _one_launch(xp, q, k_cache, v_cache, flat, ends, pages, page, causal, return
             q, keys, values, causal=bool(causal), softmax_scale=options.get("softmax_scale"),
             layout="bshd", return_lse=return_lse, precision=options.get("precision", "auto"),
             num_splits=options.get("num_splits")), mods)
-        problem.kvcache = KVCache(xp.asarray(ends.astype(np.int32)),
-                                  None if page is None else xp.asarray(pages.astype(np.int32)),
-                                  page)
+        with xp.cuda.Device(q.device.id):   # where the kernel reads them
+            problem.kvcache = KVCache(
+                xp.asarray(ends.astype(np.int32)),
+                None if page is None else xp.asarray(pages.astype(np.int32)), page,
+                int(ends.max()) if ends.size else 0)
         plan = _plan.choose(problem, options.get("backend", "auto"),
                             options.get("algorithm", "auto"))
     except ValueError:
         return None
-    lse = plan.run(problem)
-    return (problem.result, lse) if return_lse else problem.result
+    return problem, plan

@@ -147,7 +147,9 @@ def test_compiled_kernels_come_from_disk_in_a_second_process(tmp_path):
             for _ in range(2)]
     print(f"cold first call {runs[0]['first_call_s']:.3f} s, warm {runs[1]['first_call_s']:.3f} s")
     assert runs[0]["from_disk"] is False and runs[1]["from_disk"] is True
-    assert runs[1]["first_call_s"] < runs[0]["first_call_s"]
+    # the cold call links shipped PTX (about 50 ms on the lent H100, session 14: no
+    # faster than a disk load, so the two are not ordered); a compile would take seconds
+    assert runs[1]["first_call_s"] < 1.0
 
 
 @pytest.mark.parametrize("dtype", ["float16", "float32"])

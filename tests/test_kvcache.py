@@ -87,6 +87,16 @@ def test_cache_without_lengths_and_options_pass_through(rng):
     assert rep.ok, str(rep)
 
 
+def test_empty_queries_still_append(rng):
+    B, S, H, d = 2, 10, 1, 8
+    k_cache, v_cache = _cache(rng, B, S, H, d)
+    k, v = _cache(rng, B, 1, H, d)
+    out, lse = numflash.attention_with_kvcache(np.zeros((B, 0, H, d), np.float32), k_cache,
+                                               v_cache, k, v, 3, return_lse=True)
+    assert out.shape == (B, 0, H, d) and lse.shape == (B, H, 0)
+    np.testing.assert_array_equal(k_cache[:, 3], k[:, 0])
+
+
 def test_simulator_runs_the_cuda_kernels(rng):
     B, S, H, d = 2, 33, 2, 16
     k_cache, v_cache = _cache(rng, B, S, H, d)
@@ -120,6 +130,14 @@ def test_bad_input_names_the_argument_and_writes_nothing(rng):
         call(q, k_cache, v_cache, k[:, :, :1], v, [1, 2])
     with pytest.raises(TypeError, match="does not take attn_bias"):
         call(q, k_cache, v_cache, attn_bias=np.zeros((1, 1, 1, 1)))
+    with pytest.raises(ValueError, match="cache_seqlens is needed"):   # None: the cache is full
+        call(q, k_cache, v_cache, k, v)
+    with pytest.raises(ValueError, match="window_size with causal=True"):
+        call(q, k_cache, v_cache, k, v, [1, 2], window_size=(4, 0))
+    with pytest.raises(ValueError, match="softcap"):          # options before any write
+        call(q, k_cache, v_cache, k, v, [1, 2], softcap=-1.0)
+    with pytest.raises(ValueError, match="split the keys"):
+        call(q, k_cache, v_cache, k, v, [1, 2], num_splits=2)
     kp, vp, table = _paged(k_cache, v_cache, 4, rng)
     bad = table.copy()
     bad[1, 0] = kp.shape[0]

@@ -122,7 +122,7 @@ class Replay:
     array arguments where its pointer comes from: an index into (q, k, v, out, lse, scratch...)
     or None (an array kept for the process)."""
     __slots__ = ("steps", "out_shape", "dtype", "lse_shape", "lse_dtype", "return_lse",
-                 "scratch_lse", "scratch_stream", "scratch")
+                 "scratch_lse", "scratch_stream", "scratch", "scratch_thread")
 
     def __init__(self, steps, problem, lse, scratch=()):
         self.steps = steps
@@ -136,6 +136,7 @@ class Replay:
         self.scratch_lse = lse if small else None
         self.scratch = tuple(scratch)
         self.scratch_stream = stream if small or self.scratch else None
+        self.scratch_thread = threading.get_ident()
 
     def __call__(self, q, k, v):
         cupy = _cupy
@@ -146,9 +147,11 @@ class Replay:
         if lse is None:
             lse = cupy.empty(self.lse_shape, self.lse_dtype)
         pointers = [q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, lse.data.ptr]
-        if self.scratch:   # on another stream, new scratch (the pool orders its reuse there)
-            scratch = self.scratch if same_stream else [cupy.empty(a.shape, a.dtype)
-                                                        for a in self.scratch]
+        if self.scratch:   # reused only by the recording's thread on its stream: another
+            # thread's launches on the same stream could fall between this call's two
+            scratch = self.scratch if same_stream and \
+                threading.get_ident() == self.scratch_thread else \
+                [cupy.empty(a.shape, a.dtype) for a in self.scratch]
             pointers += [a.data.ptr for a in scratch]
         for recipe, mapping in self.steps:
             recipe.launch(stream, [None if m is None else pointers[m] for m in mapping])

@@ -90,7 +90,8 @@ def notes(problem, cfg, device):
     why = ("num_splits was given" if getattr(problem, "num_splits", None) is not None else
            f"{blocks} query blocks for {device.sm_count} SMs")
     return lines + [f"split-KV: each query block's keys in {n} shares ({why}); the partial "
-                    f"results are merged by cuda.merge (one more launch, float32 partials: "
+                    f"results are merged by cuda.merge (one more launch, "
+                    f"{'float64' if cfg.DT == 'f64' else 'float32'} partials: "
                     f"{n} x B x H x Nq x dv)"]
 
 

@@ -73,19 +73,24 @@ MIN_SPLIT_TILES = 4
 
 def split_count(problem, cfg, device):
     """How many shares of its keys each query block of ``problem`` takes (1: no split): the
-    call's ``num_splits`` if given, else as many as fill the GPU's block slots (SPLIT_SLOTS_PER_SM
-    a multiprocessor) while every share keeps MIN_SPLIT_TILES key tiles, up to MAX_SPLITS --
-    flash-attn's num_splits idea (one query block cannot fill a GPU, decoding most of all).
-    Never with a block mask (its lists are walked whole) or for a GPU of unknown size."""
-    forced = getattr(problem, "num_splits", None)
-    if forced is not None:
-        return forced
+    call's ``num_splits`` if given (at most one share per key tile), else as many as fill the
+    GPU's block slots (SPLIT_SLOTS_PER_SM a multiprocessor) while every share keeps
+    MIN_SPLIT_TILES key tiles, up to MAX_SPLITS -- flash-attn's num_splits idea (one query block
+    cannot fill a GPU, decoding most of all). A KV cache counts its longest entry's keys, not
+    its capacity. Never with a block mask (its lists are walked whole) or for a GPU of unknown
+    size."""
     B, H, Nq, Nk, d, dv = problem.shape
+    cache = getattr(problem, "kvcache", None)
+    if cache is not None:   # a KV cache's capacity may far exceed the keys in use
+        Nk = cache.max_len
+    tiles = -(-Nk // cfg.BC)
+    forced = getattr(problem, "num_splits", None)
+    if forced is not None:   # a share per key tile at most
+        return max(1, min(forced, tiles))
     if device.sm_count is None or getattr(getattr(problem, "mods", None), "block", None) is not None:
         return 1
     blocks = -(-Nq // cfg.BR) * B * H
     slots = SPLIT_SLOTS_PER_SM * device.sm_count
-    tiles = -(-Nk // cfg.BC)
     if blocks >= slots:
         return 1
     return max(1, min(MAX_SPLITS, -(-slots // blocks), tiles // MIN_SPLIT_TILES))
