@@ -190,9 +190,7 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=No
     Nq, H = q.shape[1], q.shape[2]
     out = xp.empty((B, Nq, H, v_cache.shape[3]), q.dtype)
     lse = xp.empty((B, H, Nq), lse_dtype(q.dtype)) if return_lse else None
-    if out.size == 0:
-        if return_lse:
-            lse[...] = -np.inf
+    if B * Nq * H == 0:   # nothing to attend with (a launch would have an empty grid)
         return (out, lse) if return_lse else out
     if one is not None:
         problem, plan = one
@@ -244,7 +242,7 @@ def _one_launch_plan(xp, q, k_cache, v_cache, flat, ends, pages, page, causal, r
         keys, values = k_cache, v_cache
     else:   # (B, pages x page_size, Hk, d) views of every page's rows, the batch axis stride 0
         keys, values = (xp.broadcast_to(c[None], (B,) + c.shape) for c in flat)
-    mods = {n: options[n] for n in ("window_size", "softcap") if n in options}
+    mods = {n: options[n] for n in ("window_size", "softcap") if options.get(n) is not None}
     try:
         problem = _with_mods(normalize(
             q, keys, values, causal=bool(causal), softmax_scale=options.get("softmax_scale"),

@@ -29,7 +29,7 @@ from .cuda import fastpath as _fastpath
 from .inputs import softmax_scale_value
 
 __all__ = ["attention", "attention_backward", "scaled_dot_product_attention", "flash_attn_func",
-           "flash_attn_varlen_func", "attention_probabilities"]
+           "flash_attn_varlen_func", "flash_attn_with_kvcache", "attention_probabilities"]
 
 _CAUSAL = {False: "none", None: "none", True: "top_left", "top_left": "top_left",
            "bottom_right": "bottom_right"}
@@ -644,3 +644,44 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=Non
                                                              dtype=_lse_dtype(q.dtype))
         return out, lse, None
     return out
+
+
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None,
+                            rotary_sin=None, cache_seqlens=None, cache_batch_idx=None,
+                            cache_leftpad=None, block_table=None, softmax_scale=None,
+                            causal=False, window_size=(-1, -1), softcap=0.0,
+                            rotary_interleaved=True, alibi_slopes=None, num_splits=0,
+                            return_softmax_lse=False):
+    """flash-attn's ``flash_attn_with_kvcache`` on numflash (:func:`numflash.attention_with_kvcache`
+    on the tensors' memory): q (B, Nq, H, d), caches (B, S, Hk, d) or paged (pages, page_size,
+    Hk, d) with ``block_table``; k, v appended in place at ``cache_seqlens``; causal aligned to
+    the bottom right. Inference only, as flash-attn's: no gradients. ``num_splits=0`` lets
+    numflash choose. Refused, naming the argument: rotary embeddings, cache_batch_idx,
+    cache_leftpad, alibi_slopes (not passed through yet)."""
+    from .kvcache import attention_with_kvcache
+    for name, value in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin),
+                        ("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad),
+                        ("alibi_slopes", alibi_slopes)):
+        if value is not None:
+            raise NotImplementedError(f"flash_attn_with_kvcache: {name} is not supported by "
+                                      f"numflash yet")
+    tensors = {"q": q, "k_cache": k_cache, "v_cache": v_cache}
+    tensors.update({n: t for n, t in (("k", k), ("v", v)) if t is not None})
+    _check_tensors(**tensors)
+    extra = {n: t for n, t in (("cache_seqlens", cache_seqlens), ("block_table", block_table))
+             if isinstance(t, torch.Tensor)}
+    arrays = dict(zip(list(tensors) + list(extra), _views(*tensors.values(), *extra.values())))
+    options = {"softmax_scale": softmax_scale, "num_splits": num_splits or None}
+    if window_size is not None and tuple(window_size) != (-1, -1):
+        options["window_size"] = tuple(window_size)
+    if softcap:
+        options["softcap"] = softcap
+    with _on_torch_stream(q):
+        res = attention_with_kvcache(
+            arrays["q"], arrays["k_cache"], arrays["v_cache"], arrays.get("k"), arrays.get("v"),
+            arrays.get("cache_seqlens", cache_seqlens), arrays.get("block_table", block_table),
+            causal=causal, return_lse=return_softmax_lse, **options)
+    wrap = torch.from_numpy if q.device.type == "cpu" else torch.from_dlpack
+    if return_softmax_lse:
+        return wrap(res[0]), wrap(res[1])
+    return wrap(res)

@@ -218,3 +218,50 @@ def test_kvcache_source_emulated_on_cpu(rng, DT, page, tile, causal):
         rep = check(out[b:b + 1], q[b:b + 1], kb, vb, lse=lse[b:b + 1],
                     causal="bottom_right" if causal else False)
         assert rep.ok, f"entry {b}: {rep}"
+
+
+def test_torch_flash_attn_with_kvcache(rng):
+    """numflash.torch.flash_attn_with_kvcache: flash-attn's signature on torch tensors, appending
+    into the tensors' memory, the same result as the array function; refusals name the
+    argument."""
+    torch = pytest.importorskip("torch")
+    from numflash.torch import flash_attn_with_kvcache
+    B, S, H, Hk, d = 2, 24, 4, 2, 16
+    k_np, v_np = _cache(rng, B, S, Hk, d)
+    q_np = rng.standard_normal((B, 1, H, d)).astype(np.float32)
+    new_k, new_v = _cache(rng, B, 1, Hk, d)
+    want, want_lse = numflash.attention_with_kvcache(q_np, k_np.copy(), v_np.copy(), new_k, new_v,
+                                                     [4, 11], causal=True, softcap=3.0,
+                                                     return_lse=True)
+    kc, vc = torch.from_numpy(k_np.copy()), torch.from_numpy(v_np.copy())
+    out, lse = flash_attn_with_kvcache(torch.from_numpy(q_np), kc, vc, torch.from_numpy(new_k),
+                                       torch.from_numpy(new_v),
+                                       cache_seqlens=torch.tensor([4, 11], dtype=torch.int32),
+                                       causal=True, softcap=3.0, return_softmax_lse=True)
+    assert isinstance(out, torch.Tensor) and out.shape == (B, 1, H, d)
+    np.testing.assert_array_equal(out.numpy(), want)
+    np.testing.assert_array_equal(lse.numpy(), want_lse)
+    assert torch.equal(kc[1, 11], torch.from_numpy(new_k[1, 0]))   # appended in place
+    with pytest.raises(NotImplementedError, match="rotary_cos"):
+        flash_attn_with_kvcache(torch.from_numpy(q_np), kc, vc, rotary_cos=torch.zeros(1))
+
+
+@pytest.mark.gpu
+def test_gpu_torch_flash_attn_with_kvcache_pages(rng):
+    """The torch entry on CUDA tensors, a paged cache on torch's stream: one cuda.mma launch,
+    against the reference of each entry's rows."""
+    torch = pytest.importorskip("torch")
+    from numflash.torch import flash_attn_with_kvcache
+    B, S, H, Hk, d, page = 2, 512, 4, 2, 64, 16
+    k_np, v_np = _cache(rng, B, S, Hk, d, np.float16)
+    kp, vp, table = _paged(k_np, v_np, page, rng)
+    q = torch.from_numpy(rng.standard_normal((B, 1, H, d)).astype(np.float16)).cuda()
+    kpt, vpt = torch.from_numpy(kp).cuda(), torch.from_numpy(vp).cuda()
+    lens = torch.tensor([100, 511], dtype=torch.int32, device="cuda")
+    out = flash_attn_with_kvcache(q, kpt, vpt, cache_seqlens=lens,
+                                  block_table=torch.from_numpy(table).cuda(), causal=True)
+    torch.cuda.synchronize()
+    for b, n in ((0, 100), (1, 511)):
+        rep = check(out[b:b + 1].cpu().numpy(), q[b:b + 1].cpu().numpy(), k_np[b:b + 1, :n],
+                    v_np[b:b + 1, :n], layout="bshd", causal="bottom_right")
+        assert rep.ok, str(rep)
