@@ -51,7 +51,7 @@ def main():
     print(f"B{B} H{H} Hk{Hk} Nk{Nk} d{d}: ms (K/V GB/s)")
     print("| dtype | Nq | numflash auto | splits | numflash num_splits=1 | " +
           " | ".join(backends) + " | auto vs best peer | max diff |")
-    print("|---" * (6 + len(backends)) + "|")
+    print("|---" * (7 + len(backends)) + "|")   # dtype, Nq, 3 numflash cells, peers, 2 more
     for dtype in a.dtypes.split(","):
         dt = np.dtype(__import__("ml_dtypes").bfloat16) if dtype == "bfloat16" else dtype
         k, v = (cupy.asarray(rng.standard_normal((B, Hk, Nk, d), np.float32)).astype(dt)
