@@ -123,3 +123,18 @@ def test_readme_modifications_example_runs():
     q, k, v = ns["q"][:1], ns["k"][:1], ns["v"][:1]   # the last call: the document mask
     assert testing.check(ns["o"], q, k, v, causal=True, mask_mod=ns["doc_mask"],
                          mod_args=ns["args"]).ok
+
+
+def test_readme_kvcache_example_runs():
+    """The decoding loop appends a row a step and attends to each sequence's rows."""
+    import numpy as np
+    from numflash import testing
+    ns = {}
+    exec(compile(_block("attention_with_kvcache(q, k_cache"), "README.md", "exec"), ns)
+    assert list(ns["lengths"]) == [3, 13] and ns["out"].shape == (2, 1, 4, 16)
+    np.testing.assert_array_equal(ns["k_cache"][[0, 1], ns["lengths"] - 1],
+                                  ns["k_new"][:, 0])   # the last step's rows, where they belong
+    for b, n in enumerate(ns["lengths"]):
+        assert testing.check(ns["out"][b:b + 1], ns["q"][b:b + 1], ns["k_cache"][b:b + 1, :n],
+                             ns["v_cache"][b:b + 1, :n], layout="bshd",
+                             causal="bottom_right").ok
