@@ -4,8 +4,10 @@
 
 Runs the forward of cuda.block, cuda.row and cuda.mma (float16, bfloat16, float32 3xTF32 and
 float64) and cuda.row's backward, causal in both alignments and not, with Nq != Nk, head dims
-59/64/111 and GQA, and checks each result against the float64 reference, so that a run is
-both a sanitizer run and a correctness run. Prints one line per case.
+59/64/111 and GQA; then the paths added since (session 15): split-KV with its merge, the KV
+cache contiguous and paged with fuzzed (valid) cache lengths and block tables, varlen with fuzzed
+offsets, a block mask and dense mask modifications. Each result is checked against the float64
+reference, so that a run is both a sanitizer run and a correctness run. Prints one line per case.
 """
 import sys
 
@@ -41,6 +43,104 @@ def arrays(dtype, shape, seed):
     return host, [cupy.asarray(a) for a in host]
 
 
+def _ref(q, k, v, **opts):
+    return reference.attention(*(cupy.asnumpy(a.astype(cupy.float64)) for a in (q, k, v)),
+                               **opts)
+
+
+def _err(got, want):
+    got = cupy.asnumpy(got.astype(cupy.float64))
+    same = np.array_equal(np.isfinite(got), np.isfinite(want))
+    ok = np.isfinite(want)
+    return float(np.abs(got[ok] - want[ok]).max()) if same else float("nan")
+
+
+def split_case(rng):
+    q = cupy.asarray(rng.standard_normal((2, 4, 3, 64)).astype(np.float16))
+    k, v = (cupy.asarray(rng.standard_normal((2, 4, 4099, 64)).astype(np.float16))
+            for _ in range(2))
+    return _err(numflash.attention(q, k, v, causal=True, num_splits=7),
+                _ref(q, k, v, causal=True))
+
+
+def kvcache_case(rng, paged):
+    """Fuzzed cache lengths (and a shuffled block table): one new row appended, then attended."""
+    B, H, Hk, d, cap, page = 3, 4, 2, 64, 320, 16
+    lens = rng.integers(0, cap - 1, B)
+    q = cupy.asarray(rng.standard_normal((B, 1, H, d)).astype(np.float16))
+    new_k, new_v = (cupy.asarray(rng.standard_normal((B, 1, Hk, d)).astype(np.float16))
+                    for _ in range(2))
+    if paged:
+        n_pages = B * cap // page
+        table = rng.permutation(n_pages).reshape(B, cap // page).astype(np.int32)
+        kc, vc = (cupy.asarray(rng.standard_normal((n_pages, page, Hk, d)).astype(np.float16))
+                  for _ in range(2))
+        rows = lambda c, b: c[cupy.asarray(table[b])].reshape(cap, Hk, d)  # noqa: E731
+        extra = {"block_table": cupy.asarray(table)}
+    else:
+        kc, vc = (cupy.asarray(rng.standard_normal((B, cap, Hk, d)).astype(np.float16))
+                  for _ in range(2))
+        rows = lambda c, b: c[b]  # noqa: E731
+        extra = {}
+    out = numflash.attention_with_kvcache(q, kc, vc, new_k, new_v,
+                                          cache_seqlens=cupy.asarray(lens.astype(np.int32)),
+                                          causal=True, **extra)
+    err = 0.0
+    for b in range(B):
+        n = int(lens[b]) + 1
+        kb, vb = (rows(c, b)[:n].transpose(1, 0, 2)[None] for c in (kc, vc))
+        if not (cupy.array_equal(kb[0, :, -1], new_k[b, 0]) and
+                cupy.array_equal(vb[0, :, -1], new_v[b, 0])):
+            return float("nan")   # the append missed its row
+        want = _ref(q[b:b + 1].transpose(0, 2, 1, 3), kb, vb, causal="bottom_right")
+        err = max(err, _err(out[b:b + 1].transpose(0, 2, 1, 3), want))
+    return err
+
+
+def varlen_case(rng):
+    lens_q, lens_k = rng.integers(1, 150, 4), rng.integers(1, 150, 4)
+    cq, ck = (np.concatenate([[0], np.cumsum(n)]).astype(np.int32) for n in (lens_q, lens_k))
+    q = cupy.asarray(rng.standard_normal((int(cq[-1]), 4, 64)).astype(np.float16))
+    k, v = (cupy.asarray(rng.standard_normal((int(ck[-1]), 2, 64)).astype(np.float16))
+            for _ in range(2))
+    out = numflash.attention_varlen(q, k, v, cupy.asarray(cq), cupy.asarray(ck), causal=True)
+    err = 0.0
+    for b in range(4):
+        sq, sk = slice(cq[b], cq[b + 1]), slice(ck[b], ck[b + 1])
+        want = _ref(*(a[None].transpose(0, 2, 1, 3) for a in (q[sq], k[sk], v[sk])),
+                    causal=True)
+        err = max(err, _err(out[sq][None].transpose(0, 2, 1, 3), want))
+    return err
+
+
+def _stripes(b, h, i, j):
+    return (i + 2 * j + h) % 5 < 3
+
+
+def mods_case(rng, block):
+    q, k, v = (cupy.asarray(rng.standard_normal((2, 4, 300, 64)).astype(np.float16))
+               for _ in range(3))
+    if block:
+        mask = numflash.create_block_mask(_stripes, None, 4, 300, 300, block_size=64,
+                                          device="cuda")
+        dense = np.array([[[[_stripes(0, h, i, j) for j in range(300)] for i in range(300)]
+                           for h in range(4)]])
+        return _err(numflash.attention(q, k, v, block_mask=mask), _ref(q, k, v, attn_mask=dense))
+    m = rng.random((2, 1, 300, 300)) > 0.3
+    return _err(numflash.attention(q, k, v, attn_mask=cupy.asarray(m), softcap=20.0),
+                _ref(q, k, v, attn_mask=m, softcap=20.0))
+
+
+LATER_CASES = [  # name, run(rng) -> max error over finite outputs (NaN: wrong pattern)
+    ("mma float16 split-KV (7 shares) + merge", split_case),
+    ("kvcache float16 contiguous, fuzzed lengths", lambda rng: kvcache_case(rng, False)),
+    ("kvcache float16 paged 16, fuzzed lengths and table", lambda rng: kvcache_case(rng, True)),
+    ("varlen float16, fuzzed offsets", varlen_case),
+    ("mma float16 block mask", lambda rng: mods_case(rng, True)),
+    ("mma float16 attn_mask + softcap", lambda rng: mods_case(rng, False)),
+]
+
+
 def main():
     bad = 0
     for i, (algorithm, dtype, shape, causal) in enumerate(CASES):
@@ -62,6 +162,11 @@ def main():
         ok = np.isfinite(err) and err < tol * 10
         bad += not ok
         print(("ok   " if ok else "BAD  ") + line, flush=True)
+    for i, (name, case) in enumerate(LATER_CASES):
+        err = case(np.random.default_rng(100 + i))
+        ok = np.isfinite(err) and err < 2e-2
+        bad += not ok
+        print(("ok   " if ok else "BAD  ") + f"{name}: max err {err:.2e}", flush=True)
     cupy.cuda.Device().synchronize()
     return 1 if bad else 0
 
