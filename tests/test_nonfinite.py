@@ -185,7 +185,7 @@ def test_an_infinite_score_poisons_its_row_in_the_reference_and_the_kernels(rng)
 # ---- cuda.mma's forward, its generated source run by the warp emulator: V holds NaN, +inf and
 # -inf at keys some rows of a tile see and others do not, at a key no row of its warp sees, and
 # +inf and -inf in one column (NaN where a row sees both). The known leak of every operand kind
-# and staging, shown on the CPU: a guard that fixed it cost 3-16% on the H100 (bench/NOTES.md).
+# and staging, shown on the CPU: the guards that fixed it cost 2-16% on the H100 (bench/NOTES.md).
 
 def _emulated(DT, VEC, case, fast=False):
     return pytest.param(DT, VEC, case, id=f"{DT}-{'cp.async' if VEC else 'scalar'}-{case}",
