@@ -21,8 +21,8 @@ import sys
 HERE = pathlib.Path(__file__).resolve().parents[1]
 SHAPE = (4, 16, 4096, 4096)
 # (label, dtype, d, causal, (B, H, Nq, Nk), extra): the 16-bit, 3xTF32 and float64 tensor-core
-# kernels at B4 H16 N4096, then calls whose tiles take the non-finite guard's scan most often
-# (mask modifications: every tile; a window: two edges; decoding: split-KV's last tiles)
+# kernels at B4 H16 N4096, then calls that take other paths of cuda.mma: a sliding window, a
+# dense mask modification and decoding (split-KV and its merge)
 CONFIGS = [(f"{dt} d{d}{' causal' if c else ''}", dt, d, c, SHAPE, None)
            for dt, ds in (("float16", (64, 128)), ("bfloat16", (128,)), ("float32", (64, 128)),
                           ("float64", (64,)))

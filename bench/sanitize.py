@@ -132,12 +132,12 @@ def mods_case(rng, block):
 
 
 LATER_CASES = [  # name, run(rng) -> max error over finite outputs (NaN: wrong pattern)
-    ("mma float16 split-KV (7 shares) + merge", split_case),
+    ("float16 split-KV (7 shares) + merge", split_case),
     ("kvcache float16 contiguous, fuzzed lengths", lambda rng: kvcache_case(rng, False)),
     ("kvcache float16 paged 16, fuzzed lengths and table", lambda rng: kvcache_case(rng, True)),
     ("varlen float16, fuzzed offsets", varlen_case),
-    ("mma float16 block mask", lambda rng: mods_case(rng, True)),
-    ("mma float16 attn_mask + softcap", lambda rng: mods_case(rng, False)),
+    ("float16 block mask", lambda rng: mods_case(rng, True)),
+    ("float16 attn_mask + softcap", lambda rng: mods_case(rng, False)),
 ]
 
 
