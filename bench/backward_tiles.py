@@ -1,26 +1,34 @@
-"""cuda.mma's backward, pass by pass, for candidate tiles: the query pass (dQ), the key pass
-(dK, dV) and the delta = rowsum(dO * O) preprocessing timed apart, B4 H16 N4096 by default.
+"""cuda.mma's backward for candidate tiles: each (query pass, key pass) tile pair of the chosen
+dtype and head dims compiled (ptxas registers and spills reported), then the whole backward
+timed, B4 H16 N4096 by default.
 
-    python bench/backward_tiles.py [--d 64 128] [--dtype float16] [--n 4096] [--causal]
+    python bench/backward_tiles.py [--dtype float32] [--d 64 128] [--n 4096] [--causal]
 
-Variants compile in parallel processes into the kernel cache first (each 10-30 s). Times by CUDA
-events (numflash.bench.timing.median_ms: warm-up, median of repeats); each variant's gradients
-are compared with the planner's variant's (bitwise equal is not expected across tiles: the
-float32 sums are ordered differently; the GPU tests check the planner's against the reference).
+Variants compile in parallel processes into the kernel cache first. One candidate per pass is
+varied at a time, the other pass keeping the planner's tile, so a row's time differs from the
+planner's row by that pass alone. Times by CUDA events (numflash.bench.timing.median_ms:
+warm-up, median of repeats); each row's gradients are compared with the planner's row (bitwise
+equality is not expected across tiles: float32 sums run in another order; the GPU tests check the
+planner's choice against the reference).
 """
 import argparse
 import concurrent.futures
 import dataclasses
-import math
 import multiprocessing
 
 import numpy as np
 
-CANDIDATES = {  # largest head dim -> pass -> [(NW, BC, SUB)]
-    64: {"queries": [(4, 64, 0), (8, 64, 0), (4, 32, 0)],
-         "keys": [(4, 64, 0), (8, 64, 0), (4, 32, 0), (4, 128, 64)]},
-    128: {"queries": [(4, 64, 0), (8, 64, 0), (4, 32, 0)],
-          "keys": [(4, 16, 0), (8, 16, 0), (4, 32, 16), (4, 64, 16), (8, 64, 16)]},
+#: (dtype, largest head dim) -> pass -> [(NW, BC, SUB)] tried beside the planner's tiles
+CANDIDATES = {
+    ("float16", 64): {"queries": [(8, 64, 0), (4, 32, 0)], "keys": [(4, 64, 0), (4, 128, 32)]},
+    ("float16", 128): {"queries": [(8, 64, 0), (4, 32, 0)],
+                       "keys": [(4, 32, 16), (4, 64, 16)]},
+    ("float32", 64): {"queries": [(4, 64, 0), (4, 32, 0), (8, 32, 0)],
+                      "keys": [(4, 64, 16), (4, 32, 16), (8, 32, 16), (4, 64, 8)]},
+    ("float32", 128): {"queries": [(4, 32, 0), (4, 16, 0), (8, 16, 0)],
+                       "keys": [(4, 32, 8), (4, 16, 8), (8, 16, 8), (4, 64, 8)]},
+    ("float64", 64): {"queries": [(4, 32, 0), (4, 16, 0), (8, 16, 0)],
+                      "keys": [(4, 32, 8), (4, 16, 8), (2, 32, 8), (8, 16, 8)]},
 }
 
 
@@ -30,83 +38,81 @@ def _build(args):
     from numflash.cuda.mma import backward, gradients
     make = backward.make_query_kernel if kernel == "queries" else backward.make_key_kernel
     k = launch.get_kernel(f"cuda.mma.backward_{kernel}", make, cfg)
-    k.build(gradients.signature(dtype, kernel), cc, quiet=True)
-    return kernel, str(cfg)
+    _, meta = k.build(gradients.signature(dtype, kernel), cc, quiet=True)
+    res = meta.get("resources", {})
+    return (kernel, str(cfg), res.get("registers", 0),
+            res.get("spill_store_bytes", 0) + res.get("spill_load_bytes", 0))
+
+
+def _variants(plan_cfg, dtype, d):
+    """[(pass varied or None, {"queries": cfg, "keys": cfg})]: the planner's pair first."""
+    out = [(None, dict(plan_cfg))]
+    for kernel, tiles in CANDIDATES[(dtype, d)].items():
+        for NW, BC, SUB in tiles:
+            c = dataclasses.replace(plan_cfg[kernel], NW=NW, BC=BC, SUB=SUB)
+            if c != plan_cfg[kernel]:
+                out.append((kernel, {**plan_cfg, kernel: c}))
+    return out
 
 
 def main():
     import cupy
     import numflash
     from numflash.bench.timing import median_ms
-    from numflash.cuda.mma import MmaConfig, backward, gradients
+    from numflash.cuda.mma import gradients
     from numflash.inputs import normalize_backward
     from numflash.plan import _cuda_device
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--d", type=int, nargs="+", default=[64, 128])
-    ap.add_argument("--dtype", default="float16")
+    ap.add_argument("--dtype", default="float32", choices=("float16", "float32", "float64"))
     ap.add_argument("--n", type=int, default=4096)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--causal", action="store_true")
-    ap.add_argument("--passes", nargs="+", default=["queries", "keys"])
+    ap.add_argument("--jobs", type=int, default=12)
     a = ap.parse_args()
-    dev = cupy.cuda.Device()
-    cc = dev.compute_capability
-    cc = (int(cc[:-1]), int(cc[-1]))
-    DT = "bf16" if a.dtype == "bfloat16" else "f16"
-    jobs = [(kernel, MmaConfig(d, d, NW, BC, 0, DT, 1, SUB=SUB), a.dtype, cc)
-            for d in a.d for kernel, tiles in CANDIDATES[d].items() for NW, BC, SUB in tiles
-            if kernel in a.passes]
-    with concurrent.futures.ProcessPoolExecutor(
-            8, mp_context=multiprocessing.get_context("spawn")) as pool:
-        for kernel, cfg in pool.map(_build, jobs):
-            print(f"built {kernel} {cfg}", flush=True)
     rng = np.random.default_rng(0)
     B, H, N = a.batch, a.heads, a.n
-    print("\n| d | pass | NW | BC | SUB | ms | TFLOP/s (the pass's own products) | max diff vs "
-          "plan |")
-    print("|---|---|---|---|---|---|---|---|")
+    rows = []
     for d in a.d:
-        q, k, v, do = (cupy.asarray(rng.standard_normal((B, H, N, d)).astype(np.float32))
-                       .astype(a.dtype) for _ in range(4))
+        q, k, v, do = (cupy.asarray(rng.standard_normal((B, H, N, d)).astype(a.dtype))
+                       for _ in range(4))
         o, lse = numflash.attention(q, k, v, causal=a.causal, return_lse=True)
         p = normalize_backward(do, q, k, v, o, lse, causal=a.causal)
         device = _cuda_device(p)
-        plan_cfg = gradients.config(p, device)
-        delta_ms = median_ms(lambda: (p.do.astype(np.float32) * p.o.astype(np.float32))
-                             .sum(axis=-1))
-        print(f"| {d} | delta | - | - | - | {delta_ms:.3f} | - | - |")
-        planned = [g.copy() for g in numflash.attention_backward(do, q, k, v, o, lse,
-                                                                 causal=a.causal)]
-        products = {"queries": 3, "keys": 4}
-        for kernel in a.passes:
-            for NW, BC, SUB in CANDIDATES[d][kernel]:
-                cfg = dict(plan_cfg)
-                cfg[kernel] = dataclasses.replace(plan_cfg[kernel], NW=NW, BC=BC, SUB=SUB)
-                (qk, _), (kk, _) = gradients.compiled_kernels(cfg, a.dtype)
-                c = cfg[kernel]
-                delta = (p.do.astype(np.float32) * p.o.astype(np.float32)).sum(axis=-1)
-                bits = [x.view(cupy.uint16) for x in (p.q, p.k, p.v, p.do)]
-                grads = [cupy.empty_like(x) for x in (q, k, v)]
-                scalars = (float(p.scale * math.log2(math.e)), float(p.scale), int(p.causal),
-                           int(p.causal_offset))
-                if kernel == "queries":
-                    def call():
-                        qk((-(-N // c.BR), B * H), (c.NT,), backward.shared_bytes(c, kernel),
-                           (*bits, p.lse, delta, grads[0].view(cupy.uint16)) + scalars, device)
-                    got, want = grads[0], planned[0]
-                else:
-                    def call():
-                        kk((-(-N // c.BR), B * H), (c.NT,), backward.shared_bytes(c, kernel),
-                           (*bits, p.lse, delta, grads[1].view(cupy.uint16),
-                            grads[2].view(cupy.uint16)) + scalars, device)
-                    got, want = grads[1], planned[1]
-                ms = median_ms(call)
-                diff = float(cupy.abs(got.astype(np.float32) - want.astype(np.float32)).max())
-                flops = products[kernel] * 2 * B * H * N * N * d / (2 if a.causal else 1)
-                print(f"| {d} | {kernel} | {NW} | {BC} | {SUB or '-'} | {ms:.3f} | "
-                      f"{flops / ms / 1e9:.0f} | "
-                      f"{diff:.3g} |", flush=True)
+        variants = _variants(gradients.config(p, device), a.dtype, d)
+        jobs = {(kernel, c) for _, cfg in variants for kernel, c in cfg.items()}
+        with concurrent.futures.ProcessPoolExecutor(
+                a.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+            built = {}
+            for kernel, name, regs, spill in pool.map(
+                    _build, [(kernel, c, a.dtype, device.cc) for kernel, c in jobs]):
+                built[(kernel, name)] = (regs, spill)
+                print(f"built {kernel} {name}: {regs} registers, {spill} bytes spilled",
+                      flush=True)
+        want = None
+        for varied, cfg in variants:
+            p.dq, p.dk, p.dv = (cupy.empty_like(x) for x in (q, k, v))
+            ms = median_ms(lambda: gradients.run(p, cfg, device))
+            got = [g.copy() for g in (p.dq, p.dk, p.dv)]
+            want = want or got
+            diff = max(float(cupy.abs(x.astype(np.float64) - y.astype(np.float64)).max())
+                       for x, y in zip(got, want))
+            flops = 2.5 * 4 * B * H * N * N * d / (2 if a.causal else 1)
+            kernel = varied or "planner"
+            c = cfg["queries"], cfg["keys"]
+            regs = "/".join(f"{built[(n, str(x))][0]}r {built[(n, str(x))][1]}B"
+                            for n, x in zip(("queries", "keys"), c))
+            rows.append(f"| {d} | {kernel} | {(c[0].NW, c[0].BC)} | "
+                        f"{(c[1].NW, c[1].BC, c[1].SUB)} | {regs} | {ms:.3f} | "
+                        f"{flops / ms / 1e9:.1f} | {diff:.3g} |")
+            print(rows[-1], flush=True)
+    print(f"\n{a.dtype} B{B} H{H} N{N}{' causal' if a.causal else ''}: the whole backward "
+          "(delta, query pass, key pass); TFLOP/s counted as 2.5x the forward's FLOPs")
+    print("| d | varied | queries (NW, BC) | keys (NW, BC, SUB) | registers, spill bytes "
+          "(queries / keys) | ms | TFLOP/s | max diff vs planner |")
+    print("|---|---|---|---|---|---|---|---|")
+    print("\n".join(rows))
 
 
 if __name__ == "__main__":

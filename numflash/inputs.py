@@ -23,7 +23,8 @@ def lse_dtype(dt):
     """The dtype of the lse for inputs of dtype ``dt``: float64 for float64 inputs (the backward
     recomputes P = exp(S - lse), so a float32 lse would bound float64 gradients near 1e-7),
     float32 otherwise."""
-    return np.dtype(np.float64) if np.dtype(dt) == np.float64 else np.dtype(np.float32)
+    name = dt if isinstance(dt, str) else np.dtype(dt).name   # "bfloat16" needs no ml_dtypes
+    return np.dtype(np.float64) if name == "float64" else np.dtype(np.float32)
 
 
 LAYOUTS = ("bhsd", "bshd")
@@ -34,8 +35,8 @@ CAUSAL_MODES = (False, True, "top_left", "bottom_right")
 #: (10-bit mantissa products, fp32 accumulation), an explicit opt-in.
 PRECISIONS = ("auto", "ieee", "tf32")
 IEEE_REASON = ("precision='ieee' keeps float32 on the FMA units (IEEE float32 products and sums); "
-               "cuda.mma computes float32 on tensor cores (3xTF32); the IEEE float32 kernel is "
-               "cuda.block")
+               "cuda.mma computes float32 on tensor cores (3xTF32); the IEEE float32 kernels are "
+               "cuda.block (forward) and cuda.row (backward)")
 
 
 def array_kind(x):

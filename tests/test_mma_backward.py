@@ -21,7 +21,8 @@ TURING = Device("turing", cc=(7, 5), smem_per_block_optin=64 * 1024)
 def _kind_dtype(DT):
     if DT == "bf16":
         return np.dtype(pytest.importorskip("ml_dtypes").bfloat16)
-    return {"f16": np.dtype(np.float16), "f64": np.dtype(np.float64)}[DT]
+    return {"f16": np.dtype(np.float16), "3xtf32": np.dtype(np.float32),
+            "f64": np.dtype(np.float64)}[DT]
 
 
 # (B, H, Hkv, Nq, Nk, d, dv, causal, tiles): more rows than a block, ragged tiles, Nq != Nk both
@@ -38,6 +39,8 @@ EMULATED = {
     # the d128 key-pass tile the planner ships: 8 warps, 64 queries staged, 16 at a time
     "shipped-d128-keys": (1, 1, 1, 80, 150, 128, 128, "bottom_right",
                           {"queries": (4, 64), "keys": (8, 64, 16)}),
+    # the word kinds' 8-query sub-tiles (one k-step of m16n8k8), GQA and a causal edge
+    "word-sub-tiles": (1, 2, 1, 50, 45, 16, 24, True, {"queries": (2, 16), "keys": (2, 32, 8)}),
 }
 
 
@@ -58,12 +61,17 @@ def _emulated(DT, case, fast=False):
     _emulated("f64", "sub-tiles"),
     _emulated("f16", "gqa-batches"),   # extended: GQA runs in the README tier's gqa-bottom_right
     _emulated("bf16", "shipped-d128-keys"),
+    _emulated("3xtf32", "word-sub-tiles", fast=True),
+    _emulated("3xtf32", "gqa-bottom_right"),
+    _emulated("3xtf32", "causal-dv"),
+    _emulated("f64", "word-sub-tiles"),
 ])
 def test_backward_source_emulated_on_cpu(rng, DT, case):
     """Both passes' fragment bookkeeping (the transposed products of the key pass, P from lse,
     dS in the S registers, the causal bounds of both passes, GQA summed over the group) under
     the warp emulator: the gradients meet the accuracy rule (float64: to 1e-12, which checks the
-    algebra exactly; the kernel ships for float16 / bfloat16)."""
+    algebra exactly; 3xTF32 splits every operand and keeps its small terms apart, and is held
+    to float32's rule)."""
     from mma_tools import run_backward_kernels
     B, H, Hkv, Nq, Nk, d, dv, causal, tiles = EMULATED[case]
     dtype = _kind_dtype(DT)
@@ -131,22 +139,28 @@ MASKED = [
 ]
 
 
-def _masked_case(rng, case):
+def _masked_case(rng, case, DT):
     from mma_tools import run_backward_kernels
     _, Nq, Nk, causal, which, at, _ = case
-    arrays = dict(zip(("q", "k", "v", "do"), make(rng, 1, 1, Nq, Nk, 16, 16, dtype=np.float16)))
+    dtype = _kind_dtype(DT)
+    arrays = dict(zip(("q", "k", "v", "do"), make(rng, 1, 1, Nq, Nk, 16, 16, dtype=dtype)))
     arrays[which][at] = np.nan
     q, k, v, do = (arrays[n] for n in ("q", "k", "v", "do"))
     o, lse = numflash.reference.attention(q, k, v, causal=causal, return_lse=True)
     is_causal, off = parse_causal(causal, Nq, Nk)
-    grads = run_backward_kernels(q, k, v, do, o.astype(np.float16), lse.astype(np.float32),
-                                 "f16", is_causal, off)
+    grads = run_backward_kernels(q, k, v, do, o.astype(dtype),
+                                 lse.astype(np.float64 if DT == "f64" else np.float32), DT,
+                                 is_causal, off)
     return dict(zip(("dq", "dk", "dv"), grads))
 
 
+MASKED_KINDS = [pytest.param("f16", id="f16"), pytest.param("f64", id="f64")]
+
+
+@pytest.mark.parametrize("DT", MASKED_KINDS)
 @pytest.mark.parametrize("case", MASKED, ids=lambda c: c[0].replace(" ", "-"))
-def test_emulated_values_nobody_reads_stay_out_of_the_other_gradients(rng, case):
-    grads = _masked_case(rng, case)
+def test_emulated_values_nobody_reads_stay_out_of_the_other_gradients(rng, case, DT):
+    grads = _masked_case(rng, case, DT)
     for name, g in grads.items():
         if name not in case[-1]:
             assert np.isfinite(g).all(), f"{name} picked up the unread NaN"
@@ -154,10 +168,11 @@ def test_emulated_values_nobody_reads_stay_out_of_the_other_gradients(rng, case)
 
 @pytest.mark.xfail(strict=True, reason="a masked pair's zero weight still multiplies the staged "
                    "tile on the tensor cores: 0 * NaN reaches the gradient (issue 22, as in the "
-                   "forward)")
+                   "forward; the word kinds as the 16-bit ones)")
+@pytest.mark.parametrize("DT", MASKED_KINDS)
 @pytest.mark.parametrize("case", MASKED, ids=lambda c: c[0].replace(" ", "-"))
-def test_emulated_values_nobody_reads_known_leak(rng, case):
-    grads = _masked_case(rng, case)
+def test_emulated_values_nobody_reads_known_leak(rng, case, DT):
+    grads = _masked_case(rng, case, DT)
     assert all(np.isfinite(grads[name]).all() for name in case[-1])
 
 
@@ -177,7 +192,7 @@ def test_emulated_rows_without_keys_get_zero_gradients(rng):
 
 def _problem(rng, dtype, d=64, dv=None, Nq=256, Nk=256, H=4, Hkv=None, strided=False,
              strided_do=False, strided_o=False, **opts):
-    from numflash.inputs import normalize_backward
+    from numflash.inputs import lse_dtype, normalize_backward
     q, k, v, do = make(rng, 1, H, Nq, Nk, d, dv or d, dtype=dtype, kv_heads=Hkv or H)
     if strided:
         q = np.repeat(q, 2, axis=-1)[..., ::2]
@@ -187,7 +202,7 @@ def _problem(rng, dtype, d=64, dv=None, Nq=256, Nk=256, H=4, Hkv=None, strided=F
     o = o.astype(dtype)
     if strided_o:
         o = np.repeat(o, 2, axis=-1)[..., ::2]
-    p = normalize_backward(do, q, k, v, o, lse.astype(np.float32), **opts)
+    p = normalize_backward(do, q, k, v, o, lse.astype(lse_dtype(dtype)), **opts)
     p.direction = "backward"
     return p
 
@@ -215,6 +230,7 @@ def _OnDevice(p, misaligned=()):
 
 
 SM86 = Device("rtx", cc=(8, 6), smem_per_block_optin=99 * 1024)
+QUERIES_3X_128, KEYS_3X_128 = (4, 16, 0), (4, 16, 8)   # 3xTF32 at d128: gradients.WORD_TILES
 
 
 @pytest.mark.parametrize("dtype, d, dv, device, queries, keys", [
@@ -238,18 +254,43 @@ def test_backward_plan_takes_the_tensor_cores(rng, dtype, d, dv, device, queries
     assert text.startswith("numflash backward plan: cuda.mma") and "queries=" in text
 
 
+@pytest.mark.parametrize("dtype, d, device, queries, keys, form", [
+    (np.float32, 64, HOPPER, (4, 64, 0), (4, 64, 16), None),
+    (np.float32, 128, HOPPER, QUERIES_3X_128, KEYS_3X_128, None),
+    (np.float32, 96, AMPERE, QUERIES_3X_128, KEYS_3X_128, None),
+    (np.float64, 64, HOPPER, (4, 32, 0), (4, 32, 8), "m16n8k8"),
+    (np.float64, 40, AMPERE, (4, 32, 0), (4, 32, 8), "m8n8k4"),
+])
+def test_backward_plan_takes_the_tensor_cores_for_float32_and_float64(rng, dtype, d, device,
+                                                                       queries, keys, form):
+    """float32 runs as 3xTF32 (the forward's split operands and small-term accumulators),
+    float64 on float64 mma (m16n8k8 on sm_90, four m8n8k4 on sm_80)."""
+    p = _OnDevice(_problem(rng, dtype, d))
+    plan = _plan(p, device)
+    assert plan.kernel == "cuda.mma"
+    got = {name: (c.NW, c.BC, c.SUB) for name, c in plan.config.items()}
+    assert got == {"queries": queries, "keys": keys}
+    kind = "3xtf32" if dtype == np.float32 else "f64"
+    assert all(c.DT == kind and c.MMA == form for c in plan.config.values())
+
+
 @pytest.mark.parametrize("dtype, kwargs, device, match", [
-    (np.float32, {}, HOPPER, r"cuda\.mma takes float16, bfloat16, not float32"),
+    (np.float32, {}, SM86, r"3xTF32 only on compute capability 8\.0 / 9\.0"),
+    (np.float32, {"d": 58}, HOPPER, r"head dim 58 is not a multiple of 4"),
+    (np.float64, {"d": 128}, HOPPER, r"takes float64 head dims up to 64 \(d=128"),
+    (np.float64, {"d": 64}, SM86, r"needs \d+ bytes of shared memory"),
     (np.float16, {"d": 256}, HOPPER, r"takes head dims up to 128 \(d=256"),
     (np.float16, {"d": 40, "strided": True}, HOPPER, r"q's last axis is strided"),
     (np.float16, {"strided_do": True}, HOPPER, r"do's last axis is strided"),
     (np.float16, {"strided_o": True}, HOPPER, r"o's last axis is strided"),
     (np.float16, {"misaligned": ("do",)}, HOPPER, r"do is not 16-byte aligned"),
     (np.float16, {"d": 60}, HOPPER, r"head dim 60 is not a multiple of 8"),
-    (np.float16, {}, TURING, r"needs compute capability >= 8\.0 \(mma\.sync bf16, cp\.async\)"),
+    (np.float16, {}, TURING, r"needs compute capability >= 8\.0 \(mma\.sync bf16 / f64, "
+                             r"cp\.async\)"),
 ])
 def test_backward_plan_refuses_and_says_why(rng, dtype, kwargs, device, match):
     """What cuda.mma's backward cannot take goes to cuda.row, and explain says why."""
+    kwargs = dict(kwargs)
     misaligned = kwargs.pop("misaligned", ())
     p = _OnDevice(_problem(rng, dtype, **kwargs), misaligned)
     plan = _plan(p, device)
@@ -257,6 +298,24 @@ def test_backward_plan_refuses_and_says_why(rng, dtype, kwargs, device, match):
     assert pytest.importorskip("re").search(match, plan.rejected["cuda.mma"]), plan.rejected
     with pytest.raises(ValueError, match=match):
         _plan(p, device, algorithm="mma")
+
+
+@pytest.mark.parametrize("precision, match", [
+    ("ieee", r"precision='ieee' keeps float32 on the FMA units.*cuda\.row \(backward\)"),
+    ("tf32", r"one tf32 mma per product \(precision='tf32'\) has no backward kernel"),
+])
+def test_backward_float32_precision_choices(rng, precision, match):
+    """precision='ieee' sends float32 gradients to cuda.row (IEEE products and sums);
+    precision='tf32' has no backward kernel, and the error says which option runs."""
+    p = _OnDevice(_problem(rng, np.float32))
+    p.precision = precision
+    if precision == "ieee":
+        plan = _plan(p, HOPPER)
+        assert plan.kernel == "cuda.row"
+        assert pytest.importorskip("re").search(match, plan.rejected["cuda.mma"])
+    else:
+        with pytest.raises(ValueError, match=match):
+            _plan(p, HOPPER)
 
 
 def test_backward_takes_a_window_and_other_mods(rng):
@@ -277,23 +336,36 @@ def test_backward_takes_a_window_and_other_mods(rng):
 
 # ------------------------------------------------------------------------------- compiling
 
+#: the product instruction each operand kind issues, by (kind, sm_90 or not)
+PRODUCT = {"f16": "mma.sync.aligned.m16n8k16.row.col.f32.f16",
+           "bf16": "mma.sync.aligned.m16n8k16.row.col.f32.bf16",
+           "3xtf32": "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32",
+           ("f64", True): "mma.sync.aligned.m16n8k8.row.col.f64.f64.f64.f64",
+           ("f64", False): "mma.sync.aligned.m8n8k4.row.col.f64.f64.f64.f64"}
+
+
 def _compile(cases):
+    """[cc, d, dtype, pass, registers, spill bytes, stack bytes, local memory ops, product
+    instructions, ldmatrix.trans count, cubin bytes] of the planner's tiles of each case (cc, d,
+    dtype, window)."""
     from test_cuda_compile import run_without_simulator
     out = run_without_simulator(f"""
-        import dataclasses, json
+        import json
         from numflash.cuda import launch
         from numflash.cuda.mma import gradients
+        PRODUCT = {PRODUCT!r}
         rows = []
         for cc, d, dt, window in {cases!r}:
-            cfg = {{k: dataclasses.replace(c, DT="f16" if dt == "float16" else "bf16")
-                   for k, c in gradients.tiles(d, d, window=window).items()}}
+            DT = gradients.KINDS[dt]
+            cfg = gradients.tiles(d, d, window=window, DT=DT, cc=tuple(cc))
+            product = PRODUCT.get(DT) or PRODUCT[(DT, tuple(cc) >= (9, 0))]
             for (kernel, sig), name in zip(gradients.compiled_kernels(cfg, dt),
                                            ("queries", "keys")):
                 cubin, entry, ptx, res = launch.compile_to_cubin(kernel.pyfunc, sig, tuple(cc))
-                rows.append([cc, d, name, res.get("registers", 0),
+                rows.append([cc, d, dt, name, res.get("registers", 0),
                              res.get("spill_store_bytes", 0) + res.get("spill_load_bytes", 0),
                              res.get("stack_bytes", 0), ptx.count("ld.local") +
-                             ptx.count("st.local"), ptx.count("mma.sync.aligned.m16n8k16"),
+                             ptx.count("st.local"), ptx.count(product),
                              ptx.count("ldmatrix.sync.aligned.m8n8.x4.trans"), len(cubin)])
         print(json.dumps(rows))
     """)
@@ -311,16 +383,40 @@ def _compile(cases):
     pytest.param([((9, 0), 128, "float16", True), ((8, 0), 128, "bfloat16", True),
                   ((9, 0), 64, "float16", True)], id="window-sm90-sm80",
                  marks=pytest.mark.extended),
+    pytest.param([((9, 0), 64, "float32", False), ((8, 0), 64, "float32", False)],
+                 id="3xtf32-d64-sm90-sm80", marks=pytest.mark.extended),
 ])
 def test_backward_variants_compile_to_mma_with_no_spills(cases):
-    """The planner's variants: each pass issues m16n8k16 mma and ldmatrix.trans, and ptxas fits
-    it in registers (no spill, no stack, no local memory)."""
+    """The planner's variants: each pass issues its kind's mma (and the 16-bit kinds
+    ldmatrix.trans), and ptxas fits it in registers (no spill, no stack, no local memory)."""
     rows = _compile(cases)
     assert len(rows) == 2 * len(cases)
-    for cc, d, name, regs, spills, stack, local, mma, trans, size in rows:
+    for cc, d, dt, name, regs, spills, stack, local, mma, trans, size in rows:
         assert 0 < regs <= 255 and size > 0, rows
         assert spills == stack == local == 0, rows
-        assert mma > 0 and trans > 0, rows
+        assert mma > 0 and (trans > 0 or dt in ("float32", "float64")), rows
+
+
+#: (cc, d, dtype) -> spill bytes (queries, keys) ptxas reported for the planner's word-kind
+#: tiles where no spill-free one was found (this machine's nvJitLink, session 16; bench/NOTES.md
+#: "Tensor-core backward for float32 and float64"): the float64 key pass holds dK and dV in 128
+#: registers at d64, the 3xTF32 key pass at d128 as many, and the 3xTF32 d128 query pass its
+#: split operands and small-term accumulators beside dQ's 64
+KNOWN_SPILLS = {((9, 0), 64, "float64"): (0, 108), ((8, 0), 64, "float64"): (0, 0),
+                ((9, 0), 128, "float32"): (0, 8), ((8, 0), 128, "float32"): (0, 16)}
+
+
+@pytest.mark.extended
+@pytest.mark.parametrize("case", list(KNOWN_SPILLS), ids=lambda c: f"sm{c[0][0]}{c[0][1]}-d{c[1]}-"
+                         f"{c[2]}")
+def test_word_kind_variants_compile_and_spill_no_more_than_measured(case):
+    """The float64 and 3xTF32 d128 tiles that spill: the kind's mma is issued and ptxas' spill
+    bytes stay within what the sweep measured (a growth would show as a slower backward)."""
+    rows = _compile([case + (False,)])
+    for (cc, d, dt, name, regs, spills, stack, local, mma, trans, size), allowed in zip(
+            rows, KNOWN_SPILLS[case]):
+        assert 0 < regs <= 255 and size > 0 and mma > 0, rows
+        assert spills <= allowed, rows
 
 
 # ------------------------------------------------------------------------------- on a GPU
@@ -334,6 +430,15 @@ GPU_CASES = [  # (B, H, Hkv, Nq, Nk, d, dv, dtype, causal, layout)
     (1, 4, 1, 4096, 4096, 128, 128, "float16", True, "bhsd"),
     (1, 2, 2, 97, 1025, 32, 32, "float16", False, "bshd"),
     (1, 2, 2, 1, 1, 8, 8, "float16", False, "bhsd"),
+    # float32 as 3xTF32, float64 on float64 tensor cores
+    (2, 8, 8, 1024, 1024, 64, 64, "float32", False, "bhsd"),
+    (1, 8, 2, 1000, 1537, 128, 128, "float32", "bottom_right", "bhsd"),
+    (2, 4, 4, 777, 513, 96, 64, "float32", True, "bshd"),
+    (1, 4, 4, 4096, 4096, 128, 128, "float32", True, "bhsd"),
+    (1, 2, 2, 97, 1025, 4, 12, "float32", False, "bshd"),
+    (2, 8, 8, 1024, 1024, 64, 64, "float64", True, "bhsd"),
+    (1, 4, 2, 1537, 1000, 40, 64, "float64", "bottom_right", "bshd"),
+    (1, 2, 2, 1, 1, 2, 2, "float64", False, "bhsd"),
 ]
 
 
@@ -359,6 +464,9 @@ WINDOW_GPU_CASES = [  # (H, Hkv, Nq, Nk, d, dtype, causal, window_size): sizes t
     (4, 4, 2048, 2048, 128, "float16", True, (256, 0)),
     (4, 2, 1500, 1100, 64, "bfloat16", "bottom_right", (100, 30)),
     (2, 2, 777, 2049, 128, "float16", False, (-1, 64)),
+    (4, 2, 1500, 1100, 64, "float32", "bottom_right", (100, 30)),
+    (2, 2, 777, 2049, 128, "float32", True, (300, 0)),
+    (2, 2, 1000, 1000, 64, "float64", False, (50, 50)),
 ]
 
 

@@ -121,6 +121,9 @@ def test_forward_with_mods_emulated_on_cpu(rng, DT, name, causal):
                  id="bf16-mask-softcap-sub-tiles", marks=pytest.mark.extended),
     pytest.param("f64", "user-tanh-softcap-causal-window", True, 1, None,
                  id="f64-user-tanh-softcap-window", marks=pytest.mark.extended),
+    # float32's backward as 3xTF32, 8 queries a key-pass sub-tile (gradients.WORD_TILES' d128)
+    pytest.param("3xtf32", "mask-softcap", "bottom_right", 1, {"keys": (2, 32, 8)},
+                 id="3xtf32-mask-softcap-sub-tiles", marks=pytest.mark.extended),
 ])
 def test_backward_with_mods_emulated_on_cpu(rng, DT, name, causal, Hkv, tiles):
     """Both backward passes with mods: dP first, then per score its modification and

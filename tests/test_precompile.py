@@ -30,9 +30,8 @@ def test_shipped_ptx_is_current_and_covers_the_common_set():
     shipped = prebuilt.manifest()
     found = common_targets()
     kinds = {(k.name.split(".backward")[0], plan.direction) for k, _, _, plan in found}
-    # 16-bit backwards run on cuda.mma, float32 on cuda.row
-    assert kinds == {("cuda.mma", "forward"), ("cuda.mma", "backward"),
-                     ("cuda.row", "backward")}, kinds
+    # every common forward and backward runs on cuda.mma (float32 as 3xTF32)
+    assert kinds == {("cuda.mma", "forward"), ("cuda.mma", "backward")}, kinds
     for kernel, sig, cc, _ in found:
         path = prebuilt.find(kernel.prebuilt_key(sig), cc)
         assert path is not None and path.name.endswith(f"sm{cc[0]}{cc[1]}.ptx.xz"), (
@@ -53,7 +52,15 @@ def test_shipped_ptx_links_without_a_gpu():
     for name, (_, key, cc) in smallest.items():
         cubin, entry, resources = prebuilt.link(key, cc)
         assert cubin[:4] == b"\x7fELF" and entry and resources["registers"] > 0, name
-        assert not resources.get("spill_store_bytes"), (name, resources)
+        assert resources.get("spill_store_bytes", 0) <= SHIPPED_SPILLS.get(name, 0), (
+            name, resources)
+
+
+#: spill-store bytes ptxas reports for the smallest shipped file of a kind where the planner's
+#: tile spills: the 3xTF32 d128 key pass (4, 16, 8) stores 4 bytes on sm_90, 8 on sm_80
+#: (test_mma_backward.KNOWN_SPILLS; bench/NOTES.md "Tensor-core backward for float32 and
+#: float64")
+SHIPPED_SPILLS = {("cuda.mma.backward_keys", "3xtf32"): 8}
 
 
 @pytest.fixture
@@ -71,7 +78,8 @@ def test_build_links_shipped_ptx_before_compiling_and_explain_follows(cache, mon
     device = Device.of_arch((8, 0))
     plan = planner._choose(StandIn(64, "float32", direction="backward"), "cuda", "auto",
                            device=device)
-    assert "kernel cache: cuda.row.backward_keys: shipped PTX" in str(plan), str(plan)
+    assert "kernel cache: cuda.mma.backward_queries: shipped PTX" in str(plan) and \
+        "cuda.mma.backward_keys: shipped PTX" in str(plan), str(plan)
     for kernel, sig in plan.compiled_kernels():
         assert kernel.status(sig, (8, 0)) == "prebuilt"
         cubin, meta = kernel.build(sig, (8, 0))
@@ -151,9 +159,16 @@ def test_an_edited_kernel_makes_only_its_own_files_stale(monkeypatch):
     with monkeypatch.context() as m:  # the backward key pass's generated source changes
         m.setitem(backward.SOURCES, "keys", lambda cfg: keys(cfg) + "# edited\n")
         assert stale() == {"cuda.mma.backward_keys"}
+    # cuda.row's backward ships nothing now (every common backward runs on cuda.mma): an edit
+    # of cuda/row_backward.py changes its own variants' keys and stales no shipped file
+    row = targets([(8, 0)], ("float64",), (128,), ("backward",))
+    assert {kernel.name for kernel, _, _, _ in row} == {"cuda.row.backward_keys",
+                                                        "cuda.row.backward_queries"}
+    before = {kernel.prebuilt_key(sig) for kernel, sig, _, _ in row}
     with monkeypatch.context() as m:  # as after an edit of cuda/row_backward.py
         m.setitem(launch._DIGESTS, "numflash.cuda.row_backward", "0" * 16)
-        assert stale() == {"cuda.row.backward_keys", "cuda.row.backward_queries"}
+        assert stale() == set()
+        assert before.isdisjoint(kernel.prebuilt_key(sig) for kernel, sig, _, _ in row)
 
 
 def test_planned_argument_types_are_the_launched_ones(monkeypatch, rng):
@@ -263,16 +278,17 @@ print(json.dumps(rows))
 
 
 def test_ship_writes_portable_ptx_and_only_remakes_what_changed(tmp_path, monkeypatch):
-    """The maintainers' --ship path on one small variant pair (cuda.row's backward, float32 d64,
-    sm_80) into a scratch directory: PTX written with the oldest ISA header that links to the
-    same cubin, a manifest entry each; a second run keeps them; a file no target wants goes."""
+    """The maintainers' --ship path on one small variant pair (cuda.row's backward, float64
+    d128, which cuda.mma's backward leaves to it, sm_80) into a scratch directory: PTX written
+    with the oldest ISA header that links to the same cubin, a manifest entry each; a second run
+    keeps them; a file no target wants goes."""
     from numflash import precompile as pc
     monkeypatch.setattr(prebuilt, "DIR", tmp_path / "ptx")
     monkeypatch.setattr(prebuilt, "MANIFEST", tmp_path / "ptx" / "manifest.json")
     monkeypatch.setattr(prebuilt, "_manifest", None)
     (tmp_path / "ptx").mkdir()
     (tmp_path / "ptx" / "stale-sm80.ptx.xz").write_bytes(b"old")
-    args = dict(archs=[(8, 0)], dtypes=("float32",), head_dims=(64,), directions=("backward",),
+    args = dict(archs=[(8, 0)], dtypes=("float64",), head_dims=(128,), directions=("backward",),
                 jobs=1, ship=True, progress=False)
     report = pc.precompile(**args)
     assert sorted(status for _, status, _ in report) == ["compile", "compile"]
@@ -306,3 +322,27 @@ def test_explain_says_loaded_only_for_the_argument_types_loaded():
         assert not k16.loaded_for(s16, (8, 0))
     finally:
         k16._loaded.clear()
+
+
+def test_the_common_set_plans_without_ml_dtypes():
+    """Planning the common set names bfloat16 by its name: a process without ml_dtypes (numpy
+    alone cannot parse "bfloat16") still lists every kernel and its argument types."""
+    code = """
+import sys
+sys.modules["ml_dtypes"] = None   # as if it were not installed
+import numpy as np
+try:
+    np.dtype("bfloat16")
+    raise SystemExit("numpy parsed bfloat16: ml_dtypes is registered in this process")
+except TypeError:
+    pass
+from numflash.precompile import COMMON, targets
+found = targets(COMMON["archs"], COMMON["dtypes"], COMMON["head_dims"], COMMON["directions"])
+print(sum(1 for _, _, _, plan in found if plan.dtype == "bfloat16"), len(found))
+"""
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    bf16, total = map(int, proc.stdout.split())
+    assert bf16 > 0 and total == len(common_targets())

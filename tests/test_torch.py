@@ -353,9 +353,11 @@ def test_cuda_tensors_forward_and_backward(request, dtype, causal):
         # Seen on the H100 (2026-11-23): with dO drawn from torch's global generator, dV failed
         # the rule once in three runs (err 8.28e-6, bound 7.3e-6): cuda.row's float32 backward
         # sums ~Nq products per key in one float32 accumulator and sits near the bound at
-        # Nq ~ 1000. Not strict: most draws pass.
+        # Nq ~ 1000. Not strict: most draws pass. Since session 16 float32 gradients run on
+        # cuda.mma (3xTF32, per-tile sums added in float32), which has not run this test yet.
         request.applymarker(pytest.mark.xfail(strict=False, reason="cuda.row float32 backward "
-                                              "is marginal against the rule at Nq ~ 1000"))
+                                              "was marginal against the rule at Nq ~ 1000; "
+                                              "cuda.mma's 3xTF32 one not yet run here"))
     q, k, v = tensors((2, 8, 1025, 64), (2, 8, 777, 64), dtype, device="cuda", grad=True)
     out, lse = nt.attention(q, k, v, causal=causal, return_lse=True)
     assert out.device == q.device and out.dtype == dtype

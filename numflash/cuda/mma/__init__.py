@@ -53,7 +53,8 @@ def signature(dtype, window=False, token="", split=False, kvlen=False, paged=Fal
     from numba import types
     from ...inputs import lse_dtype
     from ..launch import array_type
-    arr = array_type("uint16" if np.dtype(dtype).itemsize == 2 else dtype)
+    # 16-bit inputs as their bits (by name: np.dtype("bfloat16") needs ml_dtypes)
+    arr = array_type("uint16" if str(dtype) in ("float16", "bfloat16") else dtype)
     out, lse = arr, array_type(lse_dtype(dtype), 3)
     if split:
         part = lse_dtype(dtype)

@@ -60,8 +60,9 @@ def _lse2(value):
 def _emit_delta(s, ops, DV, do_off, o_off, OW):
     """Emit delta = rowsum(dO * O) of the thread's rows r0, r1 (delta0, delta1), written to
     ``delta`` for the key pass: the diagonal of the warp's 16 x 16 block of dO O^T, one small
-    tensor-core product over the staged dO and O rows (dO * O in float32, summed in float32, as
-    a separate reduction would), so no pass over O outside the kernel and no O(N d) buffers. In
+    tensor-core product over the staged dO and O rows (dO * O summed in the accumulators'
+    precision, as a separate reduction would), so no pass over O outside the kernel and no
+    O(N d) buffers. In
     the C layout row g's diagonal element is register g % 2 of n8 tile 0 on lane (g, g // 2),
     row g + 8's register 2 + g % 2 of tile 1 on the same lane; a shuffle brings them to the
     quad."""
@@ -119,16 +120,17 @@ def _dot_products(s, ops, NN, acc, a, a_W, b, b_off, b_W, kb, steps):
 
 def query_pass_layout(cfg):
     """(ops, QW, OW, KW, VW, do_off, kv_off, kv_words, total words) of the query pass: Q and dO
-    of the block's rows, then two buffers of a K and a V tile (which hold the rows' O from
-    kv_off on until delta is computed)."""
+    of the block's rows, then two buffers of a K and a V tile (whose space holds the rows' O
+    from kv_off on until delta is computed)."""
     ops, pitch = backward_layout(cfg)
     QW, OW = pitch(cfg.D), pitch(cfg.DV)
     KW, VW = pitch(cfg.D, True), pitch(cfg.DV)      # K is read both ways; V like the forward's K
     do_off = cfg.BR * QW
     kv_off = do_off + cfg.BR * OW
     kv_words = cfg.BC * (KW + VW)
-    assert cfg.BR * OW <= 2 * kv_words, "O's rows must fit in the K/V buffers they borrow"
-    return ops, QW, OW, KW, VW, do_off, kv_off, kv_words, kv_off + 2 * kv_words
+    # O's rows borrow the K/V buffers (longer than them only for narrow tiles of wide rows)
+    return ops, QW, OW, KW, VW, do_off, kv_off, kv_words, kv_off + max(2 * kv_words,
+                                                                          cfg.BR * OW)
 
 
 def key_pass_layout(cfg):
@@ -245,7 +247,7 @@ def key_pass_source(cfg):
      _) = key_pass_layout(cfg)
     ND, NVN = cfg.D // 8, cfg.DV // 8
     SUB = cfg.SUB or cfg.BC
-    assert cfg.BC % SUB == 0 and SUB % 16 == 0
+    assert cfg.BC % SUB == 0 and SUB % ops.k_step == 0
 
     s = Source()
     s(f"def {KERNEL_NAMES['keys']}({ARGUMENTS['keys']}{SCALARS}"

@@ -1,9 +1,10 @@
 """cuda.mma's backward operator: the config for a problem (or why not), the compiled kernels and
 the launch of backward.py's two passes.
 
-The query pass writes dQ and delta = rowsum(dO * O) (B x H x Nq float32, the only extra device
-memory), the key pass dK and dV, each in the inputs' dtype, with no atomics and no float32
-gradient buffers (two runs are bitwise equal).
+The query pass writes dQ and delta = rowsum(dO * O) (B x H x Nq in the lse's precision, the
+only extra device memory), the key pass dK and dV, each in the inputs' dtype, with no atomics
+and no float32 gradient buffers (two runs are bitwise equal). Every operand kind of the forward
+runs: float16 / bfloat16, float32 as 3xTF32, float64.
 """
 import dataclasses
 import math
@@ -15,12 +16,13 @@ from ...mods import compile_errors
 from .backward import make_key_kernel, make_query_kernel, shared_bytes
 from . import mods
 from .config import check_block_tiles, modifications, padded_dims, vector_ok
-from .tiles import NAME, MmaConfig
+from .tiles import NAME, X3_CCS, MmaConfig
 
-#: the largest padded head dim of the backward: the key pass keeps dK and dV fragments (D / 2 +
-#: DV / 2 float32 per thread) and the tile's S and dP in registers; at 256 that is past the 255
-#: a thread may hold.
-MAX_HEAD_DIM = 128
+#: the largest padded head dim of the backward by operand kind: the key pass keeps dK and dV
+#: fragments (D / 2 + DV / 2 values per thread) and the tile's S and dP in registers; at 256
+#: (16-bit, float32) or 128 (float64, two registers a value) that is past the 255 a thread may
+#: hold.
+MAX_HEAD_DIM = {"f16": 128, "bf16": 128, "3xtf32": 128, "f64": 64}
 
 #: (NW, BC, SUB) of the query pass and of the key pass by largest padded head dim, fastest
 #: first, then one for less shared memory (sm_86 / 89 / 12x give a block 99 KB). BC: the
@@ -44,24 +46,46 @@ MODS_TILES = {64: {"keys": [(4, 128, 32), (4, 64, 32)]},
               128: {"queries": [(4, 32, 0)], "keys": [(4, 32, 16)]}}
 
 
-def _kind(dtype_name):
-    return {"float16": "f16", "bfloat16": "bf16"}[dtype_name]
+#: the operand kind of each input dtype (operands.py): float32 as 3xTF32 (float32-level
+#: accuracy; precision="ieee" keeps it on the FMA units), float64 on float64 tensor cores
+KINDS = {"float16": "f16", "bfloat16": "bf16", "float32": "3xtf32", "float64": "f64"}
+
+#: The word kinds' tiles, by (kind, largest padded head dim), fastest first where timed: a value
+#: takes one register (3xTF32, which also splits each operand in two and keeps its small terms
+#: apart) or two (float64), so the tiles are narrower than the 16-bit ones and the key pass
+#: takes its queries 8 or 16 at a time (one or two k-steps of m16n8k8). ptxas (sm_90, session
+#: 16, bench/NOTES.md "Tensor-core backward for float32 and float64"): 3xTF32 d64 (4, 64) 239
+#: registers and (4, 64, 16) 255, no spill (8 bytes with the lent H100's nvJitLink), 22.4 ms
+#: for B4 H16 N4096 there; d128 (4, 32) spilled 24 bytes, (4, 16) 166 registers and none, the
+#: key pass (4, 32, 8) 32 bytes, (4, 16, 8) 8; float64 d64 query pass (4, 32) 243 registers,
+#: none, the key pass 96-124 bytes with every tile tried (dK and dV take 128 registers).
+WORD_TILES = {
+    ("3xtf32", 64): {"queries": [(4, 64, 0), (4, 32, 0)], "keys": [(4, 64, 16), (4, 32, 16)]},
+    ("3xtf32", 128): {"queries": [(4, 16, 0)], "keys": [(4, 16, 8)]},
+    ("f64", 64): {"queries": [(4, 32, 0), (4, 16, 0)], "keys": [(4, 32, 8), (4, 16, 8)]},
+}
 
 
-def tiles(D, DV, smem_limit=None, window=False, mods=False):
-    """{"queries": MmaConfig, "keys": MmaConfig} for padded head dims (``window``: the WINDOW
-    variants; ``mods``: with score modifications): per pass the first tile of TILES (or
-    WINDOW_TILES, MODS_TILES) whose shared memory fits ``smem_limit`` (else the last, which
-    config() refuses)."""
+def tiles(D, DV, smem_limit=None, window=False, mods=False, DT="f16", cc=None):
+    """{"queries": MmaConfig, "keys": MmaConfig} of operand kind DT for padded head dims
+    (``window``: the WINDOW variants; ``mods``: with score modifications; ``cc``: the compute
+    capability, which picks float64's mma form): per pass the first tile of TILES (or
+    WINDOW_TILES, MODS_TILES; WORD_TILES for 3xTF32 and float64) whose shared memory fits
+    ``smem_limit`` (else the last, which config() refuses)."""
     chosen = {}
     size = 64 if max(D, DV) <= 64 else 128
-    for kernel, candidates in TILES[size].items():
-        if window:
-            candidates = WINDOW_TILES.get(size, {}).get(kernel, candidates)
-        if mods:
-            candidates = MODS_TILES.get(size, {}).get(kernel, candidates)
+    form = None
+    if DT == "f64":
+        form = "m16n8k8" if cc is None or cc >= (9, 0) else "m8n8k4"
+    table = WORD_TILES[(DT, size)] if DT in ("3xtf32", "f64") else TILES[size]
+    for kernel, candidates in table.items():
+        if DT in ("f16", "bf16"):
+            if window:
+                candidates = WINDOW_TILES.get(size, {}).get(kernel, candidates)
+            if mods:
+                candidates = MODS_TILES.get(size, {}).get(kernel, candidates)
         for NW, BC, SUB in candidates:
-            cfg = MmaConfig(D, DV, NW, BC, 0, "f16", 1, SUB=SUB, WINDOW=int(window))
+            cfg = MmaConfig(D, DV, NW, BC, 0, DT, 1, MMA=form, SUB=SUB, WINDOW=int(window))
             if smem_limit is None or shared_bytes(cfg, kernel) <= smem_limit:
                 break
         chosen[kernel] = cfg
@@ -71,26 +95,34 @@ def tiles(D, DV, smem_limit=None, window=False, mods=False):
 def config(problem, device):
     """{"queries": MmaConfig, "keys": MmaConfig} for a backward problem; raises Unsupported
     saying why not (the operator's declarations were checked before)."""
-    DT = _kind(problem.dtype_name)
+    DT = KINDS[problem.dtype_name]
     B, H, Nq, Nk, d, dv = problem.shape
     D, DV, window = padded_dims(problem)
-    if max(D, DV) > MAX_HEAD_DIM:
-        raise Unsupported(f"{NAME}'s backward takes head dims up to {MAX_HEAD_DIM} (d={d}, "
-                          f"dv={dv}): the key pass keeps dK and dV in registers; cuda.row's "
-                          "backward takes any head dim")
+    if max(D, DV) > MAX_HEAD_DIM[DT]:
+        raise Unsupported(f"{NAME}'s backward takes {problem.dtype_name} head dims up to "
+                          f"{MAX_HEAD_DIM[DT]} (d={d}, dv={dv}): the key pass keeps dK and dV "
+                          "in registers; cuda.row's backward takes any head dim")
+    if DT == "3xtf32" and getattr(problem, "precision", "auto") == "tf32":
+        raise Unsupported(f"{NAME}'s backward computes float32 as 3xTF32 (float32-level "
+                          "accuracy); one tf32 mma per product (precision='tf32') has no "
+                          "backward kernel: pass precision='auto' for the 3xTF32 one")
+    if DT == "3xtf32" and device.cc is not None and device.cc not in X3_CCS:
+        raise Unsupported(f"{NAME}'s backward runs float32 as 3xTF32 only on compute capability "
+                          f"8.0 / 9.0, where tf32 tensor cores outrun the FMA units ~8x; on "
+                          f"{device.name} cuda.row's backward takes it")
     # explain(..., backward=True) plans before there are dO and O: checked when they are given
     staged = ("q", "k", "v") + tuple(n for n in ("do", "o")
                                      if getattr(problem, n, None) is not None)
     why = vector_ok(problem, staged) if problem.on_device else "these are not device arrays"
     if why:
         raise Unsupported(f"{NAME}'s backward stages q, k, v, dO and O with 16-byte cp.async, "
-                          f"and {why} (a contiguous last axis, head dims that are multiples of 8 "
-                          "and 16-byte aligned rows take it; cuda.row's backward takes any "
-                          "layout)")
+                          f"and {why} (a contiguous last axis, head dims that are multiples of "
+                          f"{16 // problem.q.itemsize} and 16-byte aligned rows take it; "
+                          "cuda.row's backward takes any layout)")
     token = modifications(problem)
-    cfg = {kernel: dataclasses.replace(c, DT=DT, MODS=token)
-           for kernel, c in tiles(D, DV, device.smem_per_block_optin, window,
-                                  bool(token)).items()}
+    cfg = {kernel: dataclasses.replace(c, MODS=token)
+           for kernel, c in tiles(D, DV, device.smem_per_block_optin, window, bool(token), DT,
+                                  device.cc).items()}
     check_block_tiles(problem, ((cfg["queries"].BR, cfg["queries"].BC, "backward's query pass"),
                                 (cfg["keys"].BC, cfg["keys"].BR, "backward's key pass")))
     for kernel, c in cfg.items():
@@ -104,13 +136,14 @@ def config(problem, device):
 
 def signature(dtype, kernel, window=False, token=""):
     """Argument types of the "queries" or "keys" kernel: q, k, v, dO (and O for the query pass)
-    as their 16-bit bits, lse and delta (float32), dQ or dK, dV (like q), the exp2 and natural
-    scales, causal, causal_offset (and with a window its left and right sizes, with
-    modifications their arguments: mods.argument_types)."""
+    (16-bit inputs as their bits), lse and delta (float32; float64 for float64), dQ or dK, dV
+    (like q), the exp2 and natural scales, causal, causal_offset (and with a window its left
+    and right sizes, with modifications their arguments: mods.argument_types)."""
     from numba import types
     from ...inputs import lse_dtype
     from ..launch import array_type
-    arr = array_type("uint16")
+    # 16-bit inputs as their bits (by name: np.dtype("bfloat16") needs ml_dtypes)
+    arr = array_type("uint16" if str(dtype) in ("float16", "bfloat16") else dtype)
     rows = array_type(lse_dtype(dtype), 3)
     inputs = (arr,) * (5 if kernel == "queries" else 4)
     grads = (arr,) if kernel == "queries" else (arr, arr)
@@ -133,9 +166,11 @@ def run(problem, cfg, device):
     import cupy
     p = problem
     B, H, Nq, Nk, d, dv = p.shape
-    bits = (lambda a: a.view(cupy.uint16))
+    # 16-bit kernels take the bits; 3xTF32 and float64 read their inputs as they are
+    bits = (lambda a: a.view(cupy.uint16)) if p.q.dtype.itemsize == 2 else (lambda a: a)
     with cupy.cuda.Device(p.q.device.id):     # on the arrays' GPU, not the current one
-        delta = cupy.empty((B, H, Nq), np.float32)   # rowsum(dO * O): the query pass writes it
+        # rowsum(dO * O), in the lse's precision: the query pass writes it
+        delta = cupy.empty((B, H, Nq), p.lse.dtype)
     lse = p.lse
     scalars = (float(p.scale * math.log2(math.e)), float(p.scale), int(p.causal),
                int(p.causal_offset))
