@@ -140,6 +140,9 @@ def attention_backward(do, q, k, v, o, lse, *, causal=False, softmax_scale=None,
     deterministic: True asks for gradients that are equal bit for bit on every run; a kernel
         that cannot promise it refuses. dq, dk, dv: write the gradients here (shapes, dtype,
         kind and layout of q, k, v); by default new arrays are returned.
+    precision: as for :func:`attention`: with "auto", float32 gradients of CuPy arrays run on
+        cuda.mma as 3xTF32 where its forward would (compute capability 8.0 / 9.0, 16-byte
+        rows); "ieee" keeps them on the FMA units (cuda.row); "tf32" has no backward kernel.
 
     Returns (dq, dk, dv) with the dtypes, array kind and layout of q, k, v. A row that sees no
     key contributes nothing: its dq is zero. :func:`explain` with ``backward=True`` names the

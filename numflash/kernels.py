@@ -160,14 +160,15 @@ BACKWARD = (
                      "split), P recomputed from lse tile by tile, dQ per split summed in a "
                      "fixed order (always deterministic)"),
     Operator("cuda.mma", "cuda", "mma", _cuda_mma_backward,
-             dtypes=("float16", "bfloat16", "float32", "float64"), max_head_dim=128,
+             dtypes=("float16", "bfloat16", "float32", "float64"), max_head_dim=256,
              direction="backward", min_cc=(8, 0), min_cc_why="mma.sync bf16 / f64, cp.async",
              runs_in_simulator=False, tf32=True, mods="all",
              summary="FlashAttention-2 backward on tensor cores (mma.sync m16n8k16, ldmatrix, "
                      "cp.async double buffering; float32 as 3xTF32 on m16n8k8 tf32, float64 "
-                     "(d <= 64) on float64 mma.sync): a query pass (dQ) and a key pass (dK, "
-                     "dV, GQA groups summed in registers), P recomputed from lse, no atomics "
-                     "(always deterministic); sliding windows skip the tiles outside them, "
+                     "on float64 mma.sync): a query pass (dQ) and a key pass (dK, dV, GQA "
+                     "groups summed in registers), P recomputed from lse, no atomics (always "
+                     "deterministic); head dims past 128 (float64: 64) split the gradients' "
+                     "columns over the grid; sliding windows skip the tiles outside them, "
                      "other modifications and their derivatives are applied score by score"),
     Operator("cuda.row", "cuda", "row", _cuda_row_backward,
              dtypes=("float16", "bfloat16", "float32", "float64"), max_head_dim=256,

@@ -412,12 +412,13 @@ def _mods_setup(mods, window):
 
 
 def run_backward_kernels(q, k, v, do, o, lse, DT, causal=False, causal_offset=0, scale=None,
-                         tiles=None, window=None, mods=None):
+                         tiles=None, window=None, mods=None, chunks=0):
     """Run cuda.mma's generated backward source of kind DT (both passes) under the emulator;
     q, k, v, do, o in the kind's dtype (16-bit as float16 or ml_dtypes.bfloat16), lse as
     attention returns it. ``tiles``: {"queries": (NW, BC), "keys": (NW, BC[, SUB])}. Returns dq,
     dk, dv in the inputs' dtype. ``window``: a sliding window's (left, right) (WINDOW variants);
-    ``mods``: a numflash.mods.Mods (its window, and the MODS variant for the rest)."""
+    ``mods``: a numflash.mods.Mods (its window, and the MODS variant for the rest); ``chunks``:
+    the CHUNKS variant's column slices (grid z)."""
     token, window, extra = _mods_setup(mods, window)
     from numflash.cuda.mma import MmaConfig, backward, head_dim_pad
     B, H, Nq, d = q.shape
@@ -433,10 +434,11 @@ def run_backward_kernels(q, k, v, do, o, lse, DT, causal=False, causal_offset=0,
     for kernel in ("queries", "keys"):
         NW, BC, *sub = (tiles or {}).get(kernel, (2, 32))
         cfg = MmaConfig(D, DV, NW, BC, 0, DT, 1, MMA=form, SUB=sub[0] if sub else 0,
-                        WINDOW=int(window is not None), MODS=token)
+                        WINDOW=int(window is not None), MODS=token, CHUNKS=chunks)
         src = backward.SOURCES[kernel](cfg)
         rows = Nq if kernel == "queries" else Nk
-        emu = Emu(cfg.NT, (-(-rows // cfg.BR), B * (H if kernel == "queries" else Hkv)),
+        grid = (-(-rows // cfg.BR), B * (H if kernel == "queries" else Hkv))
+        emu = Emu(cfg.NT, grid + ((chunks,) if chunks else ()),
                   backward.shared_bytes(cfg, kernel), word)
         ns = with_mods(emulator_namespace(emu, DT), token, DT)
         exec(compile(src, f"<{DT} backward {kernel} emu>", "exec"), ns)

@@ -43,6 +43,38 @@ EMULATED = {
     "word-sub-tiles": (1, 2, 1, 50, 45, 16, 24, True, {"queries": (2, 16), "keys": (2, 32, 8)}),
 }
 
+# (B, H, Hkv, Nq, Nk, d, dv, causal, tiles, chunks): the gradients' columns in slices over grid
+# z (MmaConfig.CHUNKS; the planner takes it past 128 columns, here narrow so the emulator is
+# quick): slices of d and dv of different widths, GQA, both causal alignments
+SLICED = {
+    "f64": (1, 2, 1, 40, 37, 32, 16, "bottom_right", {"queries": (2, 16), "keys": (2, 32, 8)}, 2),
+    "f16": (1, 1, 1, 33, 45, 64, 32, True, {"queries": (2, 32), "keys": (2, 32, 16)}, 2),
+    "3xtf32": (1, 2, 2, 20, 30, 64, 64, False, {"queries": (1, 16), "keys": (1, 16, 8)}, 4),
+}
+
+
+@pytest.mark.parametrize("DT", [
+    pytest.param("f64", id="f64"),
+    pytest.param("f16", id="f16", marks=pytest.mark.extended),
+    pytest.param("3xtf32", id="3xtf32", marks=pytest.mark.extended),
+])
+def test_backward_column_slices_emulated_on_cpu(rng, DT):
+    """Each block of a CHUNKS variant holds one slice of dQ's, dK's and dV's columns (its
+    staged tiles read at the slice's words, its stores at the slice's columns), recomputing S
+    and dP; delta is written by the first slice. Together the slices make whole gradients."""
+    from mma_tools import run_backward_kernels
+    B, H, Hkv, Nq, Nk, d, dv, causal, tiles, chunks = SLICED[DT]
+    dtype = _kind_dtype(DT)
+    q, k, v, do = make(rng, B, H, Nq, Nk, d, dv, dtype=dtype, kv_heads=Hkv)
+    o, lse = numflash.reference.attention(q, k, v, causal=causal, return_lse=True)
+    is_causal, off = parse_causal(causal, Nq, Nk)
+    grads = run_backward_kernels(q, k, v, do, o.astype(dtype),
+                                 lse.astype(np.float64 if DT == "f64" else np.float32), DT,
+                                 is_causal, off, tiles=tiles, chunks=chunks)
+    rep = testing.assert_gradients_accurate(grads, do, q, k, v, causal=causal)
+    if DT == "f64":
+        assert max(rep.errors.values()) < 1e-12, rep
+
 
 def _emulated(DT, case, fast=False):
     return pytest.param(DT, case, id=f"{DT}-{case}", marks=() if fast else pytest.mark.extended)
@@ -260,6 +292,7 @@ def test_backward_plan_takes_the_tensor_cores(rng, dtype, d, dv, device, queries
     (np.float32, 96, AMPERE, QUERIES_3X_128, KEYS_3X_128, None),
     (np.float64, 64, HOPPER, (4, 32, 0), (4, 32, 8), "m16n8k8"),
     (np.float64, 40, AMPERE, (4, 32, 0), (4, 32, 8), "m8n8k4"),
+    (np.float64, 64, SM86, (2, 16, 0), (2, 16, 8), "m8n8k4"),   # less shared memory
 ])
 def test_backward_plan_takes_the_tensor_cores_for_float32_and_float64(rng, dtype, d, device,
                                                                        queries, keys, form):
@@ -271,15 +304,37 @@ def test_backward_plan_takes_the_tensor_cores_for_float32_and_float64(rng, dtype
     got = {name: (c.NW, c.BC, c.SUB) for name, c in plan.config.items()}
     assert got == {"queries": queries, "keys": keys}
     kind = "3xtf32" if dtype == np.float32 else "f64"
-    assert all(c.DT == kind and c.MMA == form for c in plan.config.values())
+    assert all(c.DT == kind and c.MMA == form and not c.CHUNKS for c in plan.config.values())
+
+
+@pytest.mark.parametrize("dtype, d, dv, device, queries, keys, chunks", [
+    (np.float16, 256, 256, HOPPER, (4, 64, 0), (4, 32, 16), 2),
+    (np.float16, 256, 256, AMPERE, (4, 32, 0), (4, 32, 16), 2),
+    (np.float16, 136, 64, HOPPER, (4, 64, 0), (8, 64, 16), 2),   # dv's slices: 32 columns
+    (np.float32, 256, 256, HOPPER, (4, 16, 0), (4, 16, 8), 2),
+    (np.float32, 200, 200, AMPERE, (2, 16, 0), (2, 16, 8), 2),
+    (np.float64, 128, 128, HOPPER, (4, 16, 0), (4, 16, 8), 2),
+    (np.float64, 96, 64, HOPPER, (4, 32, 0), (4, 32, 8), 2),
+])
+def test_backward_plan_splits_the_columns_of_wide_head_dims(rng, dtype, d, dv, device, queries,
+                                                            keys, chunks):
+    """Head dims past the columns one block holds (128; float64 64) split the gradients'
+    columns over grid z (CHUNKS), each block recomputing S and dP: explain says so."""
+    p = _OnDevice(_problem(rng, dtype, d, dv, Nq=64, Nk=64, H=2))
+    plan = _plan(p, device)
+    assert plan.kernel == "cuda.mma", plan.rejected
+    got = {name: (c.NW, c.BC, c.SUB) for name, c in plan.config.items()}
+    assert got == {"queries": queries, "keys": keys}
+    assert all(c.CHUNKS == chunks for c in plan.config.values())
+    assert f"splits the gradients' columns into {chunks} slices" in str(plan)
 
 
 @pytest.mark.parametrize("dtype, kwargs, device, match", [
     (np.float32, {}, SM86, r"3xTF32 only on compute capability 8\.0 / 9\.0"),
     (np.float32, {"d": 58}, HOPPER, r"head dim 58 is not a multiple of 4"),
-    (np.float64, {"d": 128}, HOPPER, r"takes float64 head dims up to 64 \(d=128"),
-    (np.float64, {"d": 64}, SM86, r"needs \d+ bytes of shared memory"),
-    (np.float16, {"d": 256}, HOPPER, r"takes head dims up to 128 \(d=256"),
+    (np.float64, {"d": 256, "Nq": 64, "Nk": 64}, HOPPER,
+     r"queries pass needs \d+ bytes of shared memory for d=256"),
+    (np.float64, {"d": 128, "Nq": 64, "Nk": 64}, SM86, r"needs \d+ bytes of shared memory"),
     (np.float16, {"d": 40, "strided": True}, HOPPER, r"q's last axis is strided"),
     (np.float16, {"strided_do": True}, HOPPER, r"do's last axis is strided"),
     (np.float16, {"strided_o": True}, HOPPER, r"o's last axis is strided"),
@@ -353,11 +408,13 @@ def _compile(cases):
         import json
         from numflash.cuda import launch
         from numflash.cuda.mma import gradients
+        from numflash.device import Device
         PRODUCT = {PRODUCT!r}
         rows = []
         for cc, d, dt, window in {cases!r}:
             DT = gradients.KINDS[dt]
-            cfg = gradients.tiles(d, d, window=window, DT=DT, cc=tuple(cc))
+            cfg = gradients.tiles(d, d, Device.of_arch(tuple(cc)).smem_per_block_optin,
+                                  window=window, DT=DT, cc=tuple(cc))
             product = PRODUCT.get(DT) or PRODUCT[(DT, tuple(cc) >= (9, 0))]
             for (kernel, sig), name in zip(gradients.compiled_kernels(cfg, dt),
                                            ("queries", "keys")):
@@ -385,6 +442,9 @@ def _compile(cases):
                  marks=pytest.mark.extended),
     pytest.param([((9, 0), 64, "float32", False), ((8, 0), 64, "float32", False)],
                  id="3xtf32-d64-sm90-sm80", marks=pytest.mark.extended),
+    # d = 256: the gradients' columns in two slices (CHUNKS)
+    pytest.param([((9, 0), 256, "float16", False), ((8, 0), 256, "bfloat16", False)],
+                 id="column-slices-d256-sm90-f16-sm80-bf16", marks=pytest.mark.extended),
 ])
 def test_backward_variants_compile_to_mma_with_no_spills(cases):
     """The planner's variants: each pass issues its kind's mma (and the 16-bit kinds
@@ -400,9 +460,9 @@ def test_backward_variants_compile_to_mma_with_no_spills(cases):
 #: (cc, d, dtype) -> spill bytes (queries, keys) ptxas reported for the planner's word-kind
 #: tiles where no spill-free one was found (this machine's nvJitLink, session 16; bench/NOTES.md
 #: "Tensor-core backward for float32 and float64"): the float64 key pass holds dK and dV in 128
-#: registers at d64, the 3xTF32 key pass at d128 as many, and the 3xTF32 d128 query pass its
-#: split operands and small-term accumulators beside dQ's 64
+#: registers at d64 (and in each slice of d128), the 3xTF32 key pass at d128 as many
 KNOWN_SPILLS = {((9, 0), 64, "float64"): (0, 108), ((8, 0), 64, "float64"): (0, 0),
+                ((9, 0), 128, "float64"): (0, 92),   # two column slices of 64
                 ((9, 0), 128, "float32"): (0, 8), ((8, 0), 128, "float32"): (0, 16)}
 
 
@@ -439,6 +499,11 @@ GPU_CASES = [  # (B, H, Hkv, Nq, Nk, d, dv, dtype, causal, layout)
     (2, 8, 8, 1024, 1024, 64, 64, "float64", True, "bhsd"),
     (1, 4, 2, 1537, 1000, 40, 64, "float64", "bottom_right", "bshd"),
     (1, 2, 2, 1, 1, 2, 2, "float64", False, "bhsd"),
+    # wide head dims: the gradients' columns in slices over the grid (CHUNKS)
+    (2, 4, 4, 1024, 1024, 256, 256, "float16", True, "bhsd"),
+    (1, 4, 2, 777, 1000, 192, 192, "bfloat16", "bottom_right", "bshd"),
+    (1, 4, 4, 1000, 1000, 256, 128, "float32", False, "bhsd"),
+    (1, 4, 4, 600, 600, 128, 128, "float64", True, "bhsd"),
 ]
 
 

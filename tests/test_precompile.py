@@ -161,7 +161,7 @@ def test_an_edited_kernel_makes_only_its_own_files_stale(monkeypatch):
         assert stale() == {"cuda.mma.backward_keys"}
     # cuda.row's backward ships nothing now (every common backward runs on cuda.mma): an edit
     # of cuda/row_backward.py changes its own variants' keys and stales no shipped file
-    row = targets([(8, 0)], ("float64",), (128,), ("backward",))
+    row = targets([(8, 0)], ("float64",), (256,), ("backward",))
     assert {kernel.name for kernel, _, _, _ in row} == {"cuda.row.backward_keys",
                                                         "cuda.row.backward_queries"}
     before = {kernel.prebuilt_key(sig) for kernel, sig, _, _ in row}
@@ -279,7 +279,7 @@ print(json.dumps(rows))
 
 def test_ship_writes_portable_ptx_and_only_remakes_what_changed(tmp_path, monkeypatch):
     """The maintainers' --ship path on one small variant pair (cuda.row's backward, float64
-    d128, which cuda.mma's backward leaves to it, sm_80) into a scratch directory: PTX written
+    d256, which cuda.mma's backward leaves to it, sm_80) into a scratch directory: PTX written
     with the oldest ISA header that links to the same cubin, a manifest entry each; a second run
     keeps them; a file no target wants goes."""
     from numflash import precompile as pc
@@ -288,7 +288,7 @@ def test_ship_writes_portable_ptx_and_only_remakes_what_changed(tmp_path, monkey
     monkeypatch.setattr(prebuilt, "_manifest", None)
     (tmp_path / "ptx").mkdir()
     (tmp_path / "ptx" / "stale-sm80.ptx.xz").write_bytes(b"old")
-    args = dict(archs=[(8, 0)], dtypes=("float64",), head_dims=(128,), directions=("backward",),
+    args = dict(archs=[(8, 0)], dtypes=("float64",), head_dims=(256,), directions=("backward",),
                 jobs=1, ship=True, progress=False)
     report = pc.precompile(**args)
     assert sorted(status for _, status, _ in report) == ["compile", "compile"]

@@ -57,7 +57,7 @@ def _lse2(value):
     return f"INF if {value} == NEG_INF else {value} * LOG2E"
 
 
-def _emit_delta(s, ops, DV, do_off, o_off, OW):
+def _emit_delta(s, ops, DV, do_off, o_off, OW, chunked=False):
     """Emit delta = rowsum(dO * O) of the thread's rows r0, r1 (delta0, delta1), written to
     ``delta`` for the key pass: the diagonal of the warp's 16 x 16 block of dO O^T, one small
     tensor-core product over the staged dO and O rows (dO * O summed in the accumulators'
@@ -65,7 +65,8 @@ def _emit_delta(s, ops, DV, do_off, o_off, OW):
     O(N d) buffers. In
     the C layout row g's diagonal element is register g % 2 of n8 tile 0 on lane (g, g // 2),
     row g + 8's register 2 + g % 2 of tile 1 on the same lane; a shuffle brings them to the
-    quad."""
+    quad. ``chunked``: the first column slice's blocks write it (every slice computes the same
+    value)."""
     ops.zero_scores(s, 2, "dd", "ddc")
     ops.b_fragments(s, f"warp * {U(16 * OW)} + ", o_off, "o", OW)
     for kk in range(DV // ops.k_step):
@@ -78,21 +79,25 @@ def _emit_delta(s, ops, DV, do_off, o_off, OW):
     s(f"diag_lane = g * {U(4)} + g // {U(2)}",
       f"delta0 = cuda.shfl_sync(FULL, dd_0_0 if g % {U(2)} == {U(0)} else dd_0_1, diag_lane)",
       f"delta1 = cuda.shfl_sync(FULL, dd_1_2 if g % {U(2)} == {U(0)} else dd_1_3, diag_lane)")
+    first = " and cuda.blockIdx.z == 0" if chunked else ""
     for half, row in ((0, "r0"), (1, "r1")):
-        s(f"if t == {U(0)} and {row} < Nq:")
+        s(f"if t == {U(0)} and {row} < Nq{first}:")
         with s.block():
             s(f"delta[b, h, U({row})] = delta{half}")
 
 
-def _store_rows(s, ops, rows, limit, outputs):
+def _store_rows(s, ops, rows, limit, outputs, chunked=False):
     """Emit the stores of the thread's two rows (below ``limit``) of each output (accumulator,
-    n8 tiles, factor, view, column limit), in the outputs' dtype."""
+    n8 tiles, factor, view, column limit, first column), in the outputs' dtype. ``chunked``: the
+    outputs are column slices starting at their first columns (else at 0)."""
     for half, row in enumerate(rows):
         s(f"if {row} < {limit}:")
         with s.block():
             s(f"ru = U({row})", f"cbase = t * {U(2)}")
             ra, rb = (0, 1) if half == 0 else (2, 3)
-            for acc, tiles, factor, out, dim in outputs:
+            for acc, tiles, factor, out, dim, col0 in outputs:
+                if chunked:
+                    s(f"cbase = {col0} + t * {U(2)}")
                 for n in range(tiles):
                     ops.store_o(s, n, ra, rb, half, acc=acc, factor=factor, out=out, dim=dim)
 
@@ -102,6 +107,22 @@ def _ds(p, dp, delta, grad=None):
     inf of a V row it never reads (0 * NaN would carry it into dQ and dK). With modifications,
     times ``grad``, the derivative of the modified score in the scaled one."""
     return f"ZERO if {p} == ZERO else {p} * ({dp} - {delta})" + (f" * {grad}" if grad else "")
+
+
+def _emit_column_slice(s, ops, cfg, names):
+    """Emit, for a CHUNKS variant, the first column (c0<x>) and shared-memory word (cw<x>) of
+    this block's slice of each (x, head dim) in ``names``: gridDim.z slices of the gradients'
+    columns, so each block holds 1 / CHUNKS of them in registers."""
+    if not cfg.CHUNKS:
+        return
+    for x, dim in names:
+        s(f"c0{x} = U(cuda.blockIdx.z) * {U(dim // cfg.CHUNKS)}",
+          f"cw{x} = c0{x} // {U(ops.per_word)}")
+
+
+def _slice(cfg, kb, x):
+    """The buffer prefix of a streamed tile read at this block's column slice ``x``."""
+    return f"{kb}cw{x} + " if cfg.CHUNKS else kb
 
 
 def _dot_products(s, ops, NN, acc, a, a_W, b, b_off, b_W, kb, steps):
@@ -162,7 +183,7 @@ def query_pass_source(cfg):
     assert cfg.VEC, "the backward stages with cp.async"
     ops, QW, OW, KW, VW, do_off, kv_off, kv_words, _ = query_pass_layout(cfg)
     k_step = ops.k_step
-    NN, ND = cfg.BC // 8, cfg.D // 8
+    NN, ND = cfg.BC // 8, cfg.D // 8 // (cfg.CHUNKS or 1)   # ND: dQ's n8 tiles in this block
     window = bool(cfg.WINDOW)
 
     s = Source()
@@ -176,6 +197,7 @@ def query_pass_source(cfg):
           "qh = q[b, h]", "kh = k[b, hk]", "vh = v[b, hk]", "doh = do[b, h]", "oh = o[b, h]",
           "dqh = dq[b, h]",
           f"smem = cuda.shared.array(0, {ops.word})")
+        _emit_column_slice(s, ops, cfg, (("q", cfg.D),))
         if cfg.MODS:
             emit_modified_scale(s, ops.float, cfg.MODS, "scale")
             s("hi = I(h)")
@@ -191,7 +213,7 @@ def query_pass_source(cfg):
         ops.a_fragments(s, "q", 0, QW)
         ops.a_fragments(s, "do", do_off, OW)
         s("cp_async_wait_0()", "cuda.syncthreads()")
-        _emit_delta(s, ops, cfg.DV, do_off, kv_off, OW)
+        _emit_delta(s, ops, cfg.DV, do_off, kv_off, OW, bool(cfg.CHUNKS))
         s("cuda.syncthreads()  # the K/V buffers take O's place")
         ops.zero_scores(s, ND, "dq", "dqc")
 
@@ -232,9 +254,10 @@ def query_pass_source(cfg):
                     for n in range(NN):
                         s(*(f"s_{n}_{r} = {_ds(f's_{n}_{r}', f'dp_{n}_{r}', f'delta{r // 2}')}"
                             for r in range(4)))
-                ops.accumulate_pv(s, kb, k_off, ND, cfg.BC // k_step, p="s", acc="dq",
-                                  name="kt", W=KW, rescaled=False)
-        _store_rows(s, ops, ("r0", "r1"), "Nq", [("dq", ND, "scale", "dqh", "d_u")])
+                ops.accumulate_pv(s, _slice(cfg, kb, "q"), k_off, ND, cfg.BC // k_step, p="s",
+                                  acc="dq", name="kt", W=KW, rescaled=False)
+        _store_rows(s, ops, ("r0", "r1"), "Nq", [("dq", ND, "scale", "dqh", "d_u", "c0q")],
+                    bool(cfg.CHUNKS))
     return s.text()
 
 
@@ -245,7 +268,7 @@ def key_pass_source(cfg):
     window = bool(cfg.WINDOW)
     (ops, KW, VW, QW, OW, v_off, tiles_off, do_rel, lse_rel, delta_rel, tile_words,
      _) = key_pass_layout(cfg)
-    ND, NVN = cfg.D // 8, cfg.DV // 8
+    ND, NVN = cfg.D // 8 // (cfg.CHUNKS or 1), cfg.DV // 8 // (cfg.CHUNKS or 1)  # this block's
     SUB = cfg.SUB or cfg.BC
     assert cfg.BC % SUB == 0 and SUB % ops.k_step == 0
 
@@ -260,6 +283,7 @@ def key_pass_source(cfg):
           "kh = k[b, hk]", "vh = v[b, hk]", "dkh = dk[b, hk]", "dvh = dv[b, hk]",
           f"smem = cuda.shared.array(0, {ops.word})",
           f"smemf = cuda.shared.array(0, {ops.float})")
+        _emit_column_slice(s, ops, cfg, (("k", cfg.D), ("v", cfg.DV)))
         if cfg.MODS:
             emit_modified_scale(s, ops.float, cfg.MODS, "scale")
         _stage_rows(s, ops, "kh", cfg.BR, "j0k", "Nk_u", cfg.D, "d_u", 0, KW, cfg.NT)
@@ -324,8 +348,9 @@ def key_pass_source(cfg):
                         _key_pass_products(s, ops, cfg, SUB, kb, q_off + sub * SUB * QW,
                                            do_off + sub * SUB * OW, q_off + lse_rel + sub * SUB,
                                            q_off + delta_rel + sub * SUB, KW, VW, QW, OW)
-        _store_rows(s, ops, ("kr0", "kr1"), "Nk", [("dk", ND, "scale", "dkh", "d_u"),
-                                                   ("dv", NVN, "ONE", "dvh", "dv_u")])
+        _store_rows(s, ops, ("kr0", "kr1"), "Nk", [("dk", ND, "scale", "dkh", "d_u", "c0k"),
+                                                   ("dv", NVN, "ONE", "dvh", "dv_u", "c0v")],
+                    bool(cfg.CHUNKS))
     return s.text()
 
 
@@ -347,7 +372,8 @@ def _key_pass_products(s, ops, cfg, SUB, kb, q_off, do_off, lse_off, delta_off, 
     their Q rows at word q_off, dO rows at do_off, lse and delta floats at lse_off, delta_off):
     S^T = K Q^T, the causal mask on the transposed fragments, P^T from lse, dV += P^T dO,
     dP^T = V dO^T, dS^T = P^T (dP^T - delta), dK += dS^T Q."""
-    k_step, NN, ND, NVN = ops.k_step, SUB // 8, cfg.D // 8, cfg.DV // 8
+    k_step, NN = ops.k_step, SUB // 8
+    ND, NVN = cfg.D // 8 // (cfg.CHUNKS or 1), cfg.DV // 8 // (cfg.CHUNKS or 1)
     # The warp works if the last of these queries sees past its first key (and, with a
     # window, the first of them starts at or before its last key); it masks if the first
     # misses its last key (or the last starts after its first). Ends and first keys grow with
@@ -381,22 +407,22 @@ def _key_pass_products(s, ops, cfg, SUB, kb, q_off, do_off, lse_off, delta_off, 
         else:
             _per_query(s, NN, [("lse2", f"{kb}{U(lse_off)}")],
                        lambda n, r, c: s(f"s_{n}_{r} = ex2(s_{n}_{r} * scale_log2 - lse2)"))
-            ops.accumulate_pv(s, kb, do_off, NVN, SUB // k_step, p="s", acc="dv", name="dot",
-                              W=OW, rescaled=False)
+            ops.accumulate_pv(s, _slice(cfg, kb, "v"), do_off, NVN, SUB // k_step, p="s",
+                              acc="dv", name="dot", W=OW, rescaled=False)
             _dot_products(s, ops, NN, "dp", "v", VW, "do", do_off, OW, kb, cfg.DV // k_step)
             _per_query(s, NN, [("dlt", f"{kb}{U(delta_off)}")],
                        lambda n, r, c: s(f"s_{n}_{r} = "
                                          f"{_ds(f's_{n}_{r}', f'dp_{n}_{r}', 'dlt')}"))
             ds = "s"
-        ops.accumulate_pv(s, kb, q_off, ND, SUB // k_step, p=ds, acc="dk", name="qt", W=QW,
-                          rescaled=False)
+        ops.accumulate_pv(s, _slice(cfg, kb, "k"), q_off, ND, SUB // k_step, p=ds, acc="dk",
+                          name="qt", W=QW, rescaled=False)
 
 
 def _key_pass_modified(s, ops, cfg, NN, kb, lse_off, delta_off, do_off, OW, VW):
     """The key pass's scores with modifications: dP^T = V dO^T first, then per score its
     modification and derivative, P^T (kept in the S registers, added into dV here) and dS^T
     (left in dP's registers), so no derivative is held across a product."""
-    NVN = cfg.DV // 8
+    NVN = cfg.DV // 8 // (cfg.CHUNKS or 1)
     SUB = NN * 8
     _dot_products(s, ops, NN, "dp", "v", VW, "do", do_off, OW, kb, cfg.DV // ops.k_step)
     s("qcol = js + I(t) * 2")
@@ -410,8 +436,8 @@ def _key_pass_modified(s, ops, cfg, NN, kb, lse_off, delta_off, do_off, OW, VW):
 
     _per_query(s, NN, [("lse2", f"{kb}{U(lse_off)}"), ("dlt", f"{kb}{U(delta_off)}")],
                modified)
-    ops.accumulate_pv(s, kb, do_off, NVN, SUB // ops.k_step, p="s", acc="dv", name="dot", W=OW,
-                      rescaled=False)
+    ops.accumulate_pv(s, _slice(cfg, kb, "v"), do_off, NVN, SUB // ops.k_step, p="s",
+                      acc="dv", name="dot", W=OW, rescaled=False)
 
 
 SOURCES = {"queries": query_pass_source, "keys": key_pass_source}

@@ -18,11 +18,12 @@ from . import mods
 from .config import check_block_tiles, modifications, padded_dims, vector_ok
 from .tiles import NAME, X3_CCS, MmaConfig
 
-#: the largest padded head dim of the backward by operand kind: the key pass keeps dK and dV
+#: the gradient columns one block holds, by operand kind: the key pass keeps dK and dV
 #: fragments (D / 2 + DV / 2 values per thread) and the tile's S and dP in registers; at 256
 #: (16-bit, float32) or 128 (float64, two registers a value) that is past the 255 a thread may
-#: hold.
-MAX_HEAD_DIM = {"f16": 128, "bf16": 128, "3xtf32": 128, "f64": 64}
+#: hold. Wider head dims split the columns over gridDim.z (MmaConfig.CHUNKS), each block
+#: recomputing S and dP for its slice.
+COLUMNS_PER_BLOCK = {"f16": 128, "bf16": 128, "3xtf32": 128, "f64": 64}
 
 #: (NW, BC, SUB) of the query pass and of the key pass by largest padded head dim, fastest
 #: first, then one for less shared memory (sm_86 / 89 / 12x give a block 99 KB). BC: the
@@ -59,11 +60,23 @@ KINDS = {"float16": "f16", "bfloat16": "bf16", "float32": "3xtf32", "float64": "
 #: for B4 H16 N4096 there; d128 (4, 32) spilled 24 bytes, (4, 16) 166 registers and none, the
 #: key pass (4, 32, 8) 32 bytes, (4, 16, 8) 8; float64 d64 query pass (4, 32) 243 registers,
 #: none, the key pass 96-124 bytes with every tile tried (dK and dV take 128 registers).
+#: The last tile of each is for less shared memory (wide rows: a CHUNKS variant stages whole
+#: rows of q, k, v, dO though it holds a slice of the gradients' columns).
 WORD_TILES = {
     ("3xtf32", 64): {"queries": [(4, 64, 0), (4, 32, 0)], "keys": [(4, 64, 16), (4, 32, 16)]},
-    ("3xtf32", 128): {"queries": [(4, 16, 0)], "keys": [(4, 16, 8)]},
-    ("f64", 64): {"queries": [(4, 32, 0), (4, 16, 0)], "keys": [(4, 32, 8), (4, 16, 8)]},
+    ("3xtf32", 128): {"queries": [(4, 16, 0), (2, 16, 0)], "keys": [(4, 16, 8), (2, 16, 8)]},
+    ("f64", 64): {"queries": [(4, 32, 0), (4, 16, 0), (2, 16, 0)],
+                  "keys": [(4, 32, 8), (4, 16, 8), (2, 16, 8)]},
 }
+
+
+def column_chunks(D, DV, DT):
+    """How many slices of the gradients' columns the blocks of a backward pass split for
+    padded head dims D, DV (1: none): the fewest that keep each within COLUMNS_PER_BLOCK."""
+    chunks = 1
+    while max(D, DV) // chunks > COLUMNS_PER_BLOCK[DT]:
+        chunks *= 2
+    return chunks
 
 
 def tiles(D, DV, smem_limit=None, window=False, mods=False, DT="f16", cc=None):
@@ -73,7 +86,8 @@ def tiles(D, DV, smem_limit=None, window=False, mods=False, DT="f16", cc=None):
     WINDOW_TILES, MODS_TILES; WORD_TILES for 3xTF32 and float64) whose shared memory fits
     ``smem_limit`` (else the last, which config() refuses)."""
     chosen = {}
-    size = 64 if max(D, DV) <= 64 else 128
+    chunks = column_chunks(D, DV, DT)
+    size = 64 if max(D, DV) // chunks <= 64 else 128   # the columns a block holds
     form = None
     if DT == "f64":
         form = "m16n8k8" if cc is None or cc >= (9, 0) else "m8n8k4"
@@ -85,7 +99,8 @@ def tiles(D, DV, smem_limit=None, window=False, mods=False, DT="f16", cc=None):
             if mods:
                 candidates = MODS_TILES.get(size, {}).get(kernel, candidates)
         for NW, BC, SUB in candidates:
-            cfg = MmaConfig(D, DV, NW, BC, 0, DT, 1, MMA=form, SUB=SUB, WINDOW=int(window))
+            cfg = MmaConfig(D, DV, NW, BC, 0, DT, 1, MMA=form, SUB=SUB, WINDOW=int(window),
+                            CHUNKS=chunks if chunks > 1 else 0)
             if smem_limit is None or shared_bytes(cfg, kernel) <= smem_limit:
                 break
         chosen[kernel] = cfg
@@ -98,10 +113,12 @@ def config(problem, device):
     DT = KINDS[problem.dtype_name]
     B, H, Nq, Nk, d, dv = problem.shape
     D, DV, window = padded_dims(problem)
-    if max(D, DV) > MAX_HEAD_DIM[DT]:
-        raise Unsupported(f"{NAME}'s backward takes {problem.dtype_name} head dims up to "
-                          f"{MAX_HEAD_DIM[DT]} (d={d}, dv={dv}): the key pass keeps dK and dV "
-                          "in registers; cuda.row's backward takes any head dim")
+    chunks = column_chunks(D, DV, DT)
+    if chunks > 1 and min(D, DV) // chunks % (16 if DT in ("f16", "bf16") else 8):
+        raise Unsupported(f"{NAME}'s backward splits the gradients' columns of d={d}, dv={dv} "
+                          f"into {chunks} slices, and {min(D, DV) // chunks} columns are not "
+                          "whole mma tiles (pad the smaller head dim; cuda.row's backward takes "
+                          "any pair)")
     if DT == "3xtf32" and getattr(problem, "precision", "auto") == "tf32":
         raise Unsupported(f"{NAME}'s backward computes float32 as 3xTF32 (float32-level "
                           "accuracy); one tf32 mma per product (precision='tf32') has no "
@@ -181,8 +198,20 @@ def run(problem, cfg, device):
     (queries, _), (keys, _) = compiled_kernels(cfg, p.dtype_name)
     inputs = tuple(bits(a) for a in (p.q, p.k, p.v, p.do))
     qc, kc = cfg["queries"], cfg["keys"]
+    slices = (qc.CHUNKS,) if qc.CHUNKS else ()   # the gradients' column slices
     with compile_errors(p.mods, NAME):
-        queries((-(-Nq // qc.BR), B * H), (qc.NT,), shared_bytes(qc, "queries"),
+        queries((-(-Nq // qc.BR), B * H) + slices, (qc.NT,), shared_bytes(qc, "queries"),
                 inputs + (bits(p.o), lse, delta, bits(p.dq)) + scalars, device)
-        keys((-(-Nk // kc.BR), B * p.k.shape[1]), (kc.NT,), shared_bytes(kc, "keys"),
+        keys((-(-Nk // kc.BR), B * p.k.shape[1]) + slices, (kc.NT,), shared_bytes(kc, "keys"),
              inputs + (lse, delta, bits(p.dk), bits(p.dv)) + scalars, device)
+
+
+def notes(problem, cfg, device):
+    """What explain adds about a backward config: the column slices of a wide head dim."""
+    n = cfg["queries"].CHUNKS
+    if not n:
+        return []
+    return [f"d={problem.shape[4]}, dv={problem.shape[5]}: each pass splits the gradients' "
+            f"columns into {n} slices over the grid, each block recomputing S and dP for its "
+            f"slice (a block holds at most {COLUMNS_PER_BLOCK[cfg['queries'].DT]} columns of "
+            "each gradient in registers)"]

@@ -34,11 +34,13 @@ class MmaConfig(Mapping):
     normalized partial O and lse in float32 (float64 for float64) for cuda.merge to combine.
     KVLEN: the keys of batch entry b are the first kv_lens[b] rows (a KV cache), the causal and
     window alignment bottom-right per entry. PAGE: K and V rows come through block_table (a paged
-    cache of PAGE rows a page; k, v are views of all pages' rows).
+    cache of PAGE rows a page; k, v are views of all pages' rows). CHUNKS: the backward splits
+    the gradients' head-dim columns into CHUNKS slices over gridDim.z, each block recomputing S
+    and dP for its slice (head dims past what one block's registers hold: 256).
 
     A read-only mapping too (``cfg["D"]``, ``dict(cfg)``, ``f(**cfg)``) for code that treats
     every kernel's config alike (the launcher's cache key, ``explain``); unset MMA, DBG=0,
-    WINDOW=0, SUB=0, MODS="", SPLIT=0, KVLEN=0 and PAGE=0 are left out of it.
+    WINDOW=0, SUB=0, MODS="", SPLIT=0, KVLEN=0, PAGE=0 and CHUNKS=0 are left out of it.
     """
     D: int
     DV: int
@@ -55,6 +57,7 @@ class MmaConfig(Mapping):
     SPLIT: int = 0
     KVLEN: int = 0
     PAGE: int = 0
+    CHUNKS: int = 0
 
     @property
     def BR(self):
@@ -67,8 +70,8 @@ class MmaConfig(Mapping):
     def _items(self):
         return {f.name: getattr(self, f.name) for f in fields(self)
                 if not (f.name == "MMA" and self.MMA is None)
-                and not (f.name in ("DBG", "WINDOW", "SUB", "MODS", "SPLIT", "KVLEN", "PAGE")
-                         and not getattr(self, f.name))}
+                and not (f.name in ("DBG", "WINDOW", "SUB", "MODS", "SPLIT", "KVLEN", "PAGE",
+                                    "CHUNKS") and not getattr(self, f.name))}
 
     def __getitem__(self, key):
         return self._items()[key]
