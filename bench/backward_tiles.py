@@ -47,7 +47,7 @@ def _build(args):
 def _variants(plan_cfg, dtype, d):
     """[(pass varied or None, {"queries": cfg, "keys": cfg})]: the planner's pair first."""
     out = [(None, dict(plan_cfg))]
-    for kernel, tiles in CANDIDATES[(dtype, d)].items():
+    for kernel, tiles in CANDIDATES.get((dtype, d), {}).items():   # else the planner's alone
         for NW, BC, SUB in tiles:
             c = dataclasses.replace(plan_cfg[kernel], NW=NW, BC=BC, SUB=SUB)
             if c != plan_cfg[kernel]:

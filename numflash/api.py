@@ -141,8 +141,9 @@ def attention_backward(do, q, k, v, o, lse, *, causal=False, softmax_scale=None,
         that cannot promise it refuses. dq, dk, dv: write the gradients here (shapes, dtype,
         kind and layout of q, k, v); by default new arrays are returned.
     precision: as for :func:`attention`: with "auto", float32 gradients of CuPy arrays run on
-        cuda.mma as 3xTF32 where its forward would (compute capability 8.0 / 9.0, 16-byte
-        rows); "ieee" keeps them on the FMA units (cuda.row); "tf32" has no backward kernel.
+        cuda.mma as 3xTF32 on compute capability 8.0 / 9.0 with 16-byte rows (head dims up to
+        256; its forward takes float32 up to 128); "ieee" keeps them on the FMA units
+        (cuda.row); "tf32" has no backward kernel.
 
     Returns (dq, dk, dv) with the dtypes, array kind and layout of q, k, v. A row that sees no
     key contributes nothing: its dq is zero. :func:`explain` with ``backward=True`` names the

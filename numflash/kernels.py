@@ -62,6 +62,9 @@ class Operator:
                     f"forward does (CuPy arrays, compute capability >= 8.0), and num_splits=None "
                     f"or 1 runs anywhere")
         precision = getattr(problem, "precision", "auto")
+        if precision == "tf32" and not self.tf32 and self.direction == "backward":
+            return (f"{self.name} computes in exact {dt}; no backward kernel takes "
+                    f"precision='tf32': pass precision='auto' (3xTF32 on cuda.mma) or 'ieee'")
         if precision == "tf32" and not self.tf32:
             return (f"{self.name} computes in exact {dt}; precision='tf32' runs on cuda.mma only "
                     f"(CuPy float32 arrays, compute capability >= 8.0)")

@@ -440,8 +440,8 @@ def _compile(cases):
     pytest.param([((9, 0), 128, "float16", True), ((8, 0), 128, "bfloat16", True),
                   ((9, 0), 64, "float16", True)], id="window-sm90-sm80",
                  marks=pytest.mark.extended),
-    pytest.param([((9, 0), 64, "float32", False), ((8, 0), 64, "float32", False)],
-                 id="3xtf32-d64-sm90-sm80", marks=pytest.mark.extended),
+    pytest.param([((8, 0), 64, "float32", False)], id="3xtf32-d64-sm80",
+                 marks=pytest.mark.extended),
     # d = 256: the gradients' columns in two slices (CHUNKS)
     pytest.param([((9, 0), 256, "float16", False), ((8, 0), 256, "bfloat16", False)],
                  id="column-slices-d256-sm90-f16-sm80-bf16", marks=pytest.mark.extended),
@@ -458,11 +458,14 @@ def test_backward_variants_compile_to_mma_with_no_spills(cases):
 
 
 #: (cc, d, dtype) -> spill bytes (queries, keys) ptxas reported for the planner's word-kind
-#: tiles where no spill-free one was found (this machine's nvJitLink, session 16; bench/NOTES.md
-#: "Tensor-core backward for float32 and float64"): the float64 key pass holds dK and dV in 128
-#: registers at d64 (and in each slice of d128), the 3xTF32 key pass at d128 as many
-KNOWN_SPILLS = {((9, 0), 64, "float64"): (0, 108), ((8, 0), 64, "float64"): (0, 0),
+#: tiles where no spill-free one was found or where the register count sits at 255 (session
+#: 16; bench/NOTES.md "Tensor-core backward for float32 and float64"), the larger of this
+#: machine's nvJitLink and the lent H100's where both were seen: the float64 key pass holds dK
+#: and dV in 128 registers at d64 (and in each slice of d128), the 3xTF32 key pass at d128 as
+#: many; the 3xTF32 d64 key pass fits in 255 here and spilled 8 bytes there
+KNOWN_SPILLS = {((9, 0), 64, "float64"): (0, 124), ((8, 0), 64, "float64"): (0, 0),
                 ((9, 0), 128, "float64"): (0, 92),   # two column slices of 64
+                ((9, 0), 64, "float32"): (0, 8),
                 ((9, 0), 128, "float32"): (0, 8), ((8, 0), 128, "float32"): (0, 16)}
 
 
@@ -470,8 +473,9 @@ KNOWN_SPILLS = {((9, 0), 64, "float64"): (0, 108), ((8, 0), 64, "float64"): (0, 
 @pytest.mark.parametrize("case", list(KNOWN_SPILLS), ids=lambda c: f"sm{c[0][0]}{c[0][1]}-d{c[1]}-"
                          f"{c[2]}")
 def test_word_kind_variants_compile_and_spill_no_more_than_measured(case):
-    """The float64 and 3xTF32 d128 tiles that spill: the kind's mma is issued and ptxas' spill
-    bytes stay within what the sweep measured (a growth would show as a slower backward)."""
+    """The float64 and 3xTF32 tiles that spill (or sit at 255 registers): the kind's mma is
+    issued and ptxas' spill bytes stay within what the sweep measured (a growth would show as a
+    slower backward)."""
     rows = _compile([case + (False,)])
     for (cc, d, dt, name, regs, spills, stack, local, mma, trans, size), allowed in zip(
             rows, KNOWN_SPILLS[case]):

@@ -55,9 +55,9 @@ KINDS = {"float16": "f16", "bfloat16": "bf16", "float32": "3xtf32", "float64": "
 #: takes one register (3xTF32, which also splits each operand in two and keeps its small terms
 #: apart) or two (float64), so the tiles are narrower than the 16-bit ones and the key pass
 #: takes its queries 8 or 16 at a time (one or two k-steps of m16n8k8). ptxas (sm_90, session
-#: 16, bench/NOTES.md "Tensor-core backward for float32 and float64"): 3xTF32 d64 (4, 64) 239
-#: registers and (4, 64, 16) 255, no spill (8 bytes with the lent H100's nvJitLink), 22.4 ms
-#: for B4 H16 N4096 there; d128 (4, 32) spilled 24 bytes, (4, 16) 166 registers and none, the
+#: 16, bench/NOTES.md "Tensor-core backward for float32 and float64"): 3xTF32 d64 (4, 64) 237
+#: registers (239 with the lent H100's nvJitLink) and (4, 64, 16) 255, no spill (8 bytes
+#: there), 22.4 ms for B4 H16 N4096 there; d128 (4, 32) spilled 24 bytes, (4, 16) 166 registers and none, the
 #: key pass (4, 32, 8) 32 bytes, (4, 16, 8) 8; float64 d64 query pass (4, 32) 243 registers,
 #: none, the key pass 96-124 bytes with every tile tried (dK and dV take 128 registers).
 #: The last tile of each is for less shared memory (wide rows: a CHUNKS variant stages whole
@@ -89,8 +89,8 @@ def tiles(D, DV, smem_limit=None, window=False, mods=False, DT="f16", cc=None):
     chunks = column_chunks(D, DV, DT)
     size = 64 if max(D, DV) // chunks <= 64 else 128   # the columns a block holds
     form = None
-    if DT == "f64":
-        form = "m16n8k8" if cc is None or cc >= (9, 0) else "m8n8k4"
+    if DT == "f64":   # as the forward (config.py): m16n8k8 only where sm_90 is known
+        form = "m16n8k8" if cc is not None and cc >= (9, 0) else "m8n8k4"
     table = WORD_TILES[(DT, size)] if DT in ("3xtf32", "f64") else TILES[size]
     for kernel, candidates in table.items():
         if DT in ("f16", "bf16"):
@@ -114,11 +114,9 @@ def config(problem, device):
     B, H, Nq, Nk, d, dv = problem.shape
     D, DV, window = padded_dims(problem)
     chunks = column_chunks(D, DV, DT)
-    if chunks > 1 and min(D, DV) // chunks % (16 if DT in ("f16", "bf16") else 8):
-        raise Unsupported(f"{NAME}'s backward splits the gradients' columns of d={d}, dv={dv} "
-                          f"into {chunks} slices, and {min(D, DV) // chunks} columns are not "
-                          "whole mma tiles (pad the smaller head dim; cuda.row's backward takes "
-                          "any pair)")
+    # padded head dims (32, 64, 96, 128, 256) always slice into whole mma tiles
+    assert D % (16 * chunks) == 0 and DV % (16 * chunks) == 0 or DT not in ("f16", "bf16")
+    assert D % (8 * chunks) == 0 and DV % (8 * chunks) == 0
     if DT == "3xtf32" and getattr(problem, "precision", "auto") == "tf32":
         raise Unsupported(f"{NAME}'s backward computes float32 as 3xTF32 (float32-level "
                           "accuracy); one tf32 mma per product (precision='tf32') has no "

@@ -36,7 +36,7 @@ class MmaConfig(Mapping):
     window alignment bottom-right per entry. PAGE: K and V rows come through block_table (a paged
     cache of PAGE rows a page; k, v are views of all pages' rows). CHUNKS: the backward splits
     the gradients' head-dim columns into CHUNKS slices over gridDim.z, each block recomputing S
-    and dP for its slice (head dims past what one block's registers hold: 256).
+    and dP for its slice (past 128 columns, float64 64: what one block's registers hold).
 
     A read-only mapping too (``cfg["D"]``, ``dict(cfg)``, ``f(**cfg)``) for code that treats
     every kernel's config alike (the launcher's cache key, ``explain``); unset MMA, DBG=0,
