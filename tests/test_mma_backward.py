@@ -41,6 +41,8 @@ EMULATED = {
                           {"queries": (4, 64), "keys": (8, 64, 16)}),
     # the word kinds' 8-query sub-tiles (one k-step of m16n8k8), GQA and a causal edge
     "word-sub-tiles": (1, 2, 1, 50, 45, 16, 24, True, {"queries": (2, 16), "keys": (2, 32, 8)}),
+    # the same on one-warp tiles: quick enough for the README tier with 3xTF32's three mma
+    "word-one-warp": (1, 2, 1, 24, 20, 16, 8, True, {"queries": (1, 16), "keys": (1, 16, 8)}),
 }
 
 # (B, H, Hkv, Nq, Nk, d, dv, causal, tiles, chunks): the gradients' columns in slices over grid
@@ -93,7 +95,8 @@ def _emulated(DT, case, fast=False):
     _emulated("f64", "sub-tiles"),
     _emulated("f16", "gqa-batches"),   # extended: GQA runs in the README tier's gqa-bottom_right
     _emulated("bf16", "shipped-d128-keys"),
-    _emulated("3xtf32", "word-sub-tiles", fast=True),
+    _emulated("3xtf32", "word-one-warp", fast=True),
+    _emulated("3xtf32", "word-sub-tiles"),
     _emulated("3xtf32", "gqa-bottom_right"),
     _emulated("3xtf32", "causal-dv"),
     _emulated("f64", "word-sub-tiles"),
