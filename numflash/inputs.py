@@ -55,6 +55,18 @@ def _as_cupy(x):
     return cupy.asarray(x)  # zero-copy view of any __cuda_array_interface__ object
 
 
+def host_values(name, a, expected):
+    """A list, tuple, NumPy or device array ``a`` as a host NumPy array, for the few integers
+    (sequence offsets, cache lengths) the host slices or checks by; a device array is copied.
+    Anything else raises TypeError naming ``name`` and what was ``expected``."""
+    kind = array_kind(a)
+    if kind in ("cupy", "cuda"):
+        return _as_cupy(a).get()
+    if kind is None and not isinstance(a, (list, tuple)):
+        raise TypeError(f"{name} must be {expected}; got {type(a).__name__}")
+    return np.asarray(a)
+
+
 @dataclass
 class Problem:
     """One attention call, normalized. Arrays are (B, H, N, d) views of the user's memory."""

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .inputs import array_kind, lse_dtype
+from .inputs import array_kind, host_values, lse_dtype
 
 __all__ = ["attention_with_kvcache"]
 
@@ -40,14 +40,7 @@ def _host_ints(name, a, B):
     entries."""
     if isinstance(a, (int, np.integer)) and not isinstance(a, bool):
         return np.full(B, int(a), np.int64)
-    kind = array_kind(a)
-    if kind in ("cupy", "cuda"):
-        import cupy
-        a = cupy.asarray(a).get()   # B integers: the host slices by them
-    elif kind is None and not isinstance(a, (list, tuple)):
-        raise TypeError(f"{name} must be an int, a list or a (B,) integer array; got "
-                        f"{type(a).__name__}")
-    a = np.asarray(a)
+    a = host_values(name, a, "an int, a list or a (B,) integer array")
     if a.shape != (B,) or a.dtype.kind not in "iu":
         raise ValueError(f"{name} must be an int or a ({B},) integer array; got shape {a.shape}, "
                          f"dtype {a.dtype}")

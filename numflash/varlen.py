@@ -13,7 +13,7 @@ shared-prefix attention, sequence parallelism) into the result over all of them,
 """
 import numpy as np
 
-from .inputs import array_kind, lse_dtype
+from .inputs import array_kind, host_values, lse_dtype
 
 __all__ = ["attention_varlen", "attention_varlen_backward", "merge_partials"]
 
@@ -21,14 +21,7 @@ __all__ = ["attention_varlen", "attention_varlen_backward", "merge_partials"]
 def _host_lengths(name, cu, total, batch=None):
     """cu_seqlens as a host int64 array, checked: 1-D, integer, starts at 0, non-decreasing,
     ends at the packed total."""
-    kind = array_kind(cu)
-    if kind in ("cupy", "cuda"):
-        import cupy
-        cu = cupy.asarray(cu).get()  # B + 1 integers: the host needs them to slice
-    elif kind is None and not isinstance(cu, (list, tuple)):
-        raise TypeError(f"{name} must be a 1-D integer array (NumPy or CuPy) or a list; got "
-                        f"{type(cu).__name__}")
-    cu = np.asarray(cu)
+    cu = host_values(name, cu, "a 1-D integer array (NumPy or CuPy) or a list")
     if cu.ndim != 1 or cu.size < 1:
         raise ValueError(f"{name} must be 1-D with B + 1 entries; got shape {cu.shape}")
     if cu.dtype.kind not in "iu":
