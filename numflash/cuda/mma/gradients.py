@@ -57,9 +57,11 @@ KINDS = {"float16": "f16", "bfloat16": "bf16", "float32": "3xtf32", "float64": "
 #: takes its queries 8 or 16 at a time (one or two k-steps of m16n8k8). ptxas (sm_90, session
 #: 16, bench/NOTES.md "Tensor-core backward for float32 and float64"): 3xTF32 d64 (4, 64) 237
 #: registers (239 with the lent H100's nvJitLink) and (4, 64, 16) 255, no spill (8 bytes
-#: there), 22.4 ms for B4 H16 N4096 there; d128 (4, 32) spilled 24 bytes, (4, 16) 166 registers and none, the
-#: key pass (4, 32, 8) 32 bytes, (4, 16, 8) 8; float64 d64 query pass (4, 32) 243 registers,
-#: none, the key pass 96-124 bytes with every tile tried (dK and dV take 128 registers).
+#: there), 22.4 ms for B4 H16 N4096 there; d128 (4, 32) spilled 24 bytes, (4, 16) 166
+#: registers and none, the key pass (4, 32, 8) 32 bytes, (4, 16, 8) 8; float64 d64 query pass
+#: (4, 32) 243 registers, none, the key pass 96-124 bytes with every tile tried (dK and dV take
+#: 128 registers). Windows and modifications take the same tiles (a window's bounds add 8 bytes
+#: of spill to the 3xTF32 d64 key pass and 84 to float64's on sm_90).
 #: The last tile of each is for less shared memory (wide rows: a CHUNKS variant stages whole
 #: rows of q, k, v, dO though it holds a slice of the gradients' columns).
 WORD_TILES = {
