@@ -200,7 +200,7 @@ def _emulated(DT, VEC, case, fast=False):
     _emulated("f16", 1, "causal", fast=True),
     _emulated("f16", 0, "bottom-right", fast=True),
     _emulated("bf16", 1, "window", fast=True),
-    _emulated("3xtf32", 1, "causal", fast=True),
+    _emulated("3xtf32", 1, "causal"),   # 15 s; the README tier's f16 / bf16 / f64 cases stay
     _emulated("f64", 1, "mask", fast=True),
     _emulated("tf32", 0, "causal"),
     _emulated("f64", 0, "block-mask"),
