@@ -93,10 +93,12 @@ def _store_rows(s, ops, rows, limit, outputs, chunked=False):
     for half, row in enumerate(rows):
         s(f"if {row} < {limit}:")
         with s.block():
-            s(f"ru = U({row})", f"cbase = t * {U(2)}")
+            s(f"ru = U({row})")
+            if not chunked:
+                s(f"cbase = t * {U(2)}")
             ra, rb = (0, 1) if half == 0 else (2, 3)
             for acc, tiles, factor, out, dim, col0 in outputs:
-                if chunked:
+                if chunked:   # each output's slice starts at its own column
                     s(f"cbase = {col0} + t * {U(2)}")
                 for n in range(tiles):
                     ops.store_o(s, n, ra, rb, half, acc=acc, factor=factor, out=out, dim=dim)

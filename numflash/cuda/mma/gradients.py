@@ -184,7 +184,8 @@ def run(problem, cfg, device):
     p = problem
     B, H, Nq, Nk, d, dv = p.shape
     # 16-bit kernels take the bits; 3xTF32 and float64 read their inputs as they are
-    bits = (lambda a: a.view(cupy.uint16)) if p.q.dtype.itemsize == 2 else (lambda a: a)
+    bits = (lambda a: a.view(cupy.uint16)) if cfg["queries"].DT in ("f16", "bf16") else \
+        (lambda a: a)
     with cupy.cuda.Device(p.q.device.id):     # on the arrays' GPU, not the current one
         # rowsum(dO * O), in the lse's precision: the query pass writes it
         delta = cupy.empty((B, H, Nq), p.lse.dtype)
