@@ -6,10 +6,10 @@ from .api import attention, attention_backward, explain
 from .block_mask import BlockMask, create_block_mask
 from .io_model import io_model
 from .kvcache import attention_with_kvcache
-from .varlen import attention_varlen, attention_varlen_backward, merge_partials
+from .varlen import attention_varlen, attention_varlen_backward, explain_varlen, merge_partials
 
 __all__ = ["attention", "attention_backward", "explain", "create_block_mask", "BlockMask",
-           "attention_varlen", "attention_varlen_backward", "merge_partials",
+           "attention_varlen", "attention_varlen_backward", "explain_varlen", "merge_partials",
            "attention_with_kvcache", "reference", "io_model"]
 __version__ = "0.1.0"
 

@@ -97,6 +97,7 @@ class Problem:
     mods: object = None  # numflash.mods.Mods: score / mask modifications, or None
     num_splits: int = None  # the forward's forced split-KV share count (None: the kernel picks)
     kvcache: object = None  # numflash.kvcache.KVCache: per-entry key counts and pages, or None
+    varlen: object = None   # numflash.varlen.Packed: packed sequences run in one launch, or None
 
     @property
     def shape(self):

@@ -35,6 +35,7 @@ class Operator:
     #                                   kinds, e.g. ("window_size",)), or "all"
     splits: bool = False              # splits the keys over blocks (num_splits > 1)
     kvcache: bool = False             # reads a KV cache in one launch (attention_with_kvcache)
+    varlen: bool = False              # runs packed sequences in one launch (attention_varlen)
     summary: str = ""
 
     @property
@@ -56,6 +57,10 @@ class Operator:
             return (f"{self.name} does not read a KV cache in one launch; cuda.mma's forward "
                     f"does (CuPy arrays, compute capability >= 8.0), and "
                     f"attention_with_kvcache runs one call per batch entry elsewhere")
+        if getattr(problem, "varlen", None) is not None and not self.varlen:
+            return (f"{self.name} does not run packed sequences in one launch; cuda.mma does "
+                    f"(CuPy arrays, compute capability >= 8.0), and attention_varlen runs one "
+                    f"call per sequence elsewhere")
         splits = getattr(problem, "num_splits", None)
         if splits is not None and splits > 1 and not self.splits:
             return (f"{self.name} does not split the keys (num_splits={splits}); cuda.mma's "
@@ -134,7 +139,7 @@ FORWARD = (
     Operator("cuda.mma", "cuda", "mma", _cuda_mma,
              dtypes=("float16", "bfloat16", "float32", "float64"), max_head_dim=256,
              min_cc=(8, 0), min_cc_why="mma.sync bf16 / f64, cp.async", runs_in_simulator=False,
-             tf32=True, mods="all", splits=True, kvcache=True,
+             tf32=True, mods="all", splits=True, kvcache=True, varlen=True,
              summary="FlashAttention-2 on tensor cores: mma.sync m16n8k16, register online "
                      "softmax, cp.async double-buffered K/V, ldmatrix; float64 (d <= 128, 64 on "
                      "sm_8x) on float64 mma.sync; float32 (d <= 128, cc 8.0 / 9.0) as 3xTF32 "
@@ -165,7 +170,7 @@ BACKWARD = (
     Operator("cuda.mma", "cuda", "mma", _cuda_mma_backward,
              dtypes=("float16", "bfloat16", "float32", "float64"), max_head_dim=256,
              direction="backward", min_cc=(8, 0), min_cc_why="mma.sync bf16 / f64, cp.async",
-             runs_in_simulator=False, tf32=True, mods="all",
+             runs_in_simulator=False, tf32=True, mods="all", varlen=True,
              summary="FlashAttention-2 backward on tensor cores (mma.sync m16n8k16, ldmatrix, "
                      "cp.async double buffering; float32 as 3xTF32 on m16n8k8 tf32, float64 "
                      "on float64 mma.sync): a query pass (dQ) and a key pass (dK, dV, GQA "

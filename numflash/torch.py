@@ -602,14 +602,50 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     return out
 
 
+class _VarlenFunction(torch.autograd.Function):
+    """Packed sequences on CUDA tensors through numflash.attention_varlen and its backward (one
+    cuda.mma launch per pass where that kernel takes them), on torch's current stream;
+    differentiable in q, k and v."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_q, cu_k, causal, scale, deterministic):
+        from .varlen import attention_varlen
+        out = torch.empty((q.shape[0], q.shape[1], v.shape[2]), dtype=q.dtype, device=q.device)
+        lse = torch.empty((q.shape[1], q.shape[0]), dtype=_lse_dtype(q.dtype), device=q.device)
+        views = _views(q, k, v, cu_q, cu_k, out, lse)
+        with _on_torch_stream(q):
+            _, got = attention_varlen(*views[:5], causal=causal, softmax_scale=scale,
+                                      return_lse=True, out=views[5])
+            views[6][...] = got
+        ctx.save_for_backward(q, k, v, cu_q, cu_k, out, lse)
+        ctx.options = (causal, scale, deterministic)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, d_out, d_lse):
+        from .varlen import attention_varlen_backward
+        q, k, v, cu_q, cu_k, out, lse = ctx.saved_tensors
+        causal, scale, deterministic = ctx.options
+        grads = [torch.empty_like(x) for x in (q, k, v)]
+        views = _views(d_out.contiguous(), q, k, v, out, lse, cu_q, cu_k, *grads)
+        with _on_torch_stream(q):
+            attention_varlen_backward(*views[:8], causal=causal, softmax_scale=scale,
+                                      deterministic=deterministic, dq=views[8], dk=views[9],
+                                      dv=views[10])
+        return (*grads, None, None, None, None, None)
+
+
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None,
                            max_seqlen_k=None, dropout_p=0.0, softmax_scale=None, causal=False,
                            window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                            deterministic=False, return_attn_probs=False):
     """flash-attn's ``flash_attn_varlen_func`` on numflash: packed q (total_q, H, d), k and v
     (total_k, Hk, d), cumulative lengths ``cu_seqlens_q/k`` (int32 tensors or lists, B + 1
-    entries), causal aligned to the bottom right of each sequence; differentiable. One
-    :func:`attention` call per sequence on views of the packed tensors (numflash.varlen).
+    entries), causal aligned to the bottom right of each sequence; differentiable. CUDA tensors
+    without window, softcap or ALiBi run :func:`numflash.attention_varlen` and its backward (one
+    cuda.mma launch per pass where it takes them); otherwise one :func:`attention` call per
+    sequence on views of the packed tensors.
 
     ``return_attn_probs=True`` returns (out, softmax_lse (H, total_q), None): the per-sequence
     probabilities have no dense packed form. Takes and refuses what :func:`flash_attn_func`
@@ -622,6 +658,16 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=Non
     _refuse_dropout("flash_attn_varlen_func", dropout_p)
     cq, ck = _check_packed(q, k, v, *lengths, max_seqlen_q, max_seqlen_k, torch_ok=True)
     mode = "bottom_right" if causal else False
+    plain = (window_size is None or tuple(window_size) == (-1, -1)) and not softcap \
+        and alibi_slopes is None
+    if plain and q.device.type == "cuda":   # every sequence in one launch where cuda.mma can
+        offsets = [c if isinstance(c, torch.Tensor) and c.device == q.device
+                   and c.dtype == torch.int32 else torch.tensor(n, dtype=torch.int32,
+                                                                device=q.device)
+                   for c, n in zip((cu_seqlens_q, cu_seqlens_k), (cq, ck))]
+        out, lse = _VarlenFunction.apply(q, k, v, *offsets, mode, softmax_scale,
+                                         bool(deterministic))
+        return (out, lse, None) if return_attn_probs else out
     outs, lses = [], []
     for b in range(cq.size - 1):
         sq, eq, sk, ek = int(cq[b]), int(cq[b + 1]), int(ck[b]), int(ck[b + 1])

@@ -2,20 +2,43 @@
 
 :func:`attention_varlen` and :func:`attention_varlen_backward` take sequences of different lengths
 packed along one axis, q (total_q, H, d) and k, v (total_k, Hk, d), with cumulative lengths
-``cu_seqlens_q`` / ``cu_seqlens_k`` (B + 1 integers from 0 to the total). This first version runs
-one :func:`numflash.attention` call per sequence on views of the packed arrays, writing into views
-of the packed outputs: no padding is computed and nothing is copied, on every backend and with every
-option :func:`numflash.attention` takes; each call launches on its own, so many short sequences
-pay a per-call cost that a single-launch varlen kernel would not (not built yet).
+``cu_seqlens_q`` / ``cu_seqlens_k`` (B + 1 integers from 0 to the total). No padding is computed
+and nothing is copied. On the GPU the tensor-core kernels (cuda.mma, compute capability >= 8.0)
+run every sequence in one launch per pass (MmaConfig.VARLEN: grid y walks the sequences' heads,
+each block finds its sequence's rows in cu_seqlens), forward and backward. Everywhere else (the
+CPU, cuda.block / cuda.row, inputs cuda.mma refuses) it runs one :func:`numflash.attention` call
+per sequence on views of the packed arrays, writing into views of the packed outputs.
 
 :func:`merge_partials` combines results computed over disjoint sets of keys (split-KV, cascade or
 shared-prefix attention, sequence parallelism) into the result over all of them, exactly.
 """
+from dataclasses import dataclass
+
 import numpy as np
 
 from .inputs import array_kind, host_values, lse_dtype
 
-__all__ = ["attention_varlen", "attention_varlen_backward", "merge_partials"]
+__all__ = ["attention_varlen", "attention_varlen_backward", "explain_varlen", "merge_partials"]
+
+
+@dataclass
+class Packed:
+    """What the one-launch kernels of packed sequences read besides the packed arrays
+    (Problem.varlen): the cumulative lengths as int32 device arrays, the longest sequence's
+    query and key rows (they size the grid) and the causal alignment."""
+    cu_q: object
+    cu_k: object
+    max_q: int
+    max_k: int
+    bottom_right: bool
+
+    @property
+    def count(self):
+        return int(self.cu_q.size) - 1
+
+    def key(self):
+        """What a memoized plan depends on (explain's notes name the count and the longest)."""
+        return ("varlen", self.count, self.max_q, self.max_k, self.bottom_right)
 
 
 def _host_lengths(name, cu, total, batch=None):
@@ -62,6 +85,76 @@ def _check_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
     return cq, ck
 
 
+#: the packed totals the int32 offsets of the one-launch kernels can address
+_MAX_ROWS = 2 ** 31 - 1
+
+
+def _device_offsets(given, host, q):
+    """cu_seqlens as the int32 CuPy array on q's GPU the kernels read: the user's own when it is
+    one already, else a copy of the checked host values."""
+    import cupy
+    if (array_kind(given) == "cupy" and given.dtype == np.int32 and given.ndim == 1
+            and given.flags.c_contiguous and given.device.id == q.device.id):
+        return given
+    with cupy.cuda.Device(q.device.id):
+        return cupy.asarray(host.astype(np.int32))
+
+
+def _one_launch(problem, cq, ck, cu_seqlens_q, cu_seqlens_k, causal, backend, algorithm):
+    """(plan, None): the plan that runs every sequence of a packed ``problem`` (1, H, total, .)
+    in one launch per pass, with problem.varlen set; or (None, why not) where no such kernel
+    takes it (NumPy arrays, an empty side, totals past int32, kernels or options that refuse:
+    then one call per sequence runs)."""
+    from . import plan as _plan
+    if not problem.on_device:
+        return None, "NumPy arrays: the CPU path runs one call per sequence"
+    if cq[-1] == 0 or ck[-1] == 0 or problem.q.shape[1] == 0:
+        return None, "no query rows, no keys or no heads"
+    if max(cq[-1], ck[-1]) > _MAX_ROWS:
+        return None, f"more than {_MAX_ROWS} packed rows (int32 offsets)"
+    problem.varlen = Packed(_device_offsets(cu_seqlens_q, cq, problem.q),
+                            _device_offsets(cu_seqlens_k, ck, problem.q),
+                            int(np.diff(cq).max()), int(np.diff(ck).max()),
+                            causal == "bottom_right")
+    try:
+        return _plan.choose(problem, backend, algorithm), None
+    except ValueError as e:
+        problem.varlen = None
+        return None, str(e)
+
+
+def explain_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None,
+                   *, causal=False, softmax_scale=None, backend="auto", algorithm="auto",
+                   precision="auto", backward=False):
+    """The :class:`numflash.plan.Plan` that :func:`attention_varlen` (``backward=True``:
+    :func:`attention_varlen_backward`) would run for these arguments: the one launch for every
+    sequence, or else the plan of the per-sequence call for the longest sequence, with a note
+    saying that one call per sequence runs, and why."""
+    import dataclasses
+    from . import plan as _plan
+    from .inputs import normalize
+    cq, ck = _check_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    options = dict(causal=causal, softmax_scale=softmax_scale, layout="bshd",
+                   precision=precision)
+    problem = normalize(q[None], k[None], v[None], **options)
+    if backward:
+        problem.direction = "backward"
+    plan, why = _one_launch(problem, cq, ck, cu_seqlens_q, cu_seqlens_k, causal, backend,
+                            algorithm)
+    if plan is not None:
+        return plan
+    b = int(np.argmax(np.diff(cq))) if cq.size > 1 else 0
+    sq, eq, sk, ek = (int(cq[b]), int(cq[min(b + 1, cq.size - 1)]), int(ck[b]),
+                      int(ck[min(b + 1, ck.size - 1)]))
+    one = normalize(q[None, sq:eq], k[None, sk:ek], v[None, sk:ek], **options)
+    if backward:
+        one.direction = "backward"
+    plan = _plan.choose(one, backend, algorithm)
+    return dataclasses.replace(plan, notes=plan.notes + [
+        f"packed sequences: one call per sequence ({cq.size - 1} calls; this is the longest's "
+        f"plan), not one launch: {why}"])
+
+
 def _xp(a):
     if isinstance(a, np.ndarray):
         return np
@@ -79,8 +172,12 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
 
     Returns the packed output (total_q, H, dv) in q's dtype and kind (or ``out``), and with
     ``return_lse`` the lse as (H, total_q) (flash-attn's varlen layout).
+
+    CuPy arrays run in one cuda.mma launch where that kernel takes them (see the module's text);
+    :func:`explain_varlen` says which kernel runs and how.
     """
     from .api import attention
+    from .inputs import normalize
     cq, ck = _check_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     xp = _xp(q)
     if out is None:
@@ -88,6 +185,13 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
     elif tuple(out.shape) != (q.shape[0], q.shape[1], v.shape[2]):
         raise ValueError(f"out must have shape (total_q, H, dv) = "
                          f"{(q.shape[0], q.shape[1], v.shape[2])}; got {tuple(out.shape)}")
+    problem = normalize(q[None], k[None], v[None], causal=causal, softmax_scale=softmax_scale,
+                        layout="bshd", return_lse=True, out=out[None], precision=precision)
+    plan, _ = _one_launch(problem, cq, ck, cu_seqlens_q, cu_seqlens_k, causal, backend,
+                          algorithm)
+    if plan is not None:
+        lse = plan.run(problem)[0]
+        return (out, lse) if return_lse else out
     lse = xp.empty((q.shape[1], q.shape[0]), dtype=lse_dtype(q.dtype)) if return_lse else None
     for b in range(cq.size - 1):
         sq, eq, sk, ek = int(cq[b]), int(cq[b + 1]), int(ck[b]), int(ck[b + 1])
@@ -107,9 +211,11 @@ def attention_varlen_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, m
                               backend="auto", algorithm="auto", precision="auto",
                               deterministic=False, dq=None, dk=None, dv=None):
     """Gradients (dq, dk, dv) of :func:`attention_varlen`, packed like q, k and v; ``o`` and
-    ``lse`` are what it returned (lse as (H, total_q)). One :func:`numflash.attention_backward`
-    call per sequence, on views, into views of the packed gradients."""
+    ``lse`` are what it returned (lse as (H, total_q)). CuPy arrays run in one launch per pass
+    where cuda.mma's backward takes them; otherwise one :func:`numflash.attention_backward` call
+    per sequence, on views, into views of the packed gradients."""
     from .api import attention_backward
+    from .inputs import normalize_backward
     cq, ck = _check_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     xp = _xp(q)
     if tuple(lse.shape) != (q.shape[1], q.shape[0]):
@@ -122,18 +228,29 @@ def attention_varlen_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, m
             raise ValueError(f"{name} must have the output's shape (total_q, H, dv) = {out_shape}; "
                              f"got {tuple(a.shape)}")
     inputs = (("q", q), ("k", k), ("v", v), ("do", do), ("o", o), ("lse", lse))
-    grads = []
     for name, given, src in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
-        if given is None:  # keys no query sees get zero gradients: start from zeros
-            grads.append(xp.zeros(src.shape, src.dtype))
+        if given is None:
             continue
         if tuple(given.shape) != tuple(src.shape):
             raise ValueError(f"{name} must have the shape of {name[1]} {tuple(src.shape)}; got "
                              f"{tuple(given.shape)}")
-        for other, a in inputs + tuple(zip(("dq", "dk"), grads)):
-            if xp.may_share_memory(given, a):  # checked before anything is written
+        for other, a in inputs:   # checked before anything is written
+            if a is not None and xp.may_share_memory(given, a):
                 raise ValueError(f"{name} overlaps {other}: pass a separate output array")
-        grads.append(given)
+        inputs += ((name, given),)
+    problem = normalize_backward(
+        do[None], q[None], k[None], v[None], o[None], lse[None], causal=causal,
+        softmax_scale=softmax_scale, layout="bshd", precision=precision,
+        deterministic=deterministic, **{name: None if g is None else g[None] for name, g in
+                                        (("dq", dq), ("dk", dk), ("dv", dv))})
+    plan, _ = _one_launch(problem, cq, ck, cu_seqlens_q, cu_seqlens_k, causal, backend,
+                          algorithm)
+    if plan is not None:   # every row of every gradient is written: no zeroing
+        plan.run(problem)
+        return tuple(g[0] for g in problem.result)
+    # keys no query sees get zero gradients: start from zeros
+    grads = [xp.zeros(src.shape, src.dtype) if given is None else given
+             for given, src in ((dq, q), (dk, k), (dv, v))]
     for g in grads:
         g[...] = 0
     for b in range(cq.size - 1):

@@ -50,6 +50,7 @@ def config_id(cfg, cc=None):
     parts += [cfg.MMA] if cfg.MMA else []
     parts += ["dbg"] if cfg.DBG else []
     parts += ["window"] if cfg.WINDOW else []
+    parts += ["varlen"] if cfg.VARLEN else []
     parts += [f"sm{cc[0]}{cc[1]}"] if cc else []
     return "-".join(parts)
 
@@ -70,6 +71,7 @@ _COMPILE = textwrap.dedent("""
     args = (A, A, A, A, lse, types.Array(types.float32, 4, "A"),
             types.float64, types.float64, types.int64, types.int64)
     args += (types.int64, types.int64) if cfg.get("WINDOW") else ()  # the window's sizes
+    args += (types.Array(types.int32, 1, "A"),) * 2 if cfg.get("VARLEN") else ()  # cu_q, cu_k
     cubin, entry, ptx, res = launch.compile_to_cubin(mma.make_kernel(**cfg), args, tuple(cc))
     print(json.dumps({"resources": res, "ops": {op: ptx.count(op) for op in ops},
                       "cubin_bytes": len(cubin)}))
@@ -411,15 +413,27 @@ def _mods_setup(mods, window):
     return token, window, extra
 
 
+def _packed_setup(varlen):
+    """(cu_q, cu_k, the causal_offset argument, longest query and key run) of run_*'s
+    ``varlen``."""
+    cu_q, cu_k, bottom_right = varlen
+    return (np.asarray(cu_q, np.int32), np.asarray(cu_k, np.int32), int(bottom_right),
+            int(np.diff(cu_q).max()), int(np.diff(cu_k).max()))
+
+
 def run_backward_kernels(q, k, v, do, o, lse, DT, causal=False, causal_offset=0, scale=None,
-                         tiles=None, window=None, mods=None, chunks=0):
+                         tiles=None, window=None, mods=None, chunks=0, varlen=None):
     """Run cuda.mma's generated backward source of kind DT (both passes) under the emulator;
     q, k, v, do, o in the kind's dtype (16-bit as float16 or ml_dtypes.bfloat16), lse as
     attention returns it. ``tiles``: {"queries": (NW, BC), "keys": (NW, BC[, SUB])}. Returns dq,
     dk, dv in the inputs' dtype. ``window``: a sliding window's (left, right) (WINDOW variants);
     ``mods``: a numflash.mods.Mods (its window, and the MODS variant for the rest); ``chunks``:
-    the CHUNKS variant's column slices (grid z)."""
+    the CHUNKS variant's column slices (grid z); ``varlen``: (cu_q, cu_k, bottom_right) for the
+    VARLEN variant (the arrays then hold the packed rows, batch 1)."""
     token, window, extra = _mods_setup(mods, window)
+    if varlen is not None:   # after the window's arguments, before the mods'
+        cu_q, cu_k, causal_offset, max_q, max_k = _packed_setup(varlen)
+        extra[len(window or ()):len(window or ())] = [cu_q, cu_k]
     from numflash.cuda.mma import MmaConfig, backward, head_dim_pad
     B, H, Nq, d = q.shape
     Hkv, Nk, dv = k.shape[1], k.shape[2], v.shape[3]
@@ -434,10 +448,14 @@ def run_backward_kernels(q, k, v, do, o, lse, DT, causal=False, causal_offset=0,
     for kernel in ("queries", "keys"):
         NW, BC, *sub = (tiles or {}).get(kernel, (2, 32))
         cfg = MmaConfig(D, DV, NW, BC, 0, DT, 1, MMA=form, SUB=sub[0] if sub else 0,
-                        WINDOW=int(window is not None), MODS=token, CHUNKS=chunks)
+                        WINDOW=int(window is not None), MODS=token, CHUNKS=chunks,
+                        VARLEN=int(varlen is not None))
         src = backward.SOURCES[kernel](cfg)
         rows = Nq if kernel == "queries" else Nk
-        grid = (-(-rows // cfg.BR), B * (H if kernel == "queries" else Hkv))
+        count = B
+        if varlen is not None:   # grid y: each sequence's heads, x: the longest's blocks
+            rows, count = (max_q if kernel == "queries" else max_k), len(cu_q) - 1
+        grid = (-(-rows // cfg.BR), count * (H if kernel == "queries" else Hkv))
         emu = Emu(cfg.NT, grid + ((chunks,) if chunks else ()),
                   backward.shared_bytes(cfg, kernel), word)
         ns = with_mods(emulator_namespace(emu, DT), token, DT)
@@ -454,7 +472,7 @@ def run_backward_kernels(q, k, v, do, o, lse, DT, causal=False, causal_offset=0,
 
 
 def run_forward_kernel(q, k, v, DT, causal=False, causal_offset=0, scale=None, VEC=0, tile=None,
-                       window=None, mods=None, splits=None, kvcache=None):
+                       window=None, mods=None, splits=None, kvcache=None, varlen=None):
     """Run mma.kernel_source of operand kind DT under the emulator: "tf32" / "3xtf32" (float32
     q, k, v), "f64" (float64), "f16" / "bf16" (float16 / ml_dtypes.bfloat16); returns (out,
     lse). VEC=1 runs the cp.async / double-buffered staging (16-bit kinds: with ldmatrix);
@@ -463,24 +481,32 @@ def run_forward_kernel(q, k, v, DT, causal=False, causal_offset=0, scale=None, V
     variant for the rest); ``splits``: run the split-KV variant (SPLIT) with this many shares
     and return its partials, (splits, B, H, Nq, dv) and (splits, B, H, Nq), in float32 (float64
     for f64); ``kvcache``: (kv_lens, block_table or None, page or 0) for the KVLEN / PAGE
-    variant (k, v then hold every page's rows, the batch axis broadcast)."""
+    variant (k, v then hold every page's rows, the batch axis broadcast); ``varlen``: (cu_q,
+    cu_k, bottom_right) for the VARLEN variant (q, k, v hold the packed rows, batch 1)."""
     from numflash.cuda import mma
     token, window, extra = _mods_setup(mods, window)
     if kvcache is not None:   # the cache's arguments come after the window's
         lens, table, page = kvcache
         at = len(window or ())
         extra[at:at] = [lens] + ([table] if page else [])
+    if varlen is not None:   # then packed sequences' offsets
+        cu_q, cu_k, causal_offset, max_q, _ = _packed_setup(varlen)
+        at = len(window or ())
+        extra[at:at] = [cu_q, cu_k]
     B, H, Nq, d = q.shape
     dv = v.shape[3]
     D, DV = mma.head_dim_pad(d), mma.head_dim_pad(dv)
     NW, BC, HOLDQ = tile or mma.choose_tile(D, DV, DT)
     cfg = mma.MmaConfig(D, DV, NW, BC, HOLDQ, DT, VEC, WINDOW=int(window is not None),
                         MODS=token, SPLIT=int(splits is not None),
-                        KVLEN=int(kvcache is not None), PAGE=kvcache[2] if kvcache else 0)
+                        KVLEN=int(kvcache is not None), PAGE=kvcache[2] if kvcache else 0,
+                        VARLEN=int(varlen is not None))
     src = mma.kernel_source(cfg)
     real = np.float64 if DT == "f64" else np.float32
     word = {"f64": np.float64, "3xtf32": np.float32}.get(DT, np.uint32)
     grid = (-(-Nq // cfg.BR), B * H) + ((splits,) if splits is not None else ())
+    if varlen is not None:
+        grid = (-(-max_q // cfg.BR), (len(cu_q) - 1) * H)
     emu = Emu(cfg.NT, grid, mma.shared_bytes(cfg), word)
     ns = with_mods(emulator_namespace(emu, DT), token, DT)
     exec(compile(src, f"<{DT} emu>", "exec"), ns)

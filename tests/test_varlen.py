@@ -183,3 +183,189 @@ def test_torch_tensors_are_pointed_to_the_torch_entry_point(rng):
     q, k, v, _, cq, ck = packed(rng, [4, 6], [5, 5])
     with pytest.raises(TypeError, match="flash_attn_varlen_func"):
         numflash.attention_varlen(torch.tensor(q), k, v, cq, ck)
+
+
+# ------------------------------------------------------- cuda.mma's one launch (VARLEN)
+
+def _kind(DT):
+    return {"f64": np.float64, "3xtf32": np.float32, "f16": np.float16}[DT]
+
+
+def _heads_first(a):
+    """A packed (total, H, d) array as the (1, H, total, d) view the kernels take."""
+    return a.transpose(1, 0, 2)[None]
+
+
+@pytest.mark.parametrize("DT, causal", [
+    ("f64", "bottom_right"),
+    pytest.param("f64", True, marks=pytest.mark.extended),
+    pytest.param("f16", False, marks=pytest.mark.extended),
+    pytest.param("3xtf32", "bottom_right", marks=pytest.mark.extended),
+])
+def test_one_launch_kernels_emulated_equal_each_sequence_alone(rng, DT, causal):
+    """cuda.mma's VARLEN forward and backward under the warp emulator: one launch over packed
+    sequences (one without queries, one without keys, Nq != Nk both ways, GQA) gives, bit for
+    bit, what the plain kernels give each sequence alone, and rows of an empty side get zeros
+    (lse -inf; keys no query sees get zero dK, dV)."""
+    from mma_tools import run_backward_kernels, run_forward_kernel
+    from numflash.inputs import parse_causal
+    lens_q, lens_k = [5, 0, 20, 9], [7, 12, 17, 0]
+    q, k, v, do, cq, ck = packed(rng, lens_q, lens_k, H=2, Hk=1, d=24, dv=16, dtype=_kind(DT))
+    real = np.float64 if DT == "f64" else np.float32
+    packing = (cq, ck, causal == "bottom_right")
+    tile, tiles = (2, 32, 0), {"queries": (2, 32), "keys": (2, 32)}
+    out, lse = run_forward_kernel(*map(_heads_first, (q, k, v)), DT, causal=bool(causal),
+                                  VEC=1, tile=tile, varlen=packing)
+    grads = run_backward_kernels(*map(_heads_first, (q, k, v, do, out[0].transpose(1, 0, 2))),
+                                 lse.astype(real), DT, bool(causal), tiles=tiles,
+                                 varlen=packing)
+    assert not np.isnan(out).any() and not any(np.isnan(g).any() for g in grads)
+    for b in range(len(cq) - 1):
+        s, e, sk, ek = cq[b], cq[b + 1], ck[b], ck[b + 1]
+        if e == s:   # keys no query sees
+            assert not grads[1][0, :, sk:ek].any() and not grads[2][0, :, sk:ek].any()
+            continue
+        if ek == sk:   # rows that see no key
+            assert not out[0, :, s:e].any() and np.isneginf(lse[0, :, s:e]).all()
+            assert not grads[0][0, :, s:e].any()
+            continue
+        seq = [_heads_first(a[lo:hi]) for a, lo, hi in ((q, s, e), (k, sk, ek), (v, sk, ek))]
+        is_causal, offset = parse_causal(causal, e - s, ek - sk)
+        one, one_lse = run_forward_kernel(*seq, DT, is_causal, offset, VEC=1, tile=tile)
+        np.testing.assert_array_equal(out[:, :, s:e], one)
+        np.testing.assert_array_equal(lse[:, :, s:e], one_lse)
+        one_grads = run_backward_kernels(*seq, _heads_first(do[s:e]), one, one_lse, DT,
+                                         is_causal, offset, tiles=tiles)
+        for got, want, lo, hi in zip(grads, one_grads, (s, sk, sk), (e, ek, ek)):
+            np.testing.assert_array_equal(got[:, :, lo:hi], want)
+    s, e, sk, ek = cq[2], cq[3], ck[2], ck[3]   # and the kernel meets the accuracy rule
+    testing.assert_accurate(out[:, :, s:e], *[_heads_first(a[lo:hi]) for a, lo, hi in (
+        (q, s, e), (k, sk, ek), (v, sk, ek))], lse=lse[:, :, s:e], causal=causal)
+
+def test_one_launch_is_planned_for_packed_problems_and_refuses_what_it_lacks(rng):
+    """cuda.mma's config turns packed problems into VARLEN variants (forward and both backward
+    passes, never split), refuses modifications and a forced split with the reason, and the
+    other kernels decline packed problems saying what runs them."""
+    from numflash import kernels, mods
+    from numflash.cuda import mma
+    from numflash.cuda.mma import gradients
+    from numflash.device import Device, Unsupported
+    from numflash.inputs import normalize, normalize_backward
+    from numflash.varlen import Packed
+    h100 = Device(name="H100", cc=(9, 0), smem_per_block_optin=227 * 1024, sm_count=132)
+    q, k, v, do, cq, ck = packed(rng, [5, 40], [7, 3], H=4, Hk=2, d=64, dv=64,
+                                 dtype=np.float16)
+    packing = Packed(cq, ck, 40, 7, True)
+    problem = normalize(q[None], k[None], v[None], causal="bottom_right", layout="bshd")
+    problem.varlen = packing
+    cfg = mma.config(problem, h100)
+    assert cfg.VARLEN == 1 and not cfg.SPLIT and not cfg.KVLEN
+    assert "packed sequences: 2 in one launch" in " ".join(mma.notes(problem, cfg, h100))
+    assert len(mma.signature("float16", varlen=True)) == len(mma.signature("float16")) + 2
+    o = np.zeros_like(do)
+    lse = np.zeros((1, 4, q.shape[0]), np.float32)
+    back = normalize_backward(do[None], q[None], k[None], v[None], o[None], lse,
+                              causal="bottom_right", layout="bshd")
+    back.varlen = packing
+    with pytest.raises(Unsupported, match="16-byte cp.async"):
+        gradients.config(back, h100)   # NumPy arrays: the backward stages with cp.async only
+    problem.num_splits = 4
+    with pytest.raises(Unsupported, match="does not split the keys"):
+        mma.config(problem, h100)
+    problem.num_splits = None
+    problem.mods = mods.build(problem.shape, problem.kind, problem.causal_offset, softcap=5.0)
+    with pytest.raises(Unsupported, match="without score / mask modifications"):
+        mma.config(problem, h100)
+    problem.mods = None
+    for op in kernels.FORWARD + kernels.BACKWARD:
+        why = op.why_not(problem, h100)
+        if op.name == "cuda.mma":
+            assert why is None or "packed" not in why
+        else:
+            assert "does not run packed sequences in one launch" in why, (op.name, why)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64"])
+def test_gpu_one_launch_meets_the_rule_for_every_sequence(rng, monkeypatch, dtype):
+    """On the GPU, attention_varlen and its backward run every sequence in one cuda.mma launch
+    per pass (no per-sequence attention call; explain_varlen says so), for lengths 0, 1, odd and
+    1025, Nq != Nk both ways, GQA, every causal mode, and each sequence's rows and gradients meet
+    the accuracy rule; a second run gives the same bits."""
+    cupy = pytest.importorskip("cupy")
+    from numflash import api
+    dtype = (np.dtype(pytest.importorskip("ml_dtypes").bfloat16) if dtype == "bfloat16"
+             else np.dtype(dtype))
+    calls = []
+    for name in ("attention", "attention_backward"):
+        original = getattr(api, name)
+        monkeypatch.setattr(api, name, lambda *a, _f=original, **kw: calls.append(1) or
+                            _f(*a, **kw))
+    lens_q, lens_k = [1, 0, 97, 1025, 300, 64], [5, 13, 97, 1025, 150, 0]
+    q, k, v, do, cq, ck = packed(rng, lens_q, lens_k, H=8, Hk=2, d=64, dv=64, dtype=dtype)
+    dev = [cupy.asarray(a) for a in (q, k, v, do, cq, ck)]
+    for causal in (False, True, "bottom_right"):
+        plan = numflash.explain_varlen(*dev[:3], *dev[4:], causal=causal, backward=True)
+        assert plan.kernel == "cuda.mma" and "6 in one launch" in str(plan), str(plan)
+        out, lse = numflash.attention_varlen(*dev[:3], *dev[4:], causal=causal, return_lse=True)
+        grads = numflash.attention_varlen_backward(dev[3], *dev[:3], out, lse, *dev[4:],
+                                                   causal=causal)
+        again = numflash.attention_varlen_backward(dev[3], *dev[:3], out, lse, *dev[4:],
+                                                   causal=causal)
+        assert all(bool((a == b).all()) for a, b in zip(grads, again))
+        assert calls == []
+        out, lse, grads = out.get(), lse.get(), [g.get() for g in grads]
+        for b in range(len(cq) - 1):
+            s, e, sk, ek = cq[b], cq[b + 1], ck[b], ck[b + 1]
+            if e == s:
+                assert not grads[1][sk:ek].any() and not grads[2][sk:ek].any()
+                continue
+            seq = [a[None, lo:hi] for a, lo, hi in ((q, s, e), (k, sk, ek), (v, sk, ek))]
+            testing.assert_accurate(out[None, s:e], *seq, lse=lse[None, :, s:e],
+                                    causal=causal, layout="bshd")
+            if ek > sk:
+                testing.assert_gradients_accurate(
+                    [grads[0][None, s:e], grads[1][None, sk:ek], grads[2][None, sk:ek]],
+                    do[None, s:e], *seq, causal=causal, layout="bshd")
+            else:
+                assert not grads[0][s:e].any()
+
+
+@pytest.mark.gpu
+def test_gpu_torch_flash_attn_varlen_func_runs_one_launch_on_torch_stream(rng, monkeypatch):
+    """flash_attn_varlen_func on CUDA tensors (on a non-default torch stream) runs
+    attention_varlen's one launch and its backward, not one call per sequence; outputs and
+    gradients equal numflash.attention_varlen's on the same memory and meet the rule."""
+    torch = pytest.importorskip("torch")
+    cupy = pytest.importorskip("cupy")
+    import numflash.torch as nt
+    from numflash import api
+    calls = []
+    for name in ("attention", "attention_backward"):
+        original = getattr(api, name)
+        monkeypatch.setattr(api, name, lambda *a, _f=original, **kw: calls.append(1) or
+                            _f(*a, **kw))
+    q, k, v, do, cq, ck = packed(rng, [100, 0, 777, 64], [300, 5, 777, 1], H=8, Hk=4, d=64,
+                                 dv=64, dtype=np.float16)
+    tq, tk, tv = (torch.tensor(a, device="cuda", requires_grad=True) for a in (q, k, v))
+    tcq, tck = (torch.tensor(c, device="cuda") for c in (cq, ck))
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        out, lse, _ = nt.flash_attn_varlen_func(tq, tk, tv, tcq, tck, causal=True,
+                                                return_attn_probs=True)
+        grads = torch.autograd.grad(out, (tq, tk, tv), torch.tensor(do, device="cuda"))
+    stream.synchronize()
+    assert calls == []
+    dev = [cupy.asarray(a) for a in (q, k, v, cq, ck)]
+    want, want_lse = numflash.attention_varlen(*dev, causal="bottom_right", return_lse=True)
+    assert bool((cupy.from_dlpack(out.detach()) == want).all())
+    assert bool((cupy.from_dlpack(lse) == want_lse).all())
+    ref = numflash.attention_varlen_backward(cupy.asarray(do), *dev[:3], want, want_lse,
+                                             *dev[3:], causal="bottom_right")
+    for g, r in zip(grads, ref):
+        assert bool((cupy.from_dlpack(g) == r).all())
+    s, e, sk, ek = cq[2], cq[3], ck[2], ck[3]
+    testing.assert_gradients_accurate(
+        [g[lo:hi][None].cpu().numpy() for g, lo, hi in zip(grads, (s, sk, sk), (e, ek, ek))],
+        do[None, s:e], q[None, s:e], k[None, sk:ek], v[None, sk:ek], causal="bottom_right",
+        layout="bshd")

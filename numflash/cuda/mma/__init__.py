@@ -45,11 +45,13 @@ def _as_bits(a):
 
 
 @functools.lru_cache(maxsize=256)   # numba types are made anew otherwise: ~0.1 ms a call
-def signature(dtype, window=False, token="", split=False, kvlen=False, paged=False):
+def signature(dtype, window=False, token="", split=False, kvlen=False, paged=False,
+              varlen=False):
     """The kernel's argument types: q, k, v, out (16-bit inputs as their bits), lse, a float32
     debug array, the exp2 and natural scales, causal, causal_offset (and with a window its left
-    and right sizes, with modifications their arguments: mods.argument_types). Split-KV: out and
-    lse are the (splits, B, H, Nq, .) partials (cuda.merge's precision)."""
+    and right sizes, a KV cache's lengths and block table, packed sequences' cu_q and cu_k,
+    with modifications their arguments: mods.argument_types). Split-KV: out and lse are the
+    (splits, B, H, Nq, .) partials (cuda.merge's precision)."""
     from numba import types
     from ...inputs import lse_dtype
     from ..launch import array_type
@@ -61,6 +63,7 @@ def signature(dtype, window=False, token="", split=False, kvlen=False, paged=Fal
         out, lse = array_type(part, 5), array_type(part, 4)
     cache = (array_type("int32", 1),) if kvlen else ()
     cache += (array_type("int32", 2),) if paged else ()
+    cache += (array_type("int32", 1),) * 2 if varlen else ()
     return (arr, arr, arr, out, lse, array_type("float32"),
             types.float64, types.float64, types.int64, types.int64) + \
         ((types.int64, types.int64) if window else ()) + cache + mods.argument_types(token)
@@ -72,14 +75,17 @@ def compiled_kernels(cfg, dtype):
     from .. import launch, merge
     kernels = [(launch.get_kernel(NAME, make_kernel, cfg),
                 signature(dtype, cfg.WINDOW, cfg.MODS, bool(cfg.SPLIT), bool(cfg.KVLEN),
-                          bool(cfg.PAGE)))]
+                          bool(cfg.PAGE), bool(cfg.VARLEN)))]
     return kernels + ([merge.kernel(str(dtype))] if cfg.SPLIT else [])
 
 
 def notes(problem, cfg, device):
-    """What explain adds about this config's schedule: the split-KV choice."""
+    """What explain adds about this config's schedule: packed sequences, the KV cache, the
+    split-KV choice."""
     n = split_count(problem, cfg, device)
     lines = []
+    if cfg.VARLEN:
+        lines.append(packed_note(problem, cfg.BR))
     if cfg.KVLEN:
         lines.append("KV cache: each batch entry's keys counted by kv_lens, causal aligned "
                      "bottom-right per entry" + (f"; rows read in place through the block "
@@ -94,6 +100,17 @@ def notes(problem, cfg, device):
                     f"results are merged by cuda.merge (one more launch, "
                     f"{'float64' if cfg.DT == 'f64' else 'float32'} partials: "
                     f"{n} x B x H x Nq x dv)"]
+
+
+def packed_note(problem, BR):
+    """explain's line about packed sequences (MmaConfig.VARLEN) for a forward whose blocks own
+    BR query rows."""
+    packed = problem.varlen
+    align = ("; causal aligned " + ("bottom-right" if packed.bottom_right else "top-left") +
+             " per sequence") if problem.causal else ""
+    return (f"packed sequences: {packed.count} in one launch (grid y: each sequence's heads), "
+            f"{-(-packed.max_q // BR)} blocks of {BR} query rows for the longest "
+            f"({packed.max_q} rows); a shorter sequence's extra blocks return at once{align}")
 
 
 def run(problem, cfg, device, debug=None):
@@ -111,6 +128,12 @@ def run(problem, cfg, device, debug=None):
             _dummy[key] = fastpath.keep(cupy.zeros((1, 1, 1, 1), dtype=cupy.float32))
         debug = _dummy[key]
     grid = (-(-Nq // cfg.BR), B * H)
+    causal_offset = int(p.causal_offset)
+    packed = ()
+    if cfg.VARLEN:   # grid y: a sequence's heads; x: the longest sequence's query blocks
+        grid = (-(-p.varlen.max_q // cfg.BR), p.varlen.count * H)
+        causal_offset = int(p.varlen.bottom_right)   # the alignment, per sequence
+        packed = (p.varlen.cu_q, p.varlen.cu_k)
     # 16-bit kernels take the bits; tf32, 3xTF32 and float64 read their inputs as they are
     bits = _as_bits if cfg.DT in ("f16", "bf16") else (lambda a: a)
     window = tuple(int(w) for w in p.mods.window) if cfg.WINDOW else ()
@@ -127,7 +150,7 @@ def run(problem, cfg, device, debug=None):
         kernel(grid, (cfg.NT,), shared_bytes(cfg),
                (bits(p.q), bits(p.k), bits(p.v), out, out_lse, debug,
                 float(p.scale * math.log2(math.e)), float(p.scale), int(p.causal),
-                int(p.causal_offset)) + window + cache +
+                causal_offset) + window + cache + packed +
                (mods.arguments(p.mods) if cfg.MODS else ()), device)
     if cfg.SPLIT:
         from .. import merge

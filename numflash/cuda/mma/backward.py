@@ -23,7 +23,8 @@ A row that sees no key (lse = -inf) reads lse as +inf, so its P, and its gradien
 """
 
 from . import mods
-from .emit import U, Source, define, emit_thread_indices
+from .emit import (VARLEN_ARGUMENTS, U, Source, define, emit_views_at_use, emit_sequence,
+                   emit_thread_indices, head_view, row_value)
 from .forward import emit_block_row, emit_modified_scale, namespace_with_mods
 from .mask import _end, _first, emit_row_bounds, emit_score_mask, warp_sees_tile
 from .operands import operands_for
@@ -57,7 +58,7 @@ def _lse2(value):
     return f"INF if {value} == NEG_INF else {value} * LOG2E"
 
 
-def _emit_delta(s, ops, DV, do_off, o_off, OW, chunked=False):
+def _emit_delta(s, ops, cfg, do_off, o_off, OW):
     """Emit delta = rowsum(dO * O) of the thread's rows r0, r1 (delta0, delta1), written to
     ``delta`` for the key pass: the diagonal of the warp's 16 x 16 block of dO O^T, one small
     tensor-core product over the staged dO and O rows (dO * O summed in the accumulators'
@@ -65,11 +66,11 @@ def _emit_delta(s, ops, DV, do_off, o_off, OW, chunked=False):
     O(N d) buffers. In
     the C layout row g's diagonal element is register g % 2 of n8 tile 0 on lane (g, g // 2),
     row g + 8's register 2 + g % 2 of tile 1 on the same lane; a shuffle brings them to the
-    quad. ``chunked``: the first column slice's blocks write it (every slice computes the same
-    value)."""
+    quad. With column slices (CHUNKS) the first slice's blocks write it (every slice computes
+    the same value)."""
     ops.zero_scores(s, 2, "dd", "ddc")
     ops.b_fragments(s, f"warp * {U(16 * OW)} + ", o_off, "o", OW)
-    for kk in range(DV // ops.k_step):
+    for kk in range(cfg.DV // ops.k_step):
         regs = [f"doa{r}" for r in range(4)]
         ops.load_a(s, kk, regs, "do", OW)
         for n in range(2):
@@ -79,11 +80,11 @@ def _emit_delta(s, ops, DV, do_off, o_off, OW, chunked=False):
     s(f"diag_lane = g * {U(4)} + g // {U(2)}",
       f"delta0 = cuda.shfl_sync(FULL, dd_0_0 if g % {U(2)} == {U(0)} else dd_0_1, diag_lane)",
       f"delta1 = cuda.shfl_sync(FULL, dd_1_2 if g % {U(2)} == {U(0)} else dd_1_3, diag_lane)")
-    first = " and cuda.blockIdx.z == 0" if chunked else ""
+    first = " and cuda.blockIdx.z == 0" if cfg.CHUNKS else ""
     for half, row in ((0, "r0"), (1, "r1")):
         s(f"if t == {U(0)} and {row} < Nq{first}:")
         with s.block():
-            s(f"delta[b, h, U({row})] = delta{half}")
+            s(f"{row_value(cfg, 'delta', 'h', f'U({row})')} = delta{half}")
 
 
 def _store_rows(s, ops, rows, limit, outputs, chunked=False):
@@ -190,14 +191,18 @@ def query_pass_source(cfg):
 
     s = Source()
     s(f"def {KERNEL_NAMES['queries']}({ARGUMENTS['queries']}{SCALARS}"
-      f"{', window_left, window_right' if window else ''}{mods.parameters(cfg.MODS)}):")
+      f"{', window_left, window_right' if window else ''}"
+      f"{VARLEN_ARGUMENTS if cfg.VARLEN else ''}{mods.parameters(cfg.MODS)}):")
     with s.block():
         emit_thread_indices(s, ops.float)
         s(f"qb = U(cuda.gridDim.x) - {U(1)} - U(cuda.blockIdx.x)",  # longest causal block first
           "bh = U(cuda.blockIdx.y)", "b = bh // U(H)", "h = bh % U(H)",
-          "hk = kv_head(h, U(H), U(Hkv))", f"i0 = qb * {U(cfg.BR)}",
-          "qh = q[b, h]", "kh = k[b, hk]", "vh = v[b, hk]", "doh = do[b, h]", "oh = o[b, h]",
-          "dqh = dq[b, h]",
+          "hk = kv_head(h, U(H), U(Hkv))", f"i0 = qb * {U(cfg.BR)}")
+        if cfg.VARLEN:
+            emit_sequence(s, "i0", "Nq_u")
+        s(*(f"{x}h = {head_view(cfg, x, head, rows)}" for x, head, rows in (
+            ("q", "h", "q"), ("k", "hk", "k"), ("v", "hk", "k"), ("do", "h", "q"),
+            ("o", "h", "q"), ("dq", "h", "q")) if not cfg.VARLEN or x in ("q", "do", "o")),
           f"smem = cuda.shared.array(0, {ops.word})")
         _emit_column_slice(s, ops, cfg, (("q", cfg.D),))
         if cfg.MODS:
@@ -211,17 +216,18 @@ def query_pass_source(cfg):
         for half, row in ((0, "r0"), (1, "r1")):
             s(f"lse2_{half} = INF", f"if {row} < Nq:")
             with s.block():
-                s(f"lse2_{half} = {_lse2(f'lse[b, h, {row}]')}")
+                s(f"lse2_{half} = {_lse2(row_value(cfg, 'lse', 'h', row))}")
         ops.a_fragments(s, "q", 0, QW)
         ops.a_fragments(s, "do", do_off, OW)
         s("cp_async_wait_0()", "cuda.syncthreads()")
-        _emit_delta(s, ops, cfg.DV, do_off, kv_off, OW, bool(cfg.CHUNKS))
+        _emit_delta(s, ops, cfg, do_off, kv_off, OW)
         s("cuda.syncthreads()  # the K/V buffers take O's place")
         ops.zero_scores(s, ND, "dq", "dqc")
 
         def stage_kv(j0u, buf):
             k_off = kv_off + buf * kv_words
             v_off = k_off + cfg.BC * KW
+            emit_views_at_use(s, cfg, (("kh", "k", "hk", "k"), ("vh", "v", "hk", "k")))
             _stage_rows(s, ops, "kh", cfg.BC, j0u, "Nk_u", cfg.D, "d_u", k_off, KW, cfg.NT)
             _stage_rows(s, ops, "vh", cfg.BC, j0u, "Nk_u", cfg.DV, "dv_u", v_off, VW, cfg.NT)
             s("cp_async_commit()")
@@ -258,6 +264,7 @@ def query_pass_source(cfg):
                             for r in range(4)))
                 ops.accumulate_pv(s, _slice(cfg, kb, "q"), k_off, ND, cfg.BC // k_step, p="s",
                                   acc="dq", name="kt", W=KW, rescaled=False)
+        emit_views_at_use(s, cfg, (("dqh", "dq", "h", "q"),))
         _store_rows(s, ops, ("r0", "r1"), "Nq", [("dq", ND, "scale", "dqh", "d_u", "c0q")],
                     bool(cfg.CHUNKS))
     return s.text()
@@ -276,13 +283,18 @@ def key_pass_source(cfg):
 
     s = Source()
     s(f"def {KERNEL_NAMES['keys']}({ARGUMENTS['keys']}{SCALARS}"
-      f"{', window_left, window_right' if window else ''}{mods.parameters(cfg.MODS)}):")
+      f"{', window_left, window_right' if window else ''}"
+      f"{VARLEN_ARGUMENTS if cfg.VARLEN else ''}{mods.parameters(cfg.MODS)}):")
     with s.block():
         emit_thread_indices(s, ops.float)
         s("bh = U(cuda.blockIdx.y)", "b = bh // U(Hkv)", "hk = bh % U(Hkv)",
           "group = U(H // Hkv)",
-          f"j0k = U(cuda.blockIdx.x) * {U(cfg.BR)}",
-          "kh = k[b, hk]", "vh = v[b, hk]", "dkh = dk[b, hk]", "dvh = dv[b, hk]",
+          f"j0k = U(cuda.blockIdx.x) * {U(cfg.BR)}")
+        if cfg.VARLEN:
+            emit_sequence(s, "j0k", "Nk_u")
+        # (made here even with VARLEN: reloading the offsets for dK / dV's views after the loop,
+        # as the other passes do, made ptxas spill more at d128, not less: bench/NOTES.md)
+        s(*(f"{x}h = {head_view(cfg, x, 'hk', 'k')}" for x in ("k", "v", "dk", "dv")),
           f"smem = cuda.shared.array(0, {ops.word})",
           f"smemf = cuda.shared.array(0, {ops.float})")
         _emit_column_slice(s, ops, cfg, (("k", cfg.D), ("v", cfg.DV)))
@@ -325,8 +337,10 @@ def key_pass_source(cfg):
 
         s("for hq in range(group):")
         with s.block():
-            s("h = hk * group + hq", "qh = q[b, h]", "doh = do[b, h]", "lseh = lse[b, h]",
-              "deltah = delta[b, h]",
+            # (made a head, not a tile, even with VARLEN: made in each tile's staging, as the
+            # query pass's K / V are, the d128 key pass spilled 88-112 bytes against 64)
+            s("h = hk * group + hq",
+              *(f"{x}h = {head_view(cfg, x, 'h')}" for x in ("q", "do", "lse", "delta")),
               "cuda.syncthreads()  # the previous head's last tile is no longer read")
             if cfg.MODS:
                 s("hi = I(h)")

@@ -80,6 +80,8 @@ def split_count(problem, cfg, device):
     its capacity. Never with a block mask (its lists are walked whole) or for a GPU of unknown
     size."""
     B, H, Nq, Nk, d, dv = problem.shape
+    if getattr(problem, "varlen", None) is not None:   # config() refuses num_splits > 1
+        return 1
     cache = getattr(problem, "kvcache", None)
     if cache is not None:   # a KV cache's capacity may far exceed the keys in use
         Nk = cache.max_len
@@ -94,6 +96,19 @@ def split_count(problem, cfg, device):
     if blocks >= slots:
         return 1
     return max(1, min(MAX_SPLITS, -(-slots // blocks), tiles // MIN_SPLIT_TILES))
+
+
+def check_packed(problem):
+    """Raise Unsupported for what the one-launch kernels of packed sequences (VARLEN) do not
+    take yet: modifications and a forced split."""
+    if modifications(problem) or padded_dims(problem)[2]:
+        raise Unsupported(f"{NAME} runs packed sequences in one launch without score / mask "
+                          f"modifications so far; attention_varlen runs them one call per "
+                          f"sequence")
+    splits = getattr(problem, "num_splits", None)
+    if splits is not None and splits > 1:
+        raise Unsupported(f"{NAME} does not split the keys (num_splits={splits}) of packed "
+                          f"sequences: their blocks fill the GPU by sequence")
 
 
 def config(problem, device):
@@ -154,6 +169,9 @@ def config(problem, device):
             raise Unsupported(f"{NAME} reads a KV cache with 16-byte cp.async only, and "
                               f"{vector_ok(problem) or 'these are not device arrays'}")
         cfg = MmaConfig(**{**dict(cfg), "KVLEN": 1, "PAGE": cache.page or 0})
+    if getattr(problem, "varlen", None) is not None:
+        check_packed(problem)
+        cfg = MmaConfig(**{**dict(cfg), "VARLEN": 1})
     if split_count(problem, cfg, device) > 1:
         if getattr(getattr(problem, "mods", None), "block", None) is not None:
             raise Unsupported(f"{NAME} does not split the keys (num_splits="

@@ -68,9 +68,10 @@ def emit_thread_indices(s, flt):
 
 
 def emit_prologue(s, BR, flt, word, views=("qh = q[b, h]", "kh = k[b, hk]", "vh = v[b, hk]",
-                                           "oh = out[b, h]")):
+                                           "oh = out[b, h]"), packed=False):
     """Emit the thread / block indices of a kernel whose blocks own BR query rows, the per-head
-    ``views`` and the shared array (``word`` elements)."""
+    ``views`` and the shared array (``word`` elements); ``packed``: b is a packed sequence
+    (emit_sequence)."""
     emit_thread_indices(s, flt)
     s(  # last Q block first: under causal masking it is the longest, so the tail is short
       f"qb = U(cuda.gridDim.x) - {U(1)} - U(cuda.blockIdx.x)",
@@ -78,6 +79,58 @@ def emit_prologue(s, BR, flt, word, views=("qh = q[b, h]", "kh = k[b, hk]", "vh 
       "b = bh // U(H)",
       "h = bh % U(H)",
       "hk = kv_head(h, U(H), U(Hkv))",
-      f"i0 = qb * {U(BR)}",
-      *views,
+      f"i0 = qb * {U(BR)}")
+    if packed:
+        emit_sequence(s, "i0", "Nq_u")
+    s(*views,
       f"smem = cuda.shared.array(0, {word})")
+
+
+#: the kernel arguments of packed sequences (MmaConfig.VARLEN): the B + 1 cumulative row counts
+#: of the packed queries and keys (int32), sequence b's rows being cu[b] ... cu[b + 1]
+VARLEN_ARGUMENTS = ", cu_q, cu_k"
+
+
+def emit_sequence(s, first, limit):
+    """Emit, for packed sequences (MmaConfig.VARLEN), where sequence b's query and key rows start
+    (q_lo, k_lo), their counts Nq, Nk (and unsigned twins) and its causal offset (the
+    causal_offset argument gives the alignment: 0 top-left, else bottom-right, Nk - Nq), then
+    the return of a block whose first row ``first`` is at or past ``limit``: the longest
+    sequence sized the grid, so shorter ones leave blocks with nothing to do."""
+    s("q_lo = I(cu_q[b])", "k_lo = I(cu_k[b])",
+      "Nq = I(cu_q[b + U(1)]) - q_lo", "Nk = I(cu_k[b + U(1)]) - k_lo",
+      "Nq_u = U(Nq)", "Nk_u = U(Nk)",
+      "causal_offset = Nk - Nq if causal_offset != 0 else I(0)",
+      f"if {first} >= {limit}:")
+    with s.block():
+        s("return")
+
+
+def emit_views_at_use(s, cfg, views):
+    """Emit, for packed sequences (VARLEN), the ``views`` ((name, array, head, rows), ...) where
+    they are used (an epilogue's stores, a tile's staging): their sequence's first row is loaded
+    again from cu_q / cu_k (the tile loop's barriers and cp.async clobber memory, so the load is
+    not merged with the prologue's) instead of a 64-bit pointer per view held in registers
+    through the loop (unpacked, the pointers come from kernel parameters and cost nothing to
+    keep; packed, they cost a block of occupancy at d64: bench/NOTES.md). Without VARLEN the
+    prologue made them."""
+    if not cfg.VARLEN:
+        return
+    for rows in sorted({rows for _, _, _, rows in views}):
+        s(f"{rows}_lo = I(cu_{rows}[b])")
+    s(*(f"{name} = {head_view(cfg, array, head, rows)}" for name, array, head, rows in views))
+
+
+def head_view(cfg, array, head, rows="q"):
+    """Source of one head's rows of ``array`` (a view): array[b, head], or with VARLEN sequence
+    b's rows of the packed array (``rows``: "q" or "k", the rows it is packed like)."""
+    if not cfg.VARLEN:
+        return f"{array}[b, {head}]"
+    return f"{array}[0, {head}, {rows}_lo:{rows}_lo + N{rows}]"
+
+
+def row_value(cfg, array, head, row):
+    """Source of query row ``row``'s entry of a per-row array (lse, delta) of one head."""
+    if not cfg.VARLEN:
+        return f"{array}[b, {head}, {row}]"
+    return f"{array}[0, {head}, q_lo + I({row})]"

@@ -17,7 +17,8 @@ import math
 
 import numpy as np
 
-from .emit import Source, define, emit_prologue
+from .emit import (VARLEN_ARGUMENTS, Source, define, emit_views_at_use, emit_prologue,
+                   head_view, row_value)
 from . import mods
 from .mask import emit_debug_dump, emit_row_bounds, emit_score_mask, warp_sees_tile
 from .operands import operands_for
@@ -41,14 +42,17 @@ def kernel_source(cfg):
     s = Source()
     s(f"def mma_attention({ARGUMENTS}{WINDOW_ARGUMENTS if window else ''}"
       f"{KVCACHE_ARGUMENTS[bool(cfg.PAGE)] if cfg.KVLEN else ''}"
-      f"{mods.parameters(cfg.MODS)}):")
+      f"{VARLEN_ARGUMENTS if cfg.VARLEN else ''}{mods.parameters(cfg.MODS)}):")
     with s.block():
         if cfg.SPLIT:   # out, lse: (splits, B, H, Nq, .) partials; blockIdx.z is the share
             emit_prologue(s, cfg.BR, ops.float, ops.word, views=(
                 "qh = q[b, h]", "kh = k[b, hk]", "vh = v[b, hk]",
                 "oh = out[U(cuda.blockIdx.z), b, h]"))
         else:
-            emit_prologue(s, cfg.BR, ops.float, ops.word)
+            emit_prologue(s, cfg.BR, ops.float, ops.word, views=(
+                f"qh = {head_view(cfg, 'q', 'h')}",) + (() if cfg.VARLEN else (
+                    "kh = k[b, hk]", "vh = v[b, hk]", "oh = out[b, h]")),
+                packed=bool(cfg.VARLEN))
         if cfg.KVLEN:   # this entry's cached keys; the queries are the newest of them
             s("Nk = I(kv_lens[b])", "Nk_u = U(Nk)", "causal_offset = Nk - Nq")
         if cfg.MODS:
@@ -63,6 +67,7 @@ def kernel_source(cfg):
         emit_accumulators(s, NVN)
 
         def stage_kv(j0u, buf):
+            emit_views_at_use(s, cfg, (("kh", "k", "hk", "k"), ("vh", "v", "hk", "k")))
             return ops.stage_kv(s, j0u, buf)
 
         bounds = {"start": "split_first", "end": "split_end"} if cfg.SPLIT else {}
@@ -101,7 +106,9 @@ def kernel_source(cfg):
             emit_epilogue(s, NVN, lambda n, ra, rb, half: ops.store_partial(s, n, ra, rb, half),
                           lse_at="lse[U(cuda.blockIdx.z), b, h, ru]")
         else:
-            emit_epilogue(s, NVN, lambda n, ra, rb, half: ops.store_o(s, n, ra, rb, half))
+            emit_views_at_use(s, cfg, (("oh", "out", "h", "q"),))
+            emit_epilogue(s, NVN, lambda n, ra, rb, half: ops.store_o(s, n, ra, rb, half),
+                          lse_at=row_value(cfg, "lse", "h", "ru"))
     return s.text()
 
 

@@ -15,7 +15,7 @@ from ...device import Unsupported
 from ...mods import compile_errors
 from .backward import make_key_kernel, make_query_kernel, shared_bytes
 from . import mods
-from .config import check_block_tiles, modifications, padded_dims, vector_ok
+from .config import check_block_tiles, check_packed, modifications, padded_dims, vector_ok
 from .tiles import NAME, X3_CCS, MmaConfig
 
 #: the gradient columns one block holds, by operand kind: the key pass keeps dK and dV
@@ -137,7 +137,10 @@ def config(problem, device):
                           f"{16 // problem.q.itemsize} and 16-byte aligned rows take it; "
                           "cuda.row's backward takes any layout)")
     token = modifications(problem)
-    cfg = {kernel: dataclasses.replace(c, MODS=token)
+    packed = getattr(problem, "varlen", None) is not None
+    if packed:
+        check_packed(problem)
+    cfg = {kernel: dataclasses.replace(c, MODS=token, VARLEN=int(packed))
            for kernel, c in tiles(D, DV, device.smem_per_block_optin, window, bool(token), DT,
                                   device.cc).items()}
     check_block_tiles(problem, ((cfg["queries"].BR, cfg["queries"].BC, "backward's query pass"),
@@ -151,11 +154,12 @@ def config(problem, device):
     return cfg
 
 
-def signature(dtype, kernel, window=False, token=""):
+def signature(dtype, kernel, window=False, token="", varlen=False):
     """Argument types of the "queries" or "keys" kernel: q, k, v, dO (and O for the query pass)
     (16-bit inputs as their bits), lse and delta (float32; float64 for float64), dQ or dK, dV
     (like q), the exp2 and natural scales, causal, causal_offset (and with a window its left
-    and right sizes, with modifications their arguments: mods.argument_types)."""
+    and right sizes, packed sequences' cu_q and cu_k, with modifications their arguments:
+    mods.argument_types)."""
     from numba import types
     from ...inputs import lse_dtype
     from ..launch import array_type
@@ -166,16 +170,18 @@ def signature(dtype, kernel, window=False, token=""):
     grads = (arr,) if kernel == "queries" else (arr, arr)
     return (*inputs, rows, rows, *grads, types.float64, types.float64, types.int64,
             types.int64) + ((types.int64, types.int64) if window else ()) + \
-        mods.argument_types(token)
+        ((array_type("int32", 1),) * 2 if varlen else ()) + mods.argument_types(token)
 
 
 def compiled_kernels(cfg, dtype):
     """[(Kernel, numba argument types)] run() launches: the query pass, then the key pass."""
     from .. import launch
     return [(launch.get_kernel(NAME + ".backward_queries", make_query_kernel, cfg["queries"]),
-             signature(dtype, "queries", cfg["queries"].WINDOW, cfg["queries"].MODS)),
+             signature(dtype, "queries", cfg["queries"].WINDOW, cfg["queries"].MODS,
+                       bool(cfg["queries"].VARLEN))),
             (launch.get_kernel(NAME + ".backward_keys", make_key_kernel, cfg["keys"]),
-             signature(dtype, "keys", cfg["keys"].WINDOW, cfg["keys"].MODS))]
+             signature(dtype, "keys", cfg["keys"].WINDOW, cfg["keys"].MODS,
+                       bool(cfg["keys"].VARLEN)))]
 
 
 def run(problem, cfg, device):
@@ -190,29 +196,43 @@ def run(problem, cfg, device):
         # rowsum(dO * O), in the lse's precision: the query pass writes it
         delta = cupy.empty((B, H, Nq), p.lse.dtype)
     lse = p.lse
+    qc, kc = cfg["queries"], cfg["keys"]
     scalars = (float(p.scale * math.log2(math.e)), float(p.scale), int(p.causal),
                int(p.causal_offset))
     if cfg["queries"].WINDOW:
         scalars += tuple(int(w) for w in p.mods.window)
+    query_grid, key_grid = (-(-Nq // qc.BR), B * H), (-(-Nk // kc.BR), B * p.k.shape[1])
+    if qc.VARLEN:   # grid y: a sequence's heads; x: the longest sequence's blocks
+        packed = p.varlen
+        scalars = scalars[:3] + (int(packed.bottom_right), packed.cu_q, packed.cu_k)
+        query_grid = (-(-packed.max_q // qc.BR), packed.count * H)
+        key_grid = (-(-packed.max_k // kc.BR), packed.count * p.k.shape[1])
     if cfg["queries"].MODS:
         scalars += mods.arguments(p.mods)
     (queries, _), (keys, _) = compiled_kernels(cfg, p.dtype_name)
     inputs = tuple(bits(a) for a in (p.q, p.k, p.v, p.do))
-    qc, kc = cfg["queries"], cfg["keys"]
     slices = (qc.CHUNKS,) if qc.CHUNKS else ()   # the gradients' column slices
     with compile_errors(p.mods, NAME):
-        queries((-(-Nq // qc.BR), B * H) + slices, (qc.NT,), shared_bytes(qc, "queries"),
+        queries(query_grid + slices, (qc.NT,), shared_bytes(qc, "queries"),
                 inputs + (bits(p.o), lse, delta, bits(p.dq)) + scalars, device)
-        keys((-(-Nk // kc.BR), B * p.k.shape[1]) + slices, (kc.NT,), shared_bytes(kc, "keys"),
+        keys(key_grid + slices, (kc.NT,), shared_bytes(kc, "keys"),
              inputs + (lse, delta, bits(p.dk), bits(p.dv)) + scalars, device)
 
 
 def notes(problem, cfg, device):
-    """What explain adds about a backward config: the column slices of a wide head dim."""
+    """What explain adds about a backward config: packed sequences, the column slices of a wide
+    head dim."""
+    lines = []
+    if cfg["queries"].VARLEN:
+        packed = problem.varlen
+        lines.append(f"packed sequences: {packed.count} in one launch per pass (grid y: each "
+                     f"sequence's heads), blocks for the longest sequence's {packed.max_q} "
+                     f"query rows and {packed.max_k} keys; a shorter sequence's extra blocks "
+                     "return at once")
     n = cfg["queries"].CHUNKS
     if not n:
-        return []
-    return [f"d={problem.shape[4]}, dv={problem.shape[5]}: each pass splits the gradients' "
+        return lines
+    return lines + [f"d={problem.shape[4]}, dv={problem.shape[5]}: each pass splits the gradients' "
             f"columns into {n} slices over the grid, each block recomputing S and dP for its "
             f"slice (a block holds at most {COLUMNS_PER_BLOCK[cfg['queries'].DT]} columns of "
             "each gradient in registers)"]

@@ -37,10 +37,16 @@ class MmaConfig(Mapping):
     cache of PAGE rows a page; k, v are views of all pages' rows). CHUNKS: the backward splits
     the gradients' head-dim columns into CHUNKS slices over gridDim.z, each block recomputing S
     and dP for its slice (past 128 columns, float64 64: what one block's registers hold).
+    VARLEN: packed sequences (flash-attn's varlen layout) in one launch: q, k, v, out (dq, dk,
+    dv) are (1, heads, total rows, .) views, and grid y's "batch" index b is the sequence, whose
+    rows are cu_q[b] ... cu_q[b + 1] (keys: cu_k); blocks past their sequence's rows return at
+    once. The run-time causal_offset argument then says the alignment (0: top-left, else
+    bottom-right per sequence), and lse / delta are (1, heads, total query rows).
 
     A read-only mapping too (``cfg["D"]``, ``dict(cfg)``, ``f(**cfg)``) for code that treats
     every kernel's config alike (the launcher's cache key, ``explain``); unset MMA, DBG=0,
-    WINDOW=0, SUB=0, MODS="", SPLIT=0, KVLEN=0, PAGE=0 and CHUNKS=0 are left out of it.
+    WINDOW=0, SUB=0, MODS="", SPLIT=0, KVLEN=0, PAGE=0, CHUNKS=0 and VARLEN=0 are left out of
+    it.
     """
     D: int
     DV: int
@@ -58,6 +64,7 @@ class MmaConfig(Mapping):
     KVLEN: int = 0
     PAGE: int = 0
     CHUNKS: int = 0
+    VARLEN: int = 0
 
     @property
     def BR(self):
@@ -71,7 +78,7 @@ class MmaConfig(Mapping):
         return {f.name: getattr(self, f.name) for f in fields(self)
                 if not (f.name == "MMA" and self.MMA is None)
                 and not (f.name in ("DBG", "WINDOW", "SUB", "MODS", "SPLIT", "KVLEN", "PAGE",
-                                    "CHUNKS") and not getattr(self, f.name))}
+                                    "CHUNKS", "VARLEN") and not getattr(self, f.name))}
 
     def __getitem__(self, key):
         return self._items()[key]
