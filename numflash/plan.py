@@ -137,7 +137,8 @@ def choose(problem, backend="auto", algorithm="auto"):
            getattr(problem, "precision", "auto"), getattr(problem, "num_splits", None),
            None if getattr(problem, "kvcache", None) is None else ("kvcache", problem.kvcache.page),
            # packed sequences: explain's notes name the count and the longest
-           None if getattr(problem, "varlen", None) is None else problem.varlen.key(),
+           None if getattr(problem, "varlen", None) is None else (problem.varlen.key(),
+                                                                  problem.causal),
            problem.kind, problem.dtype,
            problem.shape, simulator_enabled(),
            tuple(a.strides for a in arrays),  # configs may depend on layout (mma's vector path)

@@ -612,8 +612,8 @@ class _VarlenFunction(torch.autograd.Function):
         from .varlen import attention_varlen
         out = torch.empty((q.shape[0], q.shape[1], v.shape[2]), dtype=q.dtype, device=q.device)
         lse = torch.empty((q.shape[1], q.shape[0]), dtype=_lse_dtype(q.dtype), device=q.device)
-        views = _views(q, k, v, cu_q, cu_k, out, lse)
-        with _on_torch_stream(q):
+        with _on_torch_stream(q):   # views made here: DLPack orders them on torch's stream
+            views = _views(q, k, v, cu_q, cu_k, out, lse)
             _, got = attention_varlen(*views[:5], causal=causal, softmax_scale=scale,
                                       return_lse=True, out=views[5])
             views[6][...] = got
@@ -628,8 +628,8 @@ class _VarlenFunction(torch.autograd.Function):
         q, k, v, cu_q, cu_k, out, lse = ctx.saved_tensors
         causal, scale, deterministic = ctx.options
         grads = [torch.empty_like(x) for x in (q, k, v)]
-        views = _views(d_out.contiguous(), q, k, v, out, lse, cu_q, cu_k, *grads)
         with _on_torch_stream(q):
+            views = _views(d_out.contiguous(), q, k, v, out, lse, cu_q, cu_k, *grads)
             attention_varlen_backward(*views[:8], causal=causal, softmax_scale=scale,
                                       deterministic=deterministic, dq=views[8], dk=views[9],
                                       dv=views[10])

@@ -245,13 +245,12 @@ def attention_varlen_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, m
                                         (("dq", dq), ("dk", dk), ("dv", dv))})
     plan, _ = _one_launch(problem, cq, ck, cu_seqlens_q, cu_seqlens_k, causal, backend,
                           algorithm)
+    # the given buffers themselves, else the ones normalize_backward made
+    grads = [r[0] if given is None else given for given, r in zip((dq, dk, dv), problem.result)]
     if plan is not None:   # every row of every gradient is written: no zeroing
         plan.run(problem)
-        return tuple(g[0] for g in problem.result)
-    # keys no query sees get zero gradients: start from zeros
-    grads = [xp.zeros(src.shape, src.dtype) if given is None else given
-             for given, src in ((dq, q), (dk, k), (dv, v))]
-    for g in grads:
+        return tuple(grads)
+    for g in grads:   # keys no query sees get zero gradients: start from zeros
         g[...] = 0
     for b in range(cq.size - 1):
         sq, eq, sk, ek = int(cq[b]), int(cq[b + 1]), int(ck[b]), int(ck[b + 1])

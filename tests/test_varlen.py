@@ -196,21 +196,27 @@ def _heads_first(a):
     return a.transpose(1, 0, 2)[None]
 
 
-@pytest.mark.parametrize("DT, causal", [
-    ("f64", "bottom_right"),
-    pytest.param("f64", True, marks=pytest.mark.extended),
-    pytest.param("f16", False, marks=pytest.mark.extended),
-    pytest.param("3xtf32", "bottom_right", marks=pytest.mark.extended),
-])
-def test_one_launch_kernels_emulated_equal_each_sequence_alone(rng, DT, causal):
+SHORT = ([5, 0, 20, 9], [7, 12, 17, 0])   # a block and a key tile each
+LONG = ([5, 0, 70, 9], [7, 12, 75, 0])    # 3 blocks and 3 key tiles for the long one
+
+
+@pytest.mark.parametrize("DT, causal, lengths, d, chunks", [
+    ("f64", "bottom_right", SHORT, 24, 0),
+    pytest.param("f64", True, LONG, 24, 0, marks=pytest.mark.extended),
+    pytest.param("f64", "bottom_right", SHORT, 96, 2, marks=pytest.mark.extended),  # slices
+    pytest.param("f16", False, LONG, 24, 0, marks=pytest.mark.extended),
+    pytest.param("3xtf32", "bottom_right", SHORT, 24, 0, marks=pytest.mark.extended),
+], ids=lambda x: "long" if x is LONG else "short" if x is SHORT else None)
+def test_one_launch_kernels_emulated_equal_each_sequence_alone(rng, DT, causal, lengths, d,
+                                                               chunks):
     """cuda.mma's VARLEN forward and backward under the warp emulator: one launch over packed
-    sequences (one without queries, one without keys, Nq != Nk both ways, GQA) gives, bit for
-    bit, what the plain kernels give each sequence alone, and rows of an empty side get zeros
-    (lse -inf; keys no query sees get zero dK, dV)."""
+    sequences (one without queries, one without keys, Nq != Nk both ways, GQA; LONG: blocks
+    past a shorter sequence's rows return, K/V and query tiles double-buffered; column slices)
+    gives, bit for bit, what the plain kernels give each sequence alone, and rows of an empty
+    side get zeros (lse -inf; keys no query sees get zero dK, dV)."""
     from mma_tools import run_backward_kernels, run_forward_kernel
     from numflash.inputs import parse_causal
-    lens_q, lens_k = [5, 0, 20, 9], [7, 12, 17, 0]
-    q, k, v, do, cq, ck = packed(rng, lens_q, lens_k, H=2, Hk=1, d=24, dv=16, dtype=_kind(DT))
+    q, k, v, do, cq, ck = packed(rng, *lengths, H=2, Hk=1, d=d, dv=16, dtype=_kind(DT))
     real = np.float64 if DT == "f64" else np.float32
     packing = (cq, ck, causal == "bottom_right")
     tile, tiles = (2, 32, 0), {"queries": (2, 32), "keys": (2, 32)}
@@ -218,7 +224,7 @@ def test_one_launch_kernels_emulated_equal_each_sequence_alone(rng, DT, causal):
                                   VEC=1, tile=tile, varlen=packing)
     grads = run_backward_kernels(*map(_heads_first, (q, k, v, do, out[0].transpose(1, 0, 2))),
                                  lse.astype(real), DT, bool(causal), tiles=tiles,
-                                 varlen=packing)
+                                 varlen=packing, chunks=chunks)
     assert not np.isnan(out).any() and not any(np.isnan(g).any() for g in grads)
     for b in range(len(cq) - 1):
         s, e, sk, ek = cq[b], cq[b + 1], ck[b], ck[b + 1]
@@ -235,7 +241,7 @@ def test_one_launch_kernels_emulated_equal_each_sequence_alone(rng, DT, causal):
         np.testing.assert_array_equal(out[:, :, s:e], one)
         np.testing.assert_array_equal(lse[:, :, s:e], one_lse)
         one_grads = run_backward_kernels(*seq, _heads_first(do[s:e]), one, one_lse, DT,
-                                         is_causal, offset, tiles=tiles)
+                                         is_causal, offset, tiles=tiles, chunks=chunks)
         for got, want, lo, hi in zip(grads, one_grads, (s, sk, sk), (e, ek, ek)):
             np.testing.assert_array_equal(got[:, :, lo:hi], want)
     s, e, sk, ek = cq[2], cq[3], ck[2], ck[3]   # and the kernel meets the accuracy rule
@@ -244,8 +250,9 @@ def test_one_launch_kernels_emulated_equal_each_sequence_alone(rng, DT, causal):
 
 def test_one_launch_is_planned_for_packed_problems_and_refuses_what_it_lacks(rng):
     """cuda.mma's config turns packed problems into VARLEN variants (forward and both backward
-    passes, never split), refuses modifications and a forced split with the reason, and the
-    other kernels decline packed problems saying what runs them."""
+    passes, never split), refuses modifications, a forced split and more sequences x heads
+    than grid y holds with the reason, and the other kernels decline packed problems saying
+    what runs them."""
     from numflash import kernels, mods
     from numflash.cuda import mma
     from numflash.cuda.mma import gradients
@@ -269,6 +276,10 @@ def test_one_launch_is_planned_for_packed_problems_and_refuses_what_it_lacks(rng
     back.varlen = packing
     with pytest.raises(Unsupported, match="16-byte cp.async"):
         gradients.config(back, h100)   # NumPy arrays: the backward stages with cp.async only
+    problem.varlen = Packed(np.zeros(20000, np.int32), ck, 40, 7, True)   # 19999 x 4 heads
+    with pytest.raises(Unsupported, match="at most 65535; 19999 sequences x 4 heads"):
+        mma.config(problem, h100)
+    problem.varlen = packing
     problem.num_splits = 4
     with pytest.raises(Unsupported, match="does not split the keys"):
         mma.config(problem, h100)

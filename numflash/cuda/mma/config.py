@@ -98,9 +98,18 @@ def split_count(problem, cfg, device):
     return max(1, min(MAX_SPLITS, -(-slots // blocks), tiles // MIN_SPLIT_TILES))
 
 
+#: CUDA's limit on grid y, which the packed kernels give each sequence's heads
+MAX_GRID_Y = 65535
+
+
 def check_packed(problem):
     """Raise Unsupported for what the one-launch kernels of packed sequences (VARLEN) do not
-    take yet: modifications and a forced split."""
+    take yet: modifications, a forced split, more sequences x heads than grid y holds."""
+    count, H = problem.varlen.count, problem.shape[1]
+    if count * H > MAX_GRID_Y:
+        raise Unsupported(f"{NAME} runs packed sequences in one launch with a grid row per "
+                          f"sequence's head, at most {MAX_GRID_Y}; {count} sequences x {H} "
+                          f"heads is more (attention_varlen runs one call per sequence)")
     if modifications(problem) or padded_dims(problem)[2]:
         raise Unsupported(f"{NAME} runs packed sequences in one launch without score / mask "
                           f"modifications so far; attention_varlen runs them one call per "

@@ -34,6 +34,7 @@ KVCACHE_ARGUMENTS = {False: ", kv_lens", True: ", kv_lens, block_table"}
 
 def kernel_source(cfg):
     """Python source of the forward kernel for one MmaConfig (``print`` it to read it)."""
+    assert not (cfg.DBG and cfg.VARLEN), "the debug dump indexes unpacked rows"
     ops = operands_for(cfg)
     L = ops.lay
     NKK, NN, NVN, NPK = cfg.D // ops.k_step, cfg.BC // 8, cfg.DV // 8, cfg.BC // ops.k_step

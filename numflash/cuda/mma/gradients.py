@@ -204,7 +204,9 @@ def run(problem, cfg, device):
     query_grid, key_grid = (-(-Nq // qc.BR), B * H), (-(-Nk // kc.BR), B * p.k.shape[1])
     if qc.VARLEN:   # grid y: a sequence's heads; x: the longest sequence's blocks
         packed = p.varlen
-        scalars = scalars[:3] + (int(packed.bottom_right), packed.cu_q, packed.cu_k)
+        # the alignment in causal_offset's place; cu_q, cu_k after any window's sizes
+        scalars = scalars[:3] + (int(packed.bottom_right),) + scalars[4:] + (packed.cu_q,
+                                                                              packed.cu_k)
         query_grid = (-(-packed.max_q // qc.BR), packed.count * H)
         key_grid = (-(-packed.max_k // kc.BR), packed.count * p.k.shape[1])
     if cfg["queries"].MODS:
