@@ -6,6 +6,8 @@ varlen_attn (flash) and SDPA on the padded batch where torch has them.
 
     python bench/varlen.py [--dtypes float16,bfloat16] [--total 65536] [--heads 16] [--d 64,128]
                            [--seed 0] [--reps 10] [--out FILE.json]
+    python bench/varlen.py --cpu --total 8192 --max 2048 --heads 8 --d 64 --reps 3
+    python bench/varlen.py --one-sequence 16384 --dtypes float16,float32
 
 Padding on the right with causal (top-left) masking gives every real query row exactly its
 sequence's keys, so the padded batch computes the same rows as the packed one, plus the padding's
@@ -30,10 +32,6 @@ def draw_lengths(rng, total, low=128, high=8192):
 
 
 def main():
-    import cupy
-    import numflash
-    from numflash import testing
-    from numflash.bench.timing import median_ms
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dtypes", default="float16,bfloat16")
     ap.add_argument("--total", type=int, default=65536)
@@ -45,9 +43,19 @@ def main():
     ap.add_argument("--one-sequence", type=int, default=0, metavar="N",
                     help="instead: what the packed variant costs over the plain kernels, one "
                          "sequence of N tokens through attention_varlen against attention()")
+    ap.add_argument("--cpu", action="store_true",
+                    help="instead: the CPU path (NumPy) against torch's CPU SDPA on the padded "
+                         "batch (use a smaller --total, e.g. 8192, and --max 2048)")
+    ap.add_argument("--max", type=int, default=8192, help="longest length drawn")
     a = ap.parse_args()
     if a.one_sequence:
         return one_sequence(a)
+    if a.cpu:
+        return cpu_table(a)
+    import cupy
+    import numflash
+    from numflash import testing
+    from numflash.bench.timing import median_ms
     try:
         import torch
         from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -58,7 +66,7 @@ def main():
     except ImportError:
         varlen_attn = None
     rng = np.random.default_rng(a.seed)
-    lengths = draw_lengths(rng, a.total)
+    lengths = draw_lengths(rng, a.total, high=a.max)
     B, longest, H = len(lengths), max(lengths), a.heads
     cu = cupy.asarray(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
     print(f"{B} sequences, {a.total} tokens, longest {longest} (padded: {B * longest} tokens), "
@@ -186,6 +194,66 @@ def main():
         with open(a.out, "w") as f:
             json.dump(rows, f, indent=1)
     _plot(rows, a.out)
+
+
+def cpu_table(a):
+    """The packed batch on the CPU: attention_varlen (one call per sequence, the numba path)
+    against the same batch padded through numflash and through torch's CPU SDPA (float32,
+    causal), forward and forward + backward; wall-clock medians (time.perf_counter)."""
+    import statistics
+    import time
+    import numflash
+    torch = None
+    try:
+        import torch
+    except ImportError:
+        pass
+    rng = np.random.default_rng(a.seed)
+    lengths = draw_lengths(rng, a.total, high=a.max)
+    B, longest, H = len(lengths), max(lengths), a.heads
+    cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    print(f"CPU: {B} sequences, {a.total} tokens, longest {longest}, H{H}, float32, causal: ms")
+    print("| d | pass | varlen | padded (numflash) | torch SDPA, padded | varlen vs torch |")
+    print("|---|---|---|---|---|---|")
+
+    def median_wall(fn, reps):
+        fn()   # warm-up (compiles on first use)
+        times = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t) * 1e3)
+        return statistics.median(times)
+
+    for d in (int(x) for x in a.d.split(",")):
+        q, k, v, do = (rng.standard_normal((a.total, H, d), np.float32) for _ in range(4))
+        padded = []
+        for x in (q, k, v, do):
+            p = np.zeros((B, longest, H, d), np.float32)
+            for b, n in enumerate(lengths):
+                p[b, :n] = x[cu[b]:cu[b] + n]
+            padded.append(p)
+        qp, kp, vp, dop = padded
+        fwd = lambda: numflash.attention_varlen(q, k, v, cu, cu, causal=True, return_lse=True)
+        pad = lambda: numflash.attention(qp, kp, vp, causal=True, layout="bshd", return_lse=True)
+        rows = {"forward": [fwd, pad], "fwd+bwd": [
+            lambda: numflash.attention_varlen_backward(do, q, k, v, *fwd(), cu, cu, causal=True),
+            lambda: numflash.attention_backward(dop, qp, kp, vp, *pad(), causal=True,
+                                                layout="bshd")]}
+        if torch is not None:
+            tq, tk, tv, tdo = (torch.from_numpy(x).transpose(1, 2) for x in padded)
+
+            def sdpa(grad=False):
+                xs = [x.detach().requires_grad_(grad) for x in (tq, tk, tv)]
+                o = torch.nn.functional.scaled_dot_product_attention(*xs, is_causal=True)
+                return torch.autograd.grad(o, xs, tdo) if grad else o
+            rows["forward"].append(sdpa)
+            rows["fwd+bwd"].append(lambda: sdpa(True))
+        for label, fns in rows.items():
+            times = [median_wall(fn, a.reps) for fn in fns]
+            vs = f"{times[2] / times[0]:.2f}x" if len(times) > 2 else "-"
+            cells = [f"{t:.1f}" for t in times] + (["-"] if len(times) < 3 else [])
+            print(f"| {d} | {label} | " + " | ".join(cells) + f" | {vs} |", flush=True)
 
 
 def one_sequence(a):
