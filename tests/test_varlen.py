@@ -380,3 +380,34 @@ def test_gpu_torch_flash_attn_varlen_func_runs_one_launch_on_torch_stream(rng, m
         [g[lo:hi][None].cpu().numpy() for g, lo, hi in zip(grads, (s, sk, sk), (e, ek, ek))],
         do[None, s:e], q[None, s:e], k[None, sk:ek], v[None, sk:ek], causal="bottom_right",
         layout="bshd")
+
+
+def test_bench_draws_lengths_that_sum_to_the_total():
+    import importlib.util
+    import pathlib
+    path = pathlib.Path(__file__).resolve().parents[1] / "bench" / "varlen.py"
+    spec = importlib.util.spec_from_file_location("bench_varlen", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    for seed in range(5):
+        lengths = bench.draw_lengths(np.random.default_rng(seed), 65536)
+        assert sum(lengths) == 65536 and all(0 < n <= 8192 for n in lengths)
+        assert all(n >= 128 for n in lengths[:-1])   # only the last is trimmed
+
+
+@pytest.mark.extended
+def test_bench_cpu_table_runs_and_reports_each_pass(tmp_path):
+    """bench/varlen.py --cpu at a tiny size: one row a pass, every cell a number."""
+    import pathlib
+    import subprocess
+    import sys
+    root = pathlib.Path(__file__).resolve().parents[1]
+    run = subprocess.run([sys.executable, str(root / "bench" / "varlen.py"), "--cpu", "--total",
+                          "600", "--max", "300", "--heads", "2", "--d", "16", "--reps", "1"],
+                         capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-2000:]
+    rows = [line.split("|")[1:-1] for line in run.stdout.splitlines()
+            if line.startswith("| 16 |")]
+    assert [r[1].strip() for r in rows] == ["forward", "fwd+bwd"], run.stdout
+    for r in rows:
+        assert all(float(c) > 0 for c in r[2:4]), r
