@@ -13,6 +13,10 @@ a step's time is the slowest rank's; median of the repeats after a warm-up):
   in 65536..524288, float16 and bfloat16: scaling efficiency = t1 / (P * tP);
 - the same ring with its transfers replaced by local copies (the overlap: comm on vs off);
 - the backward (ring backward alone vs numflash.attention_backward on one GPU);
+- the training step (``--phases step``): forward + backward, B1 H32 d128 bf16 causal, on 1 GPU
+  (numflash.attention then attention_backward) and as a ring over the first P GPUs for each P
+  of ``--step-counts`` (a subgroup; the other ranks wait), efficiency against the smallest
+  count measured at that N;
 - the peak memory per GPU (torch's allocator) for each.
 
 Writes DIR/ring.json after every measurement (a run cut short keeps what it measured) and
@@ -124,7 +128,8 @@ def _does_not_fit_one_gpu(rank, world, dev, results, quick, ring_of, gather, log
 
 
 def _worker(rank, world, init_file, out_dir, quick, deadline, phases, backward_heads=2,
-            backward_ns=(32768, 65536), backward_reps=2):
+            backward_ns=(32768, 65536), backward_reps=2, correctness_n=131072,
+            step_ns=(131072,), step_counts=(1, 2, 4)):
     import torch
     import torch.distributed as dist
     import numflash.torch as nt
@@ -136,7 +141,8 @@ def _worker(rank, world, init_file, out_dir, quick, deadline, phases, backward_h
     dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank,
                             world_size=world, timeout=datetime.timedelta(minutes=20))
     results = dict(world=world, gpu=torch.cuda.get_device_name(dev), torch=torch.__version__,
-                   correctness=[], forward=[], backward=[], started=time.strftime("%F %T"))
+                   correctness=[], forward=[], backward=[], step=[],
+                   started=time.strftime("%F %T"))
 
     def save():
         if rank == 0:
@@ -193,7 +199,7 @@ def _worker(rank, world, init_file, out_dir, quick, deadline, phases, backward_h
 
     # ---- correctness at scale ----
     if "correctness" in phases:
-        N = 32768 if quick else 131072
+        N = 32768 if quick else correctness_n
         log(rank, f"correctness: forward N={N} B1 H32 d128 fp16 causal")
         q, k, v, do = whole(1, 32, N, 128, torch.float16, 1)
         shards = [nd.shard(t, rank, world, seq_dim=2) for t in (q, k, v)]
@@ -301,11 +307,76 @@ def _worker(rank, world, init_file, out_dir, quick, deadline, phases, backward_h
         torch.cuda.empty_cache()
         save()
 
+    # ---- the training step: forward + backward, 1 GPU and rings over the first P GPUs ----
+    groups = {P: dist.new_group(list(range(P))) for P in step_counts if 1 < P < world}
+    for N in (step_ns if "step" in phases else ()):
+        q, k, v, do = whole(1, 32, N, 128, torch.bfloat16, 11 * N)
+        for P in step_counts:
+            what = f"step bf16 N={N} on {P} GPU(s)"
+            if out_of_time(what):
+                continue
+            log(rank, what)
+            big = N >= 524288
+            # one repeat where a step takes most of a minute or more (kernels warm by then)
+            reps, warm = (1, 0) if big and (P == 1 or N > 524288) else (2, 0) if big else (3, 1)
+            row = dict(dtype="bfloat16", N=N, B=1, H=32, d=128, causal=True, gpus=P)
+            ts, gib = [0.0] * reps, 0.0
+            if P == 1 and rank == 0:
+                def one_gpu_step(q=q, k=k, v=v, do=do):
+                    o, lse = nt.attention(q, k, v, causal=True, return_lse=True)
+                    return nt.attention_backward(do, q, k, v, o, lse, causal=True)
+                try:
+                    ts, gib = _timed(one_gpu_step, reps, warm, torch.cuda.synchronize)
+                except torch.OutOfMemoryError as e:
+                    row["error"] = "OutOfMemoryError: " + str(e).split(".")[0]
+                    ts = [-1.0] * reps   # all_reduce's max keeps it below the waiting zeros
+                torch.cuda.empty_cache()
+            elif P > 1 and rank < P:
+                shards = [nd.shard(t, rank, P, seq_dim=2) for t in (q, k, v, do)]
+                ring = nd._Ring(groups.get(P), rank, P, True, 128 ** -0.5, "bhsd", "zigzag", ())
+
+                def ring_step(sh=shards, ring=ring):
+                    o, lse = nd._ring_forward(*sh[:3], ring)
+                    return nd._ring_backward(sh[3], *sh[:3], o, lse, ring)
+                group_sync = (lambda g=groups.get(P): (torch.cuda.synchronize(),
+                                                        dist.barrier(group=g)))
+                ts, gib = _timed(ring_step, reps, warm, group_sync)
+                del shards
+                torch.cuda.empty_cache()
+            ts = slowest(ts)   # every rank takes part; waiting ranks gave zeros
+            mem = torch.tensor([gib], device=dev)
+            dist.all_reduce(mem, op=dist.ReduceOp.MAX)
+            if rank == 0:
+                row["ms"], row["repeats"] = statistics.median(ts), ts
+                if "error" in row:
+                    row["ms"] = float("nan")
+                row["peak_gib_per_gpu"] = float(mem)
+                row["tflops_per_gpu"] = 3.5 * FLOPS(1, 32, N, 128, True) / row["ms"] / 1e9 / P
+                results["step"].append(row)
+                _step_efficiency([x for x in results["step"] if x["N"] == N])
+                log(rank, {k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()
+                           if k != "repeats"})
+            save()
+        del q, k, v, do
+        torch.cuda.empty_cache()
+
     results["finished"] = time.strftime("%F %T")
     save()
     if rank == 0:
         _markdown(results, os.path.join(out_dir, "ring.md"))
     dist.destroy_process_group()
+
+
+def _step_efficiency(rows):
+    """Each row's efficiency against the smallest GPU count measured at its N: P0 t(P0) / (P t(P))
+    (FLOPs of the step: forward 1, backward 2.5 of the forward's)."""
+    done = [x for x in rows if x["ms"] == x["ms"]]
+    if not done:
+        return
+    base = min(done, key=lambda x: x["gpus"])
+    for x in done:
+        x["relative_to"] = base["gpus"]
+        x["efficiency"] = base["gpus"] * base["ms"] / (x["gpus"] * x["ms"])
 
 
 def _markdown(r, path):
@@ -314,6 +385,8 @@ def _markdown(r, path):
         lines.append(f"- correctness {c['what']} N={c['N']} H={c['H']}: "
                      f"{json.dumps({k: v for k, v in c.items() if k not in ('what',)})}")
     for what in ("forward", "backward"):
+        if not r[what]:
+            continue
         lines += ["", f"{what} (causal, zigzag, d128): ms, median",
                   "| dtype | N | H | 1 GPU | ring | ring, no transfers | efficiency | "
                   "GiB 1 GPU | GiB/GPU ring |", "|---|---|---|---|---|---|---|---|---|"]
@@ -322,6 +395,17 @@ def _markdown(r, path):
                          f"{x['ring_ms']:.1f} | {x['ring_no_comm_ms']:.1f} | "
                          f"{x['efficiency']:.3f} | {x['one_gpu_peak_gib']:.2f} | "
                          f"{x['ring_peak_gib_per_gpu']:.2f} |")
+    if r.get("step"):
+        lines += ["", "training step, forward + backward (bf16, causal, zigzag, B1 H32 d128): ms, "
+                  "median; efficiency against the smallest count measured at that N; GiB: torch's peak, "
+                  "the whole-sequence inputs every rank draws (4 x N x 8 KiB) included",
+                  "| N | GPUs | ms | TFLOP/s per GPU | efficiency | vs | GiB per GPU |",
+                  "|---|---|---|---|---|---|---|"]
+        for x in r["step"]:
+            lines.append(f"| {x['N']} | {x['gpus']} | {x['ms']:.1f} | {x['tflops_per_gpu']:.0f} | "
+                         f"{x.get('efficiency', float('nan')):.3f} | {x.get('relative_to', '-')} | "
+                         f"{x['peak_gib_per_gpu']:.2f} |" + (f" {x['error']}" if 'error' in x
+                                                              else ""))
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
 
@@ -332,7 +416,11 @@ def main():
     ap.add_argument("--out", default=".")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--phases", default="fit,correctness,forward,backward",
-                    help="comma-separated: fit, correctness, forward, backward")
+                    help="comma-separated: fit, correctness, forward, backward, step")
+    ap.add_argument("--correctness-n", type=int, default=131072)
+    ap.add_argument("--step-n", default="131072,524288,1048576", help="N of the step runs")
+    ap.add_argument("--step-counts", default="1,2,4",
+                    help="GPU counts of the step runs, in the order run (at most --world)")
     ap.add_argument("--backward-heads", type=int, default=2,
                     help="H of the backward runs (numflash's CUDA backward is slow: issue 13)")
     ap.add_argument("--backward-n", default="32768,65536", help="N of the backward runs")
@@ -346,7 +434,9 @@ def main():
     try:
         mp.spawn(_worker, args=(a.world, init_file, a.out, a.quick, a.deadline,
                                 a.phases.split(","), a.backward_heads,
-                                [int(n) for n in a.backward_n.split(",")], a.backward_reps),
+                                [int(n) for n in a.backward_n.split(",")], a.backward_reps,
+                                a.correctness_n, [int(n) for n in a.step_n.split(",")],
+                                [int(n) for n in a.step_counts.split(",")]),
                  nprocs=a.world)
     finally:
         if os.path.exists(init_file):

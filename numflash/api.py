@@ -2,7 +2,7 @@
 from . import mods as _mods
 from . import plan as _plan
 from .cuda import fastpath as _fastpath
-from .inputs import normalize, normalize_backward
+from .inputs import check_grad_dtype, normalize, normalize_backward
 
 MOD_OPTIONS = ("score_mod", "mask_mod", "mod_args", "score_mod_grad", "window_size", "softcap",
                "alibi_slopes", "attn_bias", "attn_mask", "block_mask")
@@ -127,9 +127,9 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, layout="bhsd", backe
 
 def attention_backward(do, q, k, v, o, lse, *, causal=False, softmax_scale=None, layout="bhsd",
                        backend="auto", algorithm="auto", precision="auto", deterministic=False,
-                       dq=None, dk=None, dv=None, score_mod=None, mask_mod=None, mod_args=(),
-                       score_mod_grad=None, window_size=None, softcap=None, alibi_slopes=None,
-                       attn_bias=None, attn_mask=None, block_mask=None):
+                       dq=None, dk=None, dv=None, grad_dtype=None, score_mod=None, mask_mod=None,
+                       mod_args=(), score_mod_grad=None, window_size=None, softcap=None,
+                       alibi_slopes=None, attn_bias=None, attn_mask=None, block_mask=None):
     """Gradients (dq, dk, dv) of :func:`attention` for the output gradient ``do``, in O(N) memory.
 
     ``o`` and ``lse`` are what ``attention(q, k, v, ..., return_lse=True)`` returned for the same
@@ -138,14 +138,18 @@ def attention_backward(do, q, k, v, o, lse, *, causal=False, softmax_scale=None,
     no Nq x Nk buffer exists. Every option means what it means for :func:`attention`.
 
     deterministic: True asks for gradients that are equal bit for bit on every run; a kernel
-        that cannot promise it refuses. dq, dk, dv: write the gradients here (shapes, dtype,
-        kind and layout of q, k, v); by default new arrays are returned.
+        that cannot promise it refuses. dq, dk, dv: write the gradients here (shapes, kind and
+        layout of q, k, v, dtype ``grad_dtype``); by default new arrays are returned.
+    grad_dtype: None (q's dtype), or float32 with float16 / bfloat16 inputs: the gradients as
+        the kernels accumulate them, not rounded to 16 bits, for callers that sum partial
+        gradients (ring attention's steps, accumulation in float32). Every backward kernel
+        takes it.
     precision: as for :func:`attention`: with "auto", float32 gradients of CuPy arrays run on
         cuda.mma as 3xTF32 on compute capability 8.0 / 9.0 with 16-byte rows (head dims up to
         256; its forward takes float32 up to 128); "ieee" keeps them on the FMA units
         (cuda.row); "tf32" has no backward kernel.
 
-    Returns (dq, dk, dv) with the dtypes, array kind and layout of q, k, v. A row that sees no
+    Returns (dq, dk, dv) with the array kind and layout of q, k, v, in ``grad_dtype``. A row that sees no
     key contributes nothing: its dq is zero. :func:`explain` with ``backward=True`` names the
     kernel that would run. Modifications: those the forward had; a score_mod needs its
     derivative (``score_mod_grad``; the built-ins carry theirs). No gradient flows to mod_args,
@@ -159,10 +163,12 @@ def attention_backward(do, q, k, v, o, lse, *, causal=False, softmax_scale=None,
                                          softmax_scale=softmax_scale, layout=layout,
                                          backend=backend, algorithm=algorithm,
                                          precision=precision, deterministic=deterministic,
-                                         dq=dq, dk=dk, dv=dv, **mod_options)
+                                         dq=dq, dk=dk, dv=dv, grad_dtype=grad_dtype,
+                                         **mod_options)
     problem = _with_mods(normalize_backward(
         do, q, k, v, o, lse, causal=causal, softmax_scale=softmax_scale, layout=layout,
-        precision=precision, deterministic=deterministic, dq=dq, dk=dk, dv=dv), mod_options)
+        precision=precision, deterministic=deterministic, dq=dq, dk=dk, dv=dv,
+        grad_dtype=grad_dtype), mod_options)
     if problem.mods is not None and not problem.mods.has_grad:
         raise ValueError(f"the backward needs the derivative of every score_mod: "
                          f"{', '.join(problem.mods.missing_grad())} has none; pass "
@@ -186,11 +192,12 @@ def _is_torch(x):
 
 def explain(q, k, v, *, causal=False, softmax_scale=None, layout="bhsd", backend="auto",
             algorithm="auto", return_lse=False, out=None, precision="auto", backward=False,
-            deterministic=False, score_mod=None, mask_mod=None, mod_args=(),
+            deterministic=False, grad_dtype=None, score_mod=None, mask_mod=None, mod_args=(),
             score_mod_grad=None, window_size=None, softcap=None, alibi_slopes=None,
             attn_bias=None, attn_mask=None, block_mask=None, num_splits=None):
     """The :class:`numflash.plan.Plan` that :func:`attention` would run for these arguments
-    (with ``backward=True``: that :func:`attention_backward` would run for these q, k, v).
+    (with ``backward=True``: that :func:`attention_backward` would run for these q, k, v, and
+    ``deterministic`` and ``grad_dtype`` as it takes them).
 
     ``str(plan)`` names the kernel and its tile config and, for every kernel not chosen, why.
     Raises the same errors as :func:`attention` would.
@@ -214,4 +221,7 @@ def explain(q, k, v, *, causal=False, softmax_scale=None, layout="bhsd", backend
                                    precision=precision, num_splits=num_splits), mod_options)
     if backward:
         problem.direction, problem.deterministic = "backward", bool(deterministic)
+        problem.grad_dtype = check_grad_dtype(grad_dtype, problem.dtype)
+    elif grad_dtype is not None:
+        raise ValueError("grad_dtype is a backward option: pass backward=True with it")
     return _plan.choose(problem, backend, algorithm)

@@ -236,10 +236,9 @@ def _ring_backward_heads(do, q, k, v, out, lse, ring):
     n_q, n_k = q.shape[ring.seq_dim], k.shape[ring.seq_dim]
     acc = _acc_dtype(q.dtype)
     opts = dict(ring.options)
-    # Each step's gradients come out in the accumulators' dtype: for 16-bit inputs the step runs
-    # on float32 copies (of values the 16-bit dtype holds exactly), since gradients rounded to
-    # 16 bits at every step and then summed miss the accuracy rule (seen for fp16 dV on 2 ranks).
-    q_w, do_w, out_w = q.to(acc), do.to(acc), out.to(acc)
+    # Each step's gradients come out in the accumulators' dtype (grad_dtype: for 16-bit inputs
+    # the kernels' float32 accumulators, unrounded), since gradients rounded to 16 bits at every
+    # step and then summed miss the accuracy rule (seen for fp16 dV on 2 ranks).
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     kv = [k.contiguous(), v.contiguous()]
     dkv = [torch.zeros(k.shape, dtype=acc, device=k.device),
@@ -255,10 +254,10 @@ def _ring_backward_heads(do, q, k, v, out, lse, ring):
         with _finishing(works + list(dkv_works)):
             for (q0, nq), (k0, nk), causal in _pieces(ring, src, n_q, n_k):
                 g = _nt.attention_backward(
-                    _rows(do_w, ring, q0, nq), _rows(q_w, ring, q0, nq),
-                    _rows(kv[0], ring, k0, nk).to(acc), _rows(kv[1], ring, k0, nk).to(acc),
-                    _rows(out_w, ring, q0, nq), lse.narrow(2, q0, nq), causal=causal,
-                    softmax_scale=ring.scale, layout=ring.layout, **opts)
+                    _rows(do, ring, q0, nq), _rows(q, ring, q0, nq), _rows(kv[0], ring, k0, nk),
+                    _rows(kv[1], ring, k0, nk), _rows(out, ring, q0, nq),
+                    lse.narrow(2, q0, nq), causal=causal, softmax_scale=ring.scale,
+                    layout=ring.layout, grad_dtype=acc, **opts)
                 _rows(dq, ring, q0, nq).add_(g[0])
                 parts.append((k0, nk, g[1], g[2]))
         _wait(dkv_works)  # this block's accumulators, from the previous rank

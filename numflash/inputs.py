@@ -4,6 +4,7 @@ Kernels never see layouts or option spellings: q, k, v and the output are always
 (B, H, N, d) views read through their strides (``layout="bshd"`` is a zero-copy transpose), and the
 causal mode is reduced to one integer offset (query i sees keys j <= i + causal_offset).
 """
+import contextlib
 from dataclasses import dataclass
 import math
 import numbers
@@ -94,6 +95,7 @@ class Problem:
     dk: object = None
     dv: object = None
     deterministic: bool = False
+    grad_dtype: np.dtype = None  # the backward's dq, dk, dv dtype: q's, or float32 for 16-bit q
     mods: object = None  # numflash.mods.Mods: score / mask modifications, or None
     num_splits: int = None  # the forward's forced split-KV share count (None: the kernel picks)
     kvcache: object = None  # numflash.kvcache.KVCache: per-entry key counts and pages, or None
@@ -256,7 +258,7 @@ def _check_qkv(q, k, v, causal, softmax_scale, layout, precision):
     return kind, dtype, (q4, k4, v4), scale, is_causal, offset
 
 
-def _check_output(name, a, kind, dtype, device_id, shape, layout, inputs):
+def _check_output(name, a, kind, dtype, device_id, shape, layout, inputs, what="q's"):
     """A user-supplied output array: its kind, device, shape, dtype, writability, and no overlap
     with the arrays the kernel reads while writing it. Returns it (CuPy-wrapped if need be)."""
     a_kind = array_kind(a)
@@ -271,7 +273,7 @@ def _check_output(name, a, kind, dtype, device_id, shape, layout, inputs):
         raise ValueError(f"{name} must have shape {shape} for layout={layout!r}; got "
                          f"{tuple(a.shape)}")
     if np.dtype(a.dtype) != dtype:
-        raise TypeError(f"{name} must have q's dtype {dtype}; got {a.dtype}")
+        raise TypeError(f"{name} must have {what} dtype {dtype}; got {a.dtype}")
     if a.size and any(st == 0 and n > 1 for st, n in zip(a.strides, a.shape)):  # empty: no overlap
         raise ValueError(f"{name} has a zero stride (a broadcast view): its elements overlap")
     if kind == "numpy" and not a.flags.writeable:
@@ -286,6 +288,11 @@ def _check_output(name, a, kind, dtype, device_id, shape, layout, inputs):
 def _cupy():
     import cupy
     return cupy
+
+
+def _on_device(kind, device_id):
+    """Where new arrays for CuPy inputs go: the inputs' GPU, not the current one."""
+    return _cupy().cuda.Device(device_id) if kind == "cupy" else contextlib.nullcontext()
 
 
 def _user_shape(layout, B, H, N, d):
@@ -331,13 +338,40 @@ def _device_id(a, kind):
     return a.device.id if kind == "cupy" else None
 
 
+def check_grad_dtype(grad_dtype, dtype):
+    """The gradients' dtype for inputs of ``dtype`` (a dtype, or its name): q's for None;
+    float32 is also taken for float16 / bfloat16 inputs (the kernels' accumulators, not rounded
+    to 16 bits: for callers that sum partial gradients). A torch dtype is taken by name.
+    Returns ``dtype`` as given, or numpy's float32."""
+    if grad_dtype is None:
+        return dtype
+    try:
+        if type(grad_dtype).__module__ == "torch":
+            wanted = str(grad_dtype).replace("torch.", "")
+        elif isinstance(grad_dtype, str) and grad_dtype == "bfloat16":  # without ml_dtypes
+            wanted = grad_dtype
+        else:
+            wanted = dtype_name(np.dtype(grad_dtype))
+    except TypeError:
+        raise TypeError(f"grad_dtype must be None or a dtype; got {grad_dtype!r}") from None
+    have = dtype if isinstance(dtype, str) else dtype_name(dtype)
+    if wanted == have:
+        return dtype
+    if wanted == "float32" and have in ("float16", "bfloat16"):
+        return np.dtype(np.float32)
+    raise TypeError(f"grad_dtype={wanted} with {have} inputs: the gradients come in q's dtype "
+                    f"({have}), or in float32 for float16 / bfloat16 inputs")
+
+
 def normalize_backward(do, q, k, v, o, lse, *, causal=False, softmax_scale=None, layout="bhsd",
-                       precision="auto", deterministic=False, dq=None, dk=None, dv=None):
+                       precision="auto", deterministic=False, dq=None, dk=None, dv=None,
+                       grad_dtype=None):
     """The backward's :class:`Problem` for an ``attention_backward`` call.
 
     do and o have the output's shape in ``layout`` and q's dtype and kind; lse is (B, H, Nq) in
     :func:`lse_dtype` (what ``attention(..., return_lse=True)`` returned). dq, dk, dv, when given,
-    receive the gradients (shapes of q, k, v); otherwise new arrays are made.
+    receive the gradients (shapes of q, k, v, dtype ``grad_dtype``: see
+    :func:`check_grad_dtype`); otherwise new arrays are made.
     """
     kind, dtype, (q4, k4, v4), scale, is_causal, offset = _check_qkv(
         q, k, v, causal, softmax_scale, layout, precision)
@@ -372,20 +406,24 @@ def normalize_backward(do, q, k, v, o, lse, *, causal=False, softmax_scale=None,
     if not isinstance(deterministic, (bool, np.bool_)):
         raise TypeError(f"deterministic must be True or False; got {deterministic!r}")
 
+    grad_dt = check_grad_dtype(grad_dtype, dtype)
     inputs = (("q", q4), ("k", k4), ("v", v4), ("do", extra["do"]), ("o", extra["o"]),
               ("lse", lse_))
     xp = np if kind == "numpy" else _cupy()
     grads = []
     for name, given, src in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
         if given is None:
-            grads.append(xp.empty(src.shape, dtype=dtype))
+            with _on_device(kind, dev):
+                grads.append(xp.empty(src.shape, dtype=grad_dt))
             continue
-        given = _check_output(name, given, kind, dtype, dev, tuple(src.shape), layout,
-                              inputs + tuple((n, g) for n, g in zip(("dq", "dk"), grads)))
+        given = _check_output(name, given, kind, grad_dt, dev, tuple(src.shape), layout,
+                              inputs + tuple((n, g) for n, g in zip(("dq", "dk"), grads)),
+                              what="grad_dtype's" if grad_dtype is not None else "q's")
         grads.append(given)
     return Problem(q=q4, k=k4, v=v4, out=None, result=tuple(grads), kind=kind, dtype=dtype,
                    dtype_name=dtype_name(dtype), scale=scale, causal=is_causal,
                    causal_offset=offset, return_lse=False, layout=layout, precision=precision,
                    direction="backward", do=_dims(layout, extra["do"]), o=_dims(layout, extra["o"]),
                    lse=lse_, dq=_dims(layout, grads[0]), dk=_dims(layout, grads[1]),
-                   dv=_dims(layout, grads[2]), deterministic=bool(deterministic))
+                   dv=_dims(layout, grads[2]), deterministic=bool(deterministic),
+                   grad_dtype=grad_dt)

@@ -133,7 +133,8 @@ def choose(problem, backend="auto", algorithm="auto"):
                                getattr(problem, "o", None)) if a is not None)
     mods = getattr(problem, "mods", None)
     key = (None if mods is None else (mods.key(), str(mods), mods.argument_types()),
-           getattr(problem, "direction", "forward"), backend, algorithm,
+           getattr(problem, "direction", "forward"), getattr(problem, "grad_dtype", None),
+           backend, algorithm,
            getattr(problem, "precision", "auto"), getattr(problem, "num_splits", None),
            None if getattr(problem, "kvcache", None) is None else ("kvcache", problem.kvcache.page),
            # packed sequences: explain's notes name the count and the longest

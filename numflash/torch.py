@@ -29,7 +29,8 @@ from .cuda import fastpath as _fastpath
 from .inputs import softmax_scale_value
 
 __all__ = ["attention", "attention_backward", "scaled_dot_product_attention", "flash_attn_func",
-           "flash_attn_varlen_func", "flash_attn_with_kvcache", "attention_probabilities"]
+           "flash_attn_varlen_func", "flash_attn_with_kvcache", "attention_probabilities",
+           "install_as_sdpa"]
 
 _CAUSAL = {False: "none", None: "none", True: "top_left", "top_left": "top_left",
            "bottom_right": "bottom_right"}
@@ -207,7 +208,7 @@ def _forward_into(out, q, k, v, causal, scale, layout, backend, algorithm, preci
 
 
 def _backward_impl(do, q, k, v, o, lse, causal, scale, layout, backend, algorithm, precision,
-                   deterministic, grads=None, mods=None):
+                   deterministic, grads=None, mods=None, grad_dtype=None):
     """(dq, dk, dv): into ``grads`` when given (checked by numflash), else new tensors."""
     _check_tensors(do=do, q=q, k=k, v=v, o=o, lse=lse)
     if grads is None:
@@ -217,7 +218,8 @@ def _backward_impl(do, q, k, v, o, lse, causal, scale, layout, backend, algorith
         _api.attention_backward(*arrays[:6], causal=_CAUSAL_ARG[causal], softmax_scale=scale,
                                 layout=layout, backend=backend, algorithm=algorithm,
                                 precision=precision, deterministic=deterministic,
-                                dq=arrays[6], dk=arrays[7], dv=arrays[8], **_mod_arrays(mods))
+                                dq=arrays[6], dk=arrays[7], dv=arrays[8], grad_dtype=grad_dtype,
+                                **_mod_arrays(mods))
     return tuple(grads)
 
 
@@ -438,19 +440,26 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, layout="bhsd", backe
 
 def attention_backward(do, q, k, v, o, lse, *, causal=False, softmax_scale=None, layout="bhsd",
                        backend="auto", algorithm="auto", precision="auto", deterministic=False,
-                       dq=None, dk=None, dv=None, **mods):
+                       dq=None, dk=None, dv=None, grad_dtype=None, **mods):
     """:func:`numflash.attention_backward` for torch tensors: returns (dq, dk, dv) tensors.
-    ``mods``: the modification options the forward ran with (see :func:`attention`)."""
+    ``mods``: the modification options the forward ran with (see :func:`attention`);
+    ``grad_dtype``: None (q's dtype) or torch.float32 for 16-bit inputs."""
     _check_tensors(do=do, q=q, k=k, v=v, o=o, lse=lse)
     mods = {name: value for name, value in mods.items() if value is not None}
     options = (_causal_name(causal), _scale(softmax_scale, q.shape[-1] if q.dim() == 4 else 0),
                layout, backend, algorithm, precision, bool(deterministic))
-    if dq is None and dk is None and dv is None and not mods:
+    if dq is None and dk is None and dv is None and not mods and grad_dtype is None:
         return _attention_backward_op(do, q, k, v, o, lse, *options)
-    grads = [g if g is not None else torch.empty(t.shape, dtype=t.dtype, device=t.device)
+    if grad_dtype is not None:
+        from .inputs import check_grad_dtype
+        # checked by name before a tensor is made in it; numflash checks the given ones
+        grad_dtype = getattr(torch, str(check_grad_dtype(grad_dtype, str(q.dtype)[6:])))
+    grads = [g if g is not None else torch.empty(t.shape, dtype=grad_dtype or t.dtype,
+                                                 device=t.device)
              for g, t in ((dq, q), (dk, k), (dv, v))]
     _check_tensors(q=q, dq=grads[0], dk=grads[1], dv=grads[2])
-    return _backward_impl(do, q, k, v, o, lse, *options, grads=grads, mods=mods)
+    return _backward_impl(do, q, k, v, o, lse, *options, grads=grads, mods=mods,
+                          grad_dtype=grad_dtype)
 
 
 def attention_probabilities(q, k, *, causal=False, softmax_scale=None, layout="bhsd"):
@@ -731,3 +740,84 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if return_softmax_lse:
         return wrap(res[0]), wrap(res[1])
     return wrap(res)
+
+
+# ---- numflash as torch's SDPA flash implementation ----
+
+SDPA_IMPL = "numflash"
+
+
+def _sdpa_flash_forward(query, key, value, dropout_p=0.0, is_causal=False,
+                        return_debug_mask=False, *, scale=None):
+    """``aten::_scaled_dot_product_flash_attention`` on numflash: query (B, H, Nq, d), key and
+    value (B, Hk, Nk, .), SDPA's top-left causal. Returns what torch's flash kernel returns
+    (out, lse, no cumulative lengths, Nq, Nk, empty dropout state, no debug mask)."""
+    if dropout_p:
+        raise RuntimeError(f"numflash's SDPA flash implementation has no dropout (dropout_p="
+                           f"{dropout_p}): pass dropout_p=0.0, or "
+                           f"torch.nn.attention.restore_flash_attention_impl() for torch's")
+    if return_debug_mask:
+        raise RuntimeError("numflash's SDPA flash implementation returns no debug mask")
+    with torch.no_grad():   # below autograd already: aten's formula calls the backward below
+        out, lse = _forward_impl(query, key, value, "top_left" if is_causal else "none",
+                                 _scale(scale, query.shape[-1]), "bhsd", "auto", "auto", "auto")
+    state = torch.zeros((2,), dtype=torch.uint64, device=query.device)
+    offset = torch.zeros((), dtype=torch.uint64, device=query.device)
+    debug = torch.empty(0, dtype=query.dtype, device=query.device)
+    return out, lse, None, None, query.shape[2], key.shape[2], state, offset, debug
+
+
+def _sdpa_flash_backward(grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k,
+                         max_q, max_k, dropout_p, is_causal, philox_seed, philox_offset, *,
+                         scale=None):
+    """``aten::_scaled_dot_product_flash_attention_backward`` on numflash's backward."""
+    if dropout_p:
+        raise RuntimeError(f"numflash's SDPA flash implementation has no dropout (dropout_p="
+                           f"{dropout_p})")
+    with torch.no_grad():
+        return _backward_impl(grad_out, query, key, value, out, logsumexp,
+                              "top_left" if is_causal else "none",
+                              _scale(scale, query.shape[-1]), "bhsd", "auto", "auto", "auto",
+                              False)
+
+
+class _SdpaHandle:
+    """What activate_flash_attention_impl keeps: the aten kernels' registration, removed on
+    restore_flash_attention_impl (torch's own flash kernels come back)."""
+
+    def __init__(self, library):
+        self.library = library
+
+    def remove(self):
+        if self.library is not None:
+            self.library._destroy()
+            self.library = None
+
+
+def _register_sdpa_kernels():
+    lib = torch.library.Library("aten", "IMPL", "CUDA")
+    lib.impl("_scaled_dot_product_flash_attention", _sdpa_flash_forward, "CUDA")
+    lib.impl("_scaled_dot_product_flash_attention_backward", _sdpa_flash_backward, "CUDA")
+    return _SdpaHandle(lib)
+
+
+def install_as_sdpa():
+    """Make numflash torch's SDPA flash implementation: afterwards unchanged code calling
+    ``torch.nn.functional.scaled_dot_product_attention`` runs numflash's CUDA kernels (forward
+    and backward) wherever torch picks its flash backend (float16 / bfloat16 CUDA tensors it
+    judges flash-able); torch picks its other backends for the rest, as before.
+    ``torch.nn.attention.restore_flash_attention_impl()`` undoes it. Needs a torch with
+    ``torch.nn.attention.register_flash_attention_impl``; returns the registered name.
+
+    Inside, inputs numflash cannot run raise (no silent fallback to torch's kernel, which the
+    registration replaces): ``dropout_p > 0``, and what :func:`numflash.explain` refuses."""
+    from torch.nn import attention as _attention
+    if not hasattr(_attention, "register_flash_attention_impl"):
+        raise NotImplementedError(f"torch {torch.__version__} has no "
+                                  f"torch.nn.attention.register_flash_attention_impl (torch "
+                                  f"2.11 and newer have it): numflash cannot install itself as "
+                                  f"SDPA's flash kernel; call numflash.torch."
+                                  f"scaled_dot_product_attention instead")
+    _attention.register_flash_attention_impl(SDPA_IMPL, register_fn=_register_sdpa_kernels)
+    _attention.activate_flash_attention_impl(SDPA_IMPL)
+    return SDPA_IMPL

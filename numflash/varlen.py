@@ -40,6 +40,26 @@ class Packed:
         """What a memoized plan depends on (explain's notes name the count and the longest)."""
         return ("varlen", self.count, self.max_q, self.max_k, self.bottom_right)
 
+    def grid(self, block_rows, heads, keys=False):
+        """A one-launch grid: x the blocks of ``block_rows`` the longest sequence's query rows
+        (``keys``: its keys) take, y each sequence's ``heads``; a shorter sequence's extra
+        blocks return at once."""
+        return (-(-(self.max_k if keys else self.max_q) // block_rows), self.count * heads)
+
+    def arguments(self):
+        """What the kernels take in causal_offset's place (the alignment: 0 top-left, 1
+        bottom-right per sequence) and after any window's sizes (cu_q, cu_k)."""
+        return int(self.bottom_right), (self.cu_q, self.cu_k)
+
+    def note(self, causal, blocks, passes=False):
+        """explain's line: ``blocks`` says what the blocks own (``passes``: of the backward's
+        each pass)."""
+        align = ("; causal aligned " + ("bottom-right" if self.bottom_right else "top-left") +
+                 " per sequence") if causal else ""
+        per = " per pass" if passes else ""
+        return (f"packed sequences: {self.count} in one launch{per} (grid y: each sequence's "
+                f"heads), {blocks}; a shorter sequence's extra blocks return at once{align}")
+
 
 def _host_lengths(name, cu, total, batch=None):
     """cu_seqlens as a host int64 array, checked: 1-D, integer, starts at 0, non-decreasing,

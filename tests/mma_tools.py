@@ -422,11 +422,11 @@ def _packed_setup(varlen):
 
 
 def run_backward_kernels(q, k, v, do, o, lse, DT, causal=False, causal_offset=0, scale=None,
-                         tiles=None, window=None, mods=None, chunks=0, varlen=None):
+                         tiles=None, window=None, mods=None, chunks=0, varlen=None, grad32=False):
     """Run cuda.mma's generated backward source of kind DT (both passes) under the emulator;
     q, k, v, do, o in the kind's dtype (16-bit as float16 or ml_dtypes.bfloat16), lse as
     attention returns it. ``tiles``: {"queries": (NW, BC), "keys": (NW, BC[, SUB])}. Returns dq,
-    dk, dv in the inputs' dtype. ``window``: a sliding window's (left, right) (WINDOW variants);
+    dk, dv in the inputs' dtype (``grad32``: the GRAD32 variant's float32). ``window``: a sliding window's (left, right) (WINDOW variants);
     ``mods``: a numflash.mods.Mods (its window, and the MODS variant for the rest); ``chunks``:
     the CHUNKS variant's column slices (grid z); ``varlen``: (cu_q, cu_k, bottom_right) for the
     VARLEN variant (the arrays then hold the packed rows, batch 1)."""
@@ -442,14 +442,14 @@ def run_backward_kernels(q, k, v, do, o, lse, DT, causal=False, causal_offset=0,
     real = np.float64 if DT == "f64" else np.float32
     delta = np.full((B, H, Nq), np.nan, real)   # the query pass writes rowsum(dO * O)
     word = {"f64": np.float64, "3xtf32": np.float32}.get(DT, np.uint32)
-    grads = {name: np.full(shape, np.nan, q.dtype) for name, shape in
+    grads = {name: np.full(shape, np.nan, np.float32 if grad32 else q.dtype) for name, shape in
              (("dq", q.shape), ("dk", k.shape), ("dv", v.shape))}
     form = "m16n8k8" if DT == "f64" else None
     for kernel in ("queries", "keys"):
         NW, BC, *sub = (tiles or {}).get(kernel, (2, 32))
         cfg = MmaConfig(D, DV, NW, BC, 0, DT, 1, MMA=form, SUB=sub[0] if sub else 0,
                         WINDOW=int(window is not None), MODS=token, CHUNKS=chunks,
-                        VARLEN=int(varlen is not None))
+                        VARLEN=int(varlen is not None), GRAD32=int(grad32))
         src = backward.SOURCES[kernel](cfg)
         rows = Nq if kernel == "queries" else Nk
         count = B
@@ -463,7 +463,7 @@ def run_backward_kernels(q, k, v, do, o, lse, DT, causal=False, causal_offset=0,
         outs = [grads["dq"]] if kernel == "queries" else [grads["dk"], grads["dv"]]
         inputs = (q, k, v, do, o) if kernel == "queries" else (q, k, v, do)
         args = [as_kernel_array(a, DT) for a in inputs] + [lse.astype(real), delta]
-        args += [as_kernel_array(g, DT) for g in outs]
+        args += [g if grad32 else as_kernel_array(g, DT) for g in outs]
         args += [scale * math.log2(math.e), scale, int(causal), int(causal_offset)]
         args += extra
         with np.errstate(all="ignore"):

@@ -195,3 +195,64 @@ def test_explain_names_the_backward_kernel(rng):
     with pytest.raises(ValueError, match=r"CPU path implements the block-tiled loop only"):
         numflash.attention_backward(a["do"], a["q"], a["k"], a["v"], a["o"], a["lse"],
                                     algorithm="row")
+
+
+# ---- grad_dtype: float32 gradients of 16-bit inputs
+
+
+@pytest.mark.parametrize("causal", [True, "bottom_right"])
+def test_float32_gradients_of_float16_inputs(rng, causal):
+    """grad_dtype=float32: the gradients as accumulated, which round to the float16 gradients
+    bit for bit, meet the rule, and go into given float32 buffers."""
+    q, k, v, do = make(rng, 1, 2, 97, 70, 59, 40, dtype=np.float16)
+    o, lse = numflash.attention(q, k, v, causal=causal, return_lse=True)
+    plain = numflash.attention_backward(do, q, k, v, o, lse, causal=causal)
+    wide = numflash.attention_backward(do, q, k, v, o, lse, causal=causal, grad_dtype="float32")
+    assert [g.dtype for g in wide] == [np.float32] * 3
+    for a, b in zip(plain, wide):
+        assert np.array_equal(b.astype(np.float16), a)
+    assert any(not np.array_equal(b, a.astype(np.float32)) for a, b in zip(plain, wide))
+    testing.assert_gradients_accurate(wide, do, q, k, v, causal=causal)
+    given = tuple(np.full(a.shape, np.nan, np.float32) for a in (q, k, v))
+    res = numflash.attention_backward(do, q, k, v, o, lse, causal=causal, grad_dtype=np.float32,
+                                      dq=given[0], dk=given[1], dv=given[2])
+    assert all(r is g for r, g in zip(res, given))
+    assert all(np.array_equal(r, w) for r, w in zip(res, wide))
+
+
+def test_float32_partials_over_key_chunks_sum_to_the_gradients(rng):
+    """What ring attention does with grad_dtype: each chunk of keys' gradients against the whole
+    row's lse and O, in float32, summed (dK, dV per chunk, dQ over chunks) meet the rule."""
+    q, k, v, do = make(rng, 1, 2, 150, 300, 32, dtype=np.float16)
+    o, lse = numflash.attention(q, k, v, return_lse=True)
+    dq = np.zeros(q.shape, np.float32)
+    dk, dv = np.zeros(k.shape, np.float32), np.zeros(v.shape, np.float32)
+    for k0 in range(0, 300, 100):
+        part = numflash.attention_backward(do, q, k[:, :, k0:k0 + 100], v[:, :, k0:k0 + 100], o,
+                                           lse, grad_dtype=np.float32)
+        dq += part[0]
+        dk[:, :, k0:k0 + 100], dv[:, :, k0:k0 + 100] = part[1], part[2]
+    testing.assert_gradients_accurate((dq, dk, dv), do, q, k, v)
+
+
+def test_grad_dtype_refusals(rng):
+    q, k, v, do = make(rng, 1, 1, 5, 6, 4, dtype=np.float16)
+    o, lse = numflash.attention(q, k, v, return_lse=True)
+    pos = (do, q, k, v, o, lse)
+    with pytest.raises(TypeError, match=r"^grad_dtype=float64 with float16 inputs"):
+        numflash.attention_backward(*pos, grad_dtype=np.float64)
+    with pytest.raises(TypeError, match=r"^grad_dtype must be None or a dtype"):
+        numflash.attention_backward(*pos, grad_dtype="wide")
+    with pytest.raises(TypeError, match=r"^dk must have grad_dtype's dtype float32"):
+        numflash.attention_backward(*pos, grad_dtype="float32", dk=np.empty(k.shape, np.float16))
+    with pytest.raises(TypeError, match=r"^dq must have q's dtype float16"):
+        numflash.attention_backward(*pos, dq=np.empty(q.shape, np.float32))
+    q32, k32, v32, do32 = (a.astype(np.float32) for a in (q, k, v, do))
+    o32, lse32 = numflash.attention(q32, k32, v32, return_lse=True)
+    with pytest.raises(TypeError, match=r"^grad_dtype=float16 with float32 inputs"):
+        numflash.attention_backward(do32, q32, k32, v32, o32, lse32, grad_dtype=np.float16)
+    same = numflash.attention_backward(do32, q32, k32, v32, o32, lse32, grad_dtype=np.float32)
+    assert all(g.dtype == np.float32 for g in same)
+    with pytest.raises(ValueError, match=r"^grad_dtype is a backward option"):
+        numflash.explain(q, k, v, grad_dtype=np.float32)
+    assert numflash.explain(q, k, v, backward=True, grad_dtype=np.float32).kernel == "cpu.tiled"

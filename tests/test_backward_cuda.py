@@ -143,3 +143,17 @@ def test_gpu_gradients_meet_the_accuracy_rule_and_repeat_bitwise(rng, case):
     again = cuda_forward_backward(q, k, v, do, xp=cupy, causal=causal, deterministic=True)
     assert all(bool((a == b).all()) for a, b in zip(first, again))
     testing.assert_gradients_accurate(first, do, q, k, v, causal=causal)
+
+
+@pytest.mark.simulator
+def test_simulated_float32_gradients_of_float16_inputs(rng):
+    """grad_dtype=float32 on cuda.row: its float32 accumulators written as they are; rounded to
+    float16 they are its float16 gradients."""
+    q, k, v, do = make(rng, 1, 2, 33, 20, 12, 7, dtype=np.float16)
+    o, lse = numflash.attention(q, k, v, return_lse=True, backend="cuda", causal=True)
+    plain = numflash.attention_backward(do, q, k, v, o, lse, backend="cuda", causal=True)
+    wide = numflash.attention_backward(do, q, k, v, o, lse, backend="cuda", causal=True,
+                                       grad_dtype=np.float32)
+    assert all(g.dtype == np.float32 for g in wide)
+    assert all(np.array_equal(b.astype(np.float16), a) for a, b in zip(plain, wide))
+    testing.assert_gradients_accurate(wide, do, q, k, v, causal=True)

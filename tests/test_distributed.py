@@ -38,7 +38,11 @@ def _run_worker(tmp_path_factory, world, backend, cases):
     return report
 
 
-@pytest.fixture(scope="module", params=[2, 3], ids=["world2", "world3"])
+@pytest.fixture(scope="module", params=[
+    2, 3,
+    # issue 19's rank counts, on gloo (the GPU runs: bench/ring_scaling.py)
+    pytest.param(4, marks=pytest.mark.extended), pytest.param(8, marks=pytest.mark.extended),
+], ids=["world2", "world3", "world4", "world8"])
 def gloo_report(request, tmp_path_factory):
     return _run_worker(tmp_path_factory, request.param, "gloo", "cpu")
 

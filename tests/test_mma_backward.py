@@ -43,6 +43,8 @@ EMULATED = {
     "word-sub-tiles": (1, 2, 1, 50, 45, 16, 24, True, {"queries": (2, 16), "keys": (2, 32, 8)}),
     # the same on one-warp tiles: quick enough for the README tier with 3xTF32's three mma
     "word-one-warp": (1, 2, 1, 24, 20, 16, 8, True, {"queries": (1, 16), "keys": (1, 16, 8)}),
+    # the 16-bit kinds' smallest tiles (one warp, 16 rows): the README tier's quick case
+    "one-warp": (1, 1, 1, 17, 20, 16, 8, "bottom_right", {"queries": (1, 16), "keys": (1, 16)}),
 }
 
 # (B, H, Hkv, Nq, Nk, d, dv, causal, tiles, chunks): the gradients' columns in slices over grid
@@ -119,6 +121,30 @@ def test_backward_source_emulated_on_cpu(rng, DT, case):
     rep = testing.assert_gradients_accurate(grads, do, q, k, v, causal=causal)
     if DT == "f64":
         assert max(rep.errors.values()) < 1e-12, rep
+
+
+@pytest.mark.parametrize("DT, case", [
+    _emulated("f16", "one-warp", fast=True),
+    _emulated("bf16", "sub-tiles"),
+    _emulated("f16", "gqa-bottom_right"),
+])
+def test_float32_gradient_stores_emulated_on_cpu(rng, DT, case):
+    """GRAD32 (grad_dtype float32): the same kernels storing dQ, dK, dV as float32 floats; rounded
+    to the 16-bit dtype they are the plain variant's gradients bit for bit (both round the same
+    accumulators to nearest even), and they meet the rule."""
+    from mma_tools import run_backward_kernels
+    B, H, Hkv, Nq, Nk, d, dv, causal, tiles = EMULATED[case]
+    dtype = _kind_dtype(DT)
+    q, k, v, do = make(rng, B, H, Nq, Nk, d, dv, dtype=dtype, kv_heads=Hkv)
+    o, lse = numflash.reference.attention(q, k, v, causal=causal, return_lse=True)
+    is_causal, off = parse_causal(causal, Nq, Nk)
+    args = (q, k, v, do, o.astype(dtype), lse.astype(np.float32), DT, is_causal, off)
+    plain = run_backward_kernels(*args, tiles=tiles)
+    wide = run_backward_kernels(*args, tiles=tiles, grad32=True)
+    assert all(g.dtype == np.float32 for g in wide)
+    for a, b in zip(plain, wide):
+        assert np.array_equal(b.astype(dtype).view(np.uint16), a.view(np.uint16))
+    testing.assert_gradients_accurate(wide, do, q, k, v, causal=causal)
 
 
 @pytest.mark.parametrize("Nq, Nk, causal, window, tiles", [
@@ -405,7 +431,7 @@ PRODUCT = {"f16": "mma.sync.aligned.m16n8k16.row.col.f32.f16",
 def _compile(cases):
     """[cc, d, dtype, pass, registers, spill bytes, stack bytes, local memory ops, product
     instructions, ldmatrix.trans count, cubin bytes] of the planner's tiles of each case (cc, d,
-    dtype, window)."""
+    dtype, window[, varlen[, grad32]])."""
     from test_cuda_compile import run_without_simulator
     out = run_without_simulator(f"""
         import dataclasses, json
@@ -420,6 +446,8 @@ def _compile(cases):
                                   window=window, DT=DT, cc=tuple(cc))
             if packed and packed[0]:   # VARLEN: packed sequences in one launch
                 cfg = {{k: dataclasses.replace(c, VARLEN=1) for k, c in cfg.items()}}
+            if packed[1:] and packed[1]:   # GRAD32: float32 gradients of 16-bit inputs
+                cfg = {{k: dataclasses.replace(c, GRAD32=1) for k, c in cfg.items()}}
             product = PRODUCT.get(DT) or PRODUCT[(DT, tuple(cc) >= (9, 0))]
             for (kernel, sig), name in zip(gradients.compiled_kernels(cfg, dt),
                                            ("queries", "keys")):
@@ -453,6 +481,10 @@ def _compile(cases):
                  id="column-slices-d256-sm90-f16-sm80-bf16", marks=pytest.mark.extended),
     # packed sequences in one launch per pass (VARLEN; d128's key pass: PACKED_SPILLS)
     pytest.param([((9, 0), 64, "float16", False, True)], id="varlen-sm90-d64-f16",
+                 marks=pytest.mark.extended),
+    # float32 gradients of 16-bit inputs (GRAD32: grad_dtype, ring attention's steps)
+    pytest.param([((9, 0), 128, "float16", False, False, True),
+                  ((8, 0), 64, "bfloat16", False, False, True)], id="grad32-sm90-d128-sm80-d64",
                  marks=pytest.mark.extended),
 ])
 def test_backward_variants_compile_to_mma_with_no_spills(cases):
@@ -571,3 +603,33 @@ def test_gpu_window_gradients_meet_the_rule(rng, case):
     o, lse = numflash.attention(qg, kg, vg, return_lse=True, **opts)
     grads = numflash.attention_backward(dog, qg, kg, vg, o, lse, **opts)
     testing.assert_gradients_accurate([g.get() for g in grads], do, q, k, v, **opts)
+
+
+GRAD32_GPU_CASES = [  # (B, H, Hkv, Nq, Nk, d, dtype, causal): 16-bit inputs, grad_dtype float32
+    (2, 8, 2, 1024, 1024, 128, "float16", True),
+    (1, 4, 4, 777, 1000, 64, "bfloat16", "bottom_right"),
+    (1, 4, 4, 600, 600, 256, "float16", False),   # the gradients' columns in two slices
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GRAD32_GPU_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_gpu_float32_gradients_of_16bit_inputs(rng, case):
+    """grad_dtype=float32 on cuda.mma (GRAD32): the accumulators stored unrounded; rounded to the
+    inputs' dtype they are the default run's gradients bit for bit, and they meet the rule."""
+    import cupy
+    B, H, Hkv, Nq, Nk, d, dtype, causal = case
+    dtype = _kind_dtype("bf16") if dtype == "bfloat16" else np.dtype(dtype)
+    q, k, v, do = make(rng, B, H, Nq, Nk, d, d, dtype=dtype, kv_heads=Hkv)
+    qg, kg, vg, dog = (cupy.asarray(a) for a in (q, k, v, do))
+    plan = numflash.explain(qg, kg, vg, backward=True, causal=causal, grad_dtype=np.float32)
+    assert plan.kernel == "cuda.mma" and plan.config["keys"].GRAD32 == 1
+    assert "grad_dtype float32" in str(plan)
+    o, lse = numflash.attention(qg, kg, vg, return_lse=True, causal=causal)
+    plain = numflash.attention_backward(dog, qg, kg, vg, o, lse, causal=causal)
+    wide = numflash.attention_backward(dog, qg, kg, vg, o, lse, causal=causal,
+                                       grad_dtype=np.float32)
+    assert all(g.dtype == np.float32 for g in wide)
+    for a, b in zip(plain, wide):
+        assert bool((b.astype(dtype).view(cupy.uint16) == a.view(cupy.uint16)).all())
+    testing.assert_gradients_accurate([g.get() for g in wide], do, q, k, v, causal=causal)

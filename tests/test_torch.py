@@ -95,6 +95,28 @@ def test_attention_backward_takes_and_returns_tensors():
         assert torch.equal(a, b)
 
 
+def test_attention_backward_float32_gradients_of_float16_tensors():
+    """grad_dtype=torch.float32: float32 gradient tensors (new, or the given ones) that round to
+    the float16 gradients."""
+    q, k, v = tensors((1, 2, 33, 16), (1, 2, 40, 16), torch.float16)
+    out, lse = numflash.attention(q, k, v, causal=True, return_lse=True)
+    do = torch.randn_like(out)
+    plain = numflash.attention_backward(do, q, k, v, out, lse, causal=True)
+    wide = numflash.attention_backward(do, q, k, v, out, lse, causal=True,
+                                       grad_dtype=torch.float32)
+    assert all(g.dtype == torch.float32 for g in wide)
+    assert all(torch.equal(b.half(), a) for a, b in zip(plain, wide))
+    testing.assert_gradients_accurate([np_(g) for g in wide], np_(do), np_(q), np_(k), np_(v),
+                                      causal=True)
+    bufs = [torch.empty(t.shape, dtype=torch.float32) for t in (q, k, v)]
+    res = numflash.attention_backward(do, q, k, v, out, lse, causal=True,
+                                      grad_dtype=torch.float32, dq=bufs[0], dk=bufs[1],
+                                      dv=bufs[2])
+    assert all(a is b for a, b in zip(res, bufs)) and all(map(torch.equal, res, wide))
+    with pytest.raises(TypeError, match=r"^grad_dtype=float64 with float16 inputs"):
+        numflash.attention_backward(do, q, k, v, out, lse, grad_dtype=torch.float64)
+
+
 def test_backward_is_deterministic():
     q, k, v = tensors((1, 4, 300, 32), (1, 4, 300, 32), grad=True)
     runs = []
@@ -505,3 +527,71 @@ def test_cuda_flash_attn_window_runs_on_tensor_cores_and_its_backward_is_refused
     assert plan.kernel == "cuda.mma" and plan.config["WINDOW"] == 1, str(plan)
     with pytest.raises(ValueError, match="window_size"):
         out.sum().backward()
+
+
+# ---- install_as_sdpa: numflash as torch's SDPA flash implementation
+
+_HAS_FLASH_REGISTRY = hasattr(torch.nn.attention, "register_flash_attention_impl")
+
+
+@pytest.mark.skipif(not _HAS_FLASH_REGISTRY, reason="this torch has no "
+                    "register_flash_attention_impl")
+def test_install_as_sdpa_registers_and_restores_and_its_kernels_are_numflash():
+    """The registration (torch's registry, the aten CUDA kernels; restore removes them) and the
+    two kernels' bodies, run here on CPU tensors: numflash's forward and backward with SDPA's
+    top-left causal and torch's flash return shapes."""
+    from torch.nn import attention as A
+    try:
+        assert nt.install_as_sdpa() == "numflash"
+        assert A.current_flash_attention_impl() == "numflash"
+        assert "numflash" in A.list_flash_attention_impls()
+    finally:
+        A.restore_flash_attention_impl()
+    assert A.current_flash_attention_impl() is None
+    q, k, v = tensors((1, 2, 33, 16), (1, 2, 40, 16), torch.float16)
+    got = nt._sdpa_flash_forward(q, k, v, is_causal=True, scale=0.3)
+    out, lse = nt.attention(q, k, v, causal="top_left", softmax_scale=0.3, return_lse=True)
+    assert torch.equal(got[0], out) and torch.equal(got[1], lse)
+    assert got[2:6] == (None, None, 33, 40) and got[6].dtype == torch.uint64
+    do = torch.randn_like(out)
+    grads = nt._sdpa_flash_backward(do, q, k, v, got[0], got[1], None, None, 33, 40, 0.0, True,
+                                    got[6], got[7], scale=0.3)
+    ref = nt.attention_backward(do, q, k, v, out, lse, causal="top_left", softmax_scale=0.3)
+    assert all(map(torch.equal, grads, ref))
+    testing.assert_gradients_accurate([np_(g) for g in grads], np_(do), np_(q), np_(k), np_(v),
+                                      causal="top_left", softmax_scale=0.3)
+    with pytest.raises(RuntimeError, match="no dropout"):
+        nt._sdpa_flash_forward(q, k, v, dropout_p=0.1)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _HAS_FLASH_REGISTRY, reason="this torch has no "
+                    "register_flash_attention_impl")
+def test_gpu_unchanged_sdpa_calls_run_numflash_after_install():
+    """F.scaled_dot_product_attention with torch's flash backend, after install_as_sdpa: the
+    output and the gradients are numflash's bit for bit (on a side stream); after restore,
+    torch's own flash kernel runs again."""
+    import torch.nn.functional as F
+    from torch.nn import attention as A
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    q, k, v = tensors((2, 8, 1000, 128), (2, 8, 1000, 128), torch.bfloat16, device="cuda",
+                      grad=True)
+    do = torch.randn(q.shape, device="cuda").bfloat16()
+    with torch.no_grad():
+        own = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    ref = nt.attention(q, k, v, causal=True)
+    ref_grads = torch.autograd.grad(ref, (q, k, v), do)
+    stream = torch.cuda.Stream()
+    try:
+        nt.install_as_sdpa()
+        with torch.cuda.stream(stream), sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            grads = torch.autograd.grad(out, (q, k, v), do)
+        stream.synchronize()
+    finally:
+        A.restore_flash_attention_impl()
+    assert torch.equal(out, ref) and all(map(torch.equal, grads, ref_grads))
+    assert not torch.equal(out, own)   # torch's kernel rounds differently somewhere
+    with torch.no_grad(), sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        again = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert torch.equal(again, own)

@@ -23,8 +23,6 @@ block are never loaded, so its cost grows as N x window, not N^2.
 import functools
 import math
 
-import numpy as np
-
 from ...mods import compile_errors
 from . import mods
 from .config import F64_MAX_HEAD_DIM, TF32_MAX_HEAD_DIM, config, split_count, vector_ok
@@ -106,11 +104,8 @@ def packed_note(problem, BR):
     """explain's line about packed sequences (MmaConfig.VARLEN) for a forward whose blocks own
     BR query rows."""
     packed = problem.varlen
-    align = ("; causal aligned " + ("bottom-right" if packed.bottom_right else "top-left") +
-             " per sequence") if problem.causal else ""
-    return (f"packed sequences: {packed.count} in one launch (grid y: each sequence's heads), "
-            f"{-(-packed.max_q // BR)} blocks of {BR} query rows for the longest "
-            f"({packed.max_q} rows); a shorter sequence's extra blocks return at once{align}")
+    return packed.note(problem.causal, f"{-(-packed.max_q // BR)} blocks of {BR} query rows "
+                                       f"for the longest ({packed.max_q} rows)")
 
 
 def run(problem, cfg, device, debug=None):
@@ -130,10 +125,9 @@ def run(problem, cfg, device, debug=None):
     grid = (-(-Nq // cfg.BR), B * H)
     causal_offset = int(p.causal_offset)
     packed = ()
-    if cfg.VARLEN:   # grid y: a sequence's heads; x: the longest sequence's query blocks
-        grid = (-(-p.varlen.max_q // cfg.BR), p.varlen.count * H)
-        causal_offset = int(p.varlen.bottom_right)   # the alignment, per sequence
-        packed = (p.varlen.cu_q, p.varlen.cu_k)
+    if cfg.VARLEN:
+        grid = p.varlen.grid(cfg.BR, H)
+        causal_offset, packed = p.varlen.arguments()
     # 16-bit kernels take the bits; tf32, 3xTF32 and float64 read their inputs as they are
     bits = _as_bits if cfg.DT in ("f16", "bf16") else (lambda a: a)
     window = tuple(int(w) for w in p.mods.window) if cfg.WINDOW else ()

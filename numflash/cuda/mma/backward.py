@@ -87,10 +87,14 @@ def _emit_delta(s, ops, cfg, do_off, o_off, OW):
             s(f"{row_value(cfg, 'delta', 'h', f'U({row})')} = delta{half}")
 
 
-def _store_rows(s, ops, rows, limit, outputs, chunked=False):
+def _store_rows(s, ops, cfg, rows, limit, outputs):
     """Emit the stores of the thread's two rows (below ``limit``) of each output (accumulator,
-    n8 tiles, factor, view, column limit, first column), in the outputs' dtype. ``chunked``: the
-    outputs are column slices starting at their first columns (else at 0)."""
+    n8 tiles, factor, view, column limit, first column), in the inputs' dtype or, with
+    cfg.GRAD32, in float32 as accumulated. With cfg.CHUNKS the outputs are column slices
+    starting at their first columns (else at 0)."""
+    assert not cfg.GRAD32 or cfg.DT in ("f16", "bf16"), "the word kinds store floats anyway"
+    chunked = bool(cfg.CHUNKS)
+    store = ops.store_floats if cfg.GRAD32 else ops.store_o
     for half, row in enumerate(rows):
         s(f"if {row} < {limit}:")
         with s.block():
@@ -102,7 +106,7 @@ def _store_rows(s, ops, rows, limit, outputs, chunked=False):
                 if chunked:   # each output's slice starts at its own column
                     s(f"cbase = {col0} + t * {U(2)}")
                 for n in range(tiles):
-                    ops.store_o(s, n, ra, rb, half, acc=acc, factor=factor, out=out, dim=dim)
+                    store(s, n, ra, rb, half, acc=acc, factor=factor, out=out, dim=dim)
 
 
 def _ds(p, dp, delta, grad=None):
@@ -265,8 +269,7 @@ def query_pass_source(cfg):
                 ops.accumulate_pv(s, _slice(cfg, kb, "q"), k_off, ND, cfg.BC // k_step, p="s",
                                   acc="dq", name="kt", W=KW, rescaled=False)
         emit_views_at_use(s, cfg, (("dqh", "dq", "h", "q"),))
-        _store_rows(s, ops, ("r0", "r1"), "Nq", [("dq", ND, "scale", "dqh", "d_u", "c0q")],
-                    bool(cfg.CHUNKS))
+        _store_rows(s, ops, cfg, ("r0", "r1"), "Nq", [("dq", ND, "scale", "dqh", "d_u", "c0q")])
     return s.text()
 
 
@@ -364,9 +367,9 @@ def key_pass_source(cfg):
                         _key_pass_products(s, ops, cfg, SUB, kb, q_off + sub * SUB * QW,
                                            do_off + sub * SUB * OW, q_off + lse_rel + sub * SUB,
                                            q_off + delta_rel + sub * SUB, KW, VW, QW, OW)
-        _store_rows(s, ops, ("kr0", "kr1"), "Nk", [("dk", ND, "scale", "dkh", "d_u", "c0k"),
-                                                   ("dv", NVN, "ONE", "dvh", "dv_u", "c0v")],
-                    bool(cfg.CHUNKS))
+        _store_rows(s, ops, cfg, ("kr0", "kr1"), "Nk",
+                    [("dk", ND, "scale", "dkh", "d_u", "c0k"),
+                     ("dv", NVN, "ONE", "dvh", "dv_u", "c0v")])
     return s.text()
 
 

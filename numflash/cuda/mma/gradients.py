@@ -2,14 +2,13 @@
 the launch of backward.py's two passes.
 
 The query pass writes dQ and delta = rowsum(dO * O) (B x H x Nq in the lse's precision, the
-only extra device memory), the key pass dK and dV, each in the inputs' dtype, with no atomics
+only extra device memory), the key pass dK and dV, each in the inputs' dtype (or, for 16-bit
+inputs with grad_dtype float32, in float32 as accumulated: MmaConfig.GRAD32), with no atomics
 and no float32 gradient buffers (two runs are bitwise equal). Every operand kind of the forward
 runs: float16 / bfloat16, float32 as 3xTF32, float64.
 """
 import dataclasses
 import math
-
-import numpy as np
 
 from ...device import Unsupported
 from ...mods import compile_errors
@@ -140,7 +139,9 @@ def config(problem, device):
     packed = getattr(problem, "varlen", None) is not None
     if packed:
         check_packed(problem)
-    cfg = {kernel: dataclasses.replace(c, MODS=token, VARLEN=int(packed))
+    # float32 gradients of 16-bit inputs: the accumulators stored unrounded
+    grad32 = DT in ("f16", "bf16") and str(getattr(problem, "grad_dtype", None)) == "float32"
+    cfg = {kernel: dataclasses.replace(c, MODS=token, VARLEN=int(packed), GRAD32=int(grad32))
            for kernel, c in tiles(D, DV, device.smem_per_block_optin, window, bool(token), DT,
                                   device.cc).items()}
     check_block_tiles(problem, ((cfg["queries"].BR, cfg["queries"].BC, "backward's query pass"),
@@ -154,10 +155,10 @@ def config(problem, device):
     return cfg
 
 
-def signature(dtype, kernel, window=False, token="", varlen=False):
+def signature(dtype, kernel, window=False, token="", varlen=False, grad32=False):
     """Argument types of the "queries" or "keys" kernel: q, k, v, dO (and O for the query pass)
     (16-bit inputs as their bits), lse and delta (float32; float64 for float64), dQ or dK, dV
-    (like q), the exp2 and natural scales, causal, causal_offset (and with a window its left
+    (like q; float32 with ``grad32``), the exp2 and natural scales, causal, causal_offset (and with a window its left
     and right sizes, packed sequences' cu_q and cu_k, with modifications their arguments:
     mods.argument_types)."""
     from numba import types
@@ -167,7 +168,8 @@ def signature(dtype, kernel, window=False, token="", varlen=False):
     arr = array_type("uint16" if str(dtype) in ("float16", "bfloat16") else dtype)
     rows = array_type(lse_dtype(dtype), 3)
     inputs = (arr,) * (5 if kernel == "queries" else 4)
-    grads = (arr,) if kernel == "queries" else (arr, arr)
+    grad = array_type("float32") if grad32 else arr
+    grads = (grad,) if kernel == "queries" else (grad, grad)
     return (*inputs, rows, rows, *grads, types.float64, types.float64, types.int64,
             types.int64) + ((types.int64, types.int64) if window else ()) + \
         ((array_type("int32", 1),) * 2 if varlen else ()) + mods.argument_types(token)
@@ -177,11 +179,13 @@ def compiled_kernels(cfg, dtype):
     """[(Kernel, numba argument types)] run() launches: the query pass, then the key pass."""
     from .. import launch
     return [(launch.get_kernel(NAME + ".backward_queries", make_query_kernel, cfg["queries"]),
-             signature(dtype, "queries", cfg["queries"].WINDOW, cfg["queries"].MODS,
-                       bool(cfg["queries"].VARLEN))),
+             _signature(dtype, "queries", cfg["queries"])),
             (launch.get_kernel(NAME + ".backward_keys", make_key_kernel, cfg["keys"]),
-             signature(dtype, "keys", cfg["keys"].WINDOW, cfg["keys"].MODS,
-                       bool(cfg["keys"].VARLEN)))]
+             _signature(dtype, "keys", cfg["keys"]))]
+
+
+def _signature(dtype, kernel, c):
+    return signature(dtype, kernel, c.WINDOW, c.MODS, bool(c.VARLEN), bool(c.GRAD32))
 
 
 def run(problem, cfg, device):
@@ -202,35 +206,36 @@ def run(problem, cfg, device):
     if cfg["queries"].WINDOW:
         scalars += tuple(int(w) for w in p.mods.window)
     query_grid, key_grid = (-(-Nq // qc.BR), B * H), (-(-Nk // kc.BR), B * p.k.shape[1])
-    if qc.VARLEN:   # grid y: a sequence's heads; x: the longest sequence's blocks
-        packed = p.varlen
-        # the alignment in causal_offset's place; cu_q, cu_k after any window's sizes
-        scalars = scalars[:3] + (int(packed.bottom_right),) + scalars[4:] + (packed.cu_q,
-                                                                              packed.cu_k)
-        query_grid = (-(-packed.max_q // qc.BR), packed.count * H)
-        key_grid = (-(-packed.max_k // kc.BR), packed.count * p.k.shape[1])
+    if qc.VARLEN:
+        alignment, offsets = p.varlen.arguments()
+        scalars = scalars[:3] + (alignment,) + scalars[4:] + offsets
+        query_grid = p.varlen.grid(qc.BR, H)
+        key_grid = p.varlen.grid(kc.BR, p.k.shape[1], keys=True)
     if cfg["queries"].MODS:
         scalars += mods.arguments(p.mods)
     (queries, _), (keys, _) = compiled_kernels(cfg, p.dtype_name)
     inputs = tuple(bits(a) for a in (p.q, p.k, p.v, p.do))
+    grad = (lambda a: a) if qc.GRAD32 else bits   # float32 gradients are written as floats
     slices = (qc.CHUNKS,) if qc.CHUNKS else ()   # the gradients' column slices
     with compile_errors(p.mods, NAME):
         queries(query_grid + slices, (qc.NT,), shared_bytes(qc, "queries"),
-                inputs + (bits(p.o), lse, delta, bits(p.dq)) + scalars, device)
+                inputs + (bits(p.o), lse, delta, grad(p.dq)) + scalars, device)
         keys(key_grid + slices, (kc.NT,), shared_bytes(kc, "keys"),
-             inputs + (lse, delta, bits(p.dk), bits(p.dv)) + scalars, device)
+             inputs + (lse, delta, grad(p.dk), grad(p.dv)) + scalars, device)
 
 
 def notes(problem, cfg, device):
-    """What explain adds about a backward config: packed sequences, the column slices of a wide
-    head dim."""
+    """What explain adds about a backward config: float32 gradients, packed sequences, the column
+    slices of a wide head dim."""
     lines = []
+    if cfg["queries"].GRAD32:
+        lines.append("grad_dtype float32: dQ, dK and dV stored as accumulated in float32, not "
+                     "rounded to the inputs' 16 bits")
     if cfg["queries"].VARLEN:
         packed = problem.varlen
-        lines.append(f"packed sequences: {packed.count} in one launch per pass (grid y: each "
-                     f"sequence's heads), blocks for the longest sequence's {packed.max_q} "
-                     f"query rows and {packed.max_k} keys; a shorter sequence's extra blocks "
-                     "return at once")
+        lines.append(packed.note(problem.causal, f"blocks for the longest sequence's "
+                                                 f"{packed.max_q} query rows and {packed.max_k} "
+                                                 "keys", passes=True))
     n = cfg["queries"].CHUNKS
     if not n:
         return lines

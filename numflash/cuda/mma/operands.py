@@ -95,7 +95,13 @@ class _OperandKind:
     def store_partial(self, s, n, ra, rb, half):
         """Emit the store of O tile n's registers ra, rb (row half), normalized, as floats: a
         split-KV share's partial O (in the accumulators' precision, for cuda.merge)."""
-        self._store_pair(s, n, f"o_{n}_{ra} * inv{half}", f"o_{n}_{rb} * inv{half}")
+        self.store_floats(s, n, ra, rb, half)
+
+    def store_floats(self, s, n, ra, rb, half, acc="o", factor=None, out="oh", dim="dv_u"):
+        """store_o's values as the accumulators hold them, unrounded (the array is of the
+        accumulators' float type): split-KV partials, the backward's GRAD32 gradients."""
+        f = factor or f"inv{half}"
+        self._store_pair(s, n, f"{acc}_{n}_{ra} * {f}", f"{acc}_{n}_{rb} * {f}", (), out, dim)
 
     @staticmethod
     def _store_pair(s, n, first, second, before=(), out="oh", dim="dv_u"):
@@ -365,8 +371,7 @@ class Words(_OperandKind):
                              [f"pa{i}" for i in range(4)], b)
 
     def store_o(self, s, n, ra, rb, half, acc="o", factor=None, out="oh", dim="dv_u"):
-        f = factor or f"inv{half}"
-        self._store_pair(s, n, f"{acc}_{n}_{ra} * {f}", f"{acc}_{n}_{rb} * {f}", (), out, dim)
+        self.store_floats(s, n, ra, rb, half, acc, factor, out, dim)
 
 
 class Split3xTF32(Words):

@@ -41,12 +41,14 @@ class MmaConfig(Mapping):
     dv) are (1, heads, total rows, .) views, and grid y's "batch" index b is the sequence, whose
     rows are cu_q[b] ... cu_q[b + 1] (keys: cu_k); blocks past their sequence's rows return at
     once. The run-time causal_offset argument then says the alignment (0: top-left, else
-    bottom-right per sequence), and lse / delta are (1, heads, total query rows).
+    bottom-right per sequence), and lse / delta are (1, heads, total query rows). GRAD32: the
+    16-bit backward writes dQ, dK, dV in float32 as accumulated (attention_backward's
+    grad_dtype), not rounded to 16 bits.
 
     A read-only mapping too (``cfg["D"]``, ``dict(cfg)``, ``f(**cfg)``) for code that treats
     every kernel's config alike (the launcher's cache key, ``explain``); unset MMA, DBG=0,
-    WINDOW=0, SUB=0, MODS="", SPLIT=0, KVLEN=0, PAGE=0, CHUNKS=0 and VARLEN=0 are left out of
-    it.
+    WINDOW=0, SUB=0, MODS="", SPLIT=0, KVLEN=0, PAGE=0, CHUNKS=0, VARLEN=0 and GRAD32=0 are left
+    out of it.
     """
     D: int
     DV: int
@@ -65,6 +67,7 @@ class MmaConfig(Mapping):
     PAGE: int = 0
     CHUNKS: int = 0
     VARLEN: int = 0
+    GRAD32: int = 0
 
     @property
     def BR(self):
@@ -78,7 +81,8 @@ class MmaConfig(Mapping):
         return {f.name: getattr(self, f.name) for f in fields(self)
                 if not (f.name == "MMA" and self.MMA is None)
                 and not (f.name in ("DBG", "WINDOW", "SUB", "MODS", "SPLIT", "KVLEN", "PAGE",
-                                    "CHUNKS", "VARLEN") and not getattr(self, f.name))}
+                                    "CHUNKS", "VARLEN", "GRAD32")
+                     and not getattr(self, f.name))}
 
     def __getitem__(self, key):
         return self._items()[key]
