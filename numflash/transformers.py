@@ -10,8 +10,14 @@ kernel and fails to load without flash-attn's own functions, so the name is ``"n
 And without a registered mask function, an attention function gets ``attention_mask=None``: a
 left-padded batch would attend to its padding. The mask function registered here hands numflash
 the most compact mask it can use, the (B, kv_len) key-padding vector (None without padding), and
-refuses mask patterns numflash cannot run yet (sliding windows, chunked or packed-sequence masks),
-never dropping them.
+refuses mask patterns numflash cannot run yet (sliding windows, chunked or custom masks), never
+dropping them.
+
+Packed sequences (several sequences in one batch row, found by transformers from position_ids
+that restart) reach the mask function as transformers' packed-sequence mask pattern; it hands on
+the (B, N) integer sequence ids, and the attention function runs every sequence in one
+:func:`numflash.torch.flash_attn_varlen_func` call (one launch per pass on CUDA). flash-attn's
+keyword arguments ``cu_seq_lens_q/k`` (DataCollatorWithFlattening) take the same path.
 
 A padded batch runs one numflash call per sequence on its kept keys [s, e) and on the query rows
 at those positions: with a causal mask that slice is bottom-right-aligned causal attention,
@@ -31,11 +37,43 @@ def _mask_functions():
             masking_utils.bidirectional_mask_function: False}
 
 
+def _packed_pattern(mask_function):
+    """(sequence ids (B, N), causal) if ``mask_function`` is transformers' packed-sequence
+    pattern over a causal or bidirectional mask, else None: ``and_masks`` of the ids' equality
+    (packed_sequence_mask_function) and the mask, on positions remapped to each sequence
+    (remap_positions_for_packed_sequence, transformers 5.2x) or as it is (older 5.x). Read from
+    the pattern's closures, so any other composition stays refused."""
+    import inspect
+
+    def closure(fn, name):
+        if getattr(fn, "__qualname__", "") != f"{name}.<locals>." + (
+                "and_mask" if name == "and_masks" else "inner_mask"):
+            return None
+        return inspect.getclosurevars(fn).nonlocals
+
+    both = closure(mask_function, "and_masks")
+    functions = list(both.get("mask_functions", ())) if both else []
+    ids = [closure(f, "packed_sequence_mask_function") for f in functions]
+    if len(functions) != 2 or sum(i is not None for i in ids) != 1:
+        return None
+    same = next(i for i in ids if i is not None)
+    other = functions[ids.index(None)]
+    remap = closure(other, "remap_positions_for_packed_sequence")
+    base = remap.get("mask_function") if remap else other
+    if base not in _mask_functions():
+        return None
+    return same["packed_sequence_mask"], _mask_functions()[base]
+
+
 def key_padding_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0,
                      mask_function=None, attention_mask=None, **kwargs):
     """transformers' mask function for numflash: the (B, kv_length) boolean key-padding mask, or
-    None when no key is padding. Causal and bidirectional patterns are the attention function's
-    ``is_causal``; any other pattern is refused."""
+    None when no key is padding; for packed sequences the (B, N) int64 sequence ids. Causal and
+    bidirectional patterns are the attention function's ``is_causal``; any other pattern is
+    refused."""
+    packed = _packed_pattern(mask_function) if mask_function is not None else None
+    if packed is not None:
+        return packed[0].to(torch.int64)
     if mask_function is not None and mask_function not in _mask_functions():
         name = getattr(mask_function, "__qualname__", repr(mask_function))
         raise NotImplementedError(
@@ -86,14 +124,20 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
             raise NotImplementedError(f"numflash's transformers attention does not support "
                                       f"{option}={kwargs[option]!r} yet: use "
                                       f"attn_implementation='sdpa' for this model")
-    if kwargs.get("cu_seq_lens_q") is not None:
-        raise NotImplementedError("numflash's transformers attention does not take packed "
-                                  "sequences (cu_seq_lens_q) yet")
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    packed = attention_mask is not None and not attention_mask.dtype.is_floating_point and \
+        attention_mask.dtype != torch.bool
+    if packed or kwargs.get("cu_seq_lens_q") is not None:
+        if kwargs.get("output_attentions"):
+            raise NotImplementedError("numflash's transformers attention gives no attention "
+                                      "probabilities for packed sequences (they have no dense "
+                                      "form): leave output_attentions off")
+        cu = _sequence_offsets(attention_mask) if packed else None
+        return _packed_attention(query, key, value, causal, scaling, cu, kwargs), None
     if attention_mask is not None and attention_mask.dim() != 2:
         raise NotImplementedError("numflash's transformers attention got a dense attention mask: "
                                   "register it with numflash.transformers.register(), which also "
                                   "registers its mask function")
-    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     nq, nk = query.shape[2], key.shape[2]  # key and value: Hk heads, read in place (GQA)
     mode = "bottom_right" if causal and nq > 1 else False  # a lone new query sees every key
     if attention_mask is None:
@@ -128,6 +172,31 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     if kwargs.get("output_attentions"):
         weights = _probabilities(query, lse_parts, mode, scaling, nk)
     return out.transpose(1, 2), weights
+
+
+def _sequence_offsets(ids):
+    """The packed sequences' cumulative lengths over the flattened (B x N) tokens: a sequence is a
+    run of equal ids in one batch row."""
+    starts = torch.ones_like(ids, dtype=torch.bool)
+    starts[:, 1:] = ids[:, 1:] != ids[:, :-1]
+    first = torch.nonzero(starts.flatten()).flatten()
+    return torch.cat([first, first.new_tensor([ids.numel()])]).to(torch.int32)
+
+
+def _packed_attention(query, key, value, causal, scaling, cu, kwargs):
+    """Every packed sequence in one flash_attn_varlen_func call: query (B, H, N, d), key and
+    value (B, Hk, N, .) flattened to (B N, heads, .); ``cu``: the offsets (else flash-attn's
+    ``cu_seq_lens_q/k`` keyword arguments). Returns (B, N, H, dv)."""
+    B, H, nq = query.shape[:3]
+    nk = key.shape[2]
+    cu_q = cu if cu is not None else kwargs["cu_seq_lens_q"]
+    cu_k = cu if cu is not None else kwargs.get("cu_seq_lens_k", cu_q)
+    flat = [t.transpose(1, 2).reshape(B * n, t.shape[1], t.shape[3])
+            for t, n in ((query, nq), (key, nk), (value, nk))]
+    out = _nt.flash_attn_varlen_func(*flat, cu_q, cu_k, kwargs.get("max_length_q"),
+                                     kwargs.get("max_length_k"), softmax_scale=scaling,
+                                     causal=bool(causal))
+    return out.reshape(B, nq, H, value.shape[3])
 
 
 def _probabilities(query, lse_parts, mode, scaling, nk):

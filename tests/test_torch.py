@@ -577,7 +577,7 @@ def test_gpu_unchanged_sdpa_calls_run_numflash_after_install():
     q, k, v = tensors((2, 8, 1000, 128), (2, 8, 1000, 128), torch.bfloat16, device="cuda",
                       grad=True)
     do = torch.randn(q.shape, device="cuda").bfloat16()
-    with torch.no_grad():
+    with torch.no_grad(), sdpa_kernel(SDPBackend.FLASH_ATTENTION):
         own = F.scaled_dot_product_attention(q, k, v, is_causal=True)
     ref = nt.attention(q, k, v, causal=True)
     ref_grads = torch.autograd.grad(ref, (q, k, v), do)

@@ -138,6 +138,97 @@ def test_right_and_both_sided_padding_match_sdpa(dtype, tol):
     assert (got.attentions[0] - probs)[rows].abs().max().item() < 1e-6
 
 
+def packed(rows=((20, 30, 20), (70,))):
+    """ids and position_ids of batch rows each packing sequences of these lengths."""
+    g = torch.Generator().manual_seed(5)
+    n = sum(rows[0])
+    ids = torch.randint(0, 101, (len(rows), n), generator=g)
+    positions = torch.stack([torch.cat([torch.arange(m) for m in row]) for row in rows])
+    return ids, positions
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-12), (torch.float32, 2e-5)])
+def test_packed_sequences_match_sdpa_and_each_sequence_alone(dtype, tol):
+    """position_ids that restart pack several sequences in a row: transformers' packed pattern
+    reaches numflash as sequence ids and every sequence runs in one varlen call; the logits
+    match sdpa's (which builds the block-diagonal mask) and the first sequence run alone."""
+    ref, ours = pair(dtype)
+    ids, positions = packed()
+    mask = ntf.key_padding_mask(2, 70, 70, mask_function=_packed_mask(positions))
+    assert mask.dtype == torch.int64 and mask[0].unique().numel() == 3
+    with torch.no_grad():   # (transformers finds packing only without a KV cache)
+        want = ref(ids, position_ids=positions, use_cache=False).logits
+        got = ours(ids, position_ids=positions, use_cache=False).logits
+        alone = ours(ids[:1, 20:50]).logits
+        whole = ours(ids).logits   # without the packing: the second sequence sees the first
+    assert (got - want).abs().max().item() <= tol
+    assert (got[0, 20:50] - alone[0]).abs().max().item() <= tol
+    assert (whole[0, 20:50] - alone[0]).abs().max().item() > 1e3 * tol
+
+
+def _packed_mask(positions):
+    from transformers import masking_utils as mu
+    seq = mu.find_packed_sequence_indices(positions)
+    return mu.packed_sequence_compatibility_function(mu.causal_mask_function, positions, seq)
+
+
+def _spy_packed(monkeypatch):
+    """Record how each packed call got its offsets: "ids" (the mask function's sequence ids) or
+    "kwargs" (cu_seq_lens_q/k)."""
+    calls, real = [], ntf._packed_attention
+
+    def spy(query, key, value, causal, scaling, cu, kwargs):
+        calls.append("kwargs" if cu is None else "ids")
+        return real(query, key, value, causal, scaling, cu, kwargs)
+    monkeypatch.setattr(ntf, "_packed_attention", spy)
+    return calls
+
+
+def test_flash_kwargs_of_packed_sequences_and_a_training_step(monkeypatch):
+    """DataCollatorWithFlattening's keyword arguments (cu_seq_lens_q/k, max_length_q/k) take the
+    same one-call path (here with the KV cache on, so transformers does not find the packing
+    itself); a training step on a packed row gives sdpa's gradients."""
+    calls = _spy_packed(monkeypatch)
+    ref, ours = pair(torch.float64)
+    ids, positions = packed(((20, 30, 20),))
+    cu = torch.tensor([0, 20, 50, 70], dtype=torch.int32)
+    flash = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=30, max_length_k=30)
+    with torch.no_grad():
+        want = ref(ids, position_ids=positions, use_cache=False).logits
+        got = ours(ids, position_ids=positions, **flash).logits
+    assert calls == ["kwargs"] * 2   # both layers
+    assert (got - want).abs().max().item() <= 1e-12
+    ref.train(), ours.train()
+    losses = []
+    for model in (ref, ours):
+        loss = model(ids, position_ids=positions, labels=ids, use_cache=False).loss
+        loss.backward()
+        losses.append(loss.item())
+    assert calls == ["kwargs"] * 2 + ["ids"] * 2
+    assert abs(losses[0] - losses[1]) < 1e-12
+    for (name, a), b in zip(ref.named_parameters(), ours.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-9, atol=1e-12, msg=name)
+    with pytest.raises(NotImplementedError, match="no attention probabilities for packed"):
+        ours(ids, position_ids=positions, use_cache=False, output_attentions=True)
+
+
+def test_the_older_packed_pattern_and_other_compositions():
+    """transformers before 5.2x composed packing as and_masks(causal, the ids' equality), with
+    no remapped positions: taken too. A packed sliding window or a causal mask and-ed with
+    anything else stays refused."""
+    from transformers import masking_utils as mu
+    _, positions = packed()
+    seq = mu.find_packed_sequence_indices(positions)
+    older = mu.and_masks(mu.causal_mask_function, mu.packed_sequence_mask_function(seq))
+    assert torch.equal(ntf.key_padding_mask(2, 70, 70, mask_function=older), seq)
+    window = mu.sliding_window_causal_mask_function(8)
+    for pattern in (mu.packed_sequence_compatibility_function(window, positions, seq),
+                    mu.and_masks(window, mu.packed_sequence_mask_function(seq)),
+                    mu.and_masks(mu.causal_mask_function, window)):
+        with pytest.raises(NotImplementedError, match="mask pattern"):
+            ntf.key_padding_mask(2, 70, 70, mask_function=pattern)
+
+
 def test_holes_inside_a_sequence_are_refused():
     _, ours = pair(torch.float64)
     ids, mask = batch(20)
@@ -158,6 +249,25 @@ def test_a_sliding_window_model_is_refused_not_run_without_its_window():
 def test_a_name_with_flash_in_it_is_refused():
     with pytest.raises(ValueError, match="flash"):
         ntf.register("numflash")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, tol", [(torch.float16, 2e-2), (torch.bfloat16, 6e-2)])
+def test_cuda_packed_sequences_run_in_one_launch_and_match_sdpa(dtype, tol, monkeypatch):
+    """Packed rows on CUDA: one varlen call a layer (cuda.mma's one launch per pass), the logits
+    within rounding of sdpa's, and a training step with finite gradients."""
+    calls = _spy_packed(monkeypatch)
+    ref, ours = (m.to("cuda") for m in pair(dtype, head_dim=64))
+    ids, positions = (t.to("cuda") for t in packed())
+    with torch.no_grad():
+        want = ref(ids, position_ids=positions, use_cache=False).logits.float()
+        got = ours(ids, position_ids=positions, use_cache=False).logits.float()
+    assert calls == ["ids"] * 2
+    assert (got - want).abs().max().item() <= tol
+    ours.train()
+    loss = ours(ids, position_ids=positions, labels=ids, use_cache=False).loss
+    loss.backward()
+    assert torch.isfinite(loss) and all(torch.isfinite(p.grad).all() for p in ours.parameters())
 
 
 @pytest.mark.gpu
