@@ -23,6 +23,7 @@ Writes DIR/ring.json after every measurement (a run cut short keeps what it meas
 DIR/ring.md at the end.
 """
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -129,7 +130,7 @@ def _does_not_fit_one_gpu(rank, world, dev, results, quick, ring_of, gather, log
 
 def _worker(rank, world, init_file, out_dir, quick, deadline, phases, backward_heads=2,
             backward_ns=(32768, 65536), backward_reps=2, correctness_n=131072,
-            step_ns=(131072,), step_counts=(1, 2, 4)):
+            step_ns=(131072,), step_counts=(1, 2, 4), step_no_comm=False):
     import torch
     import torch.distributed as dist
     import numflash.torch as nt
@@ -341,8 +342,15 @@ def _worker(rank, world, init_file, out_dir, quick, deadline, phases, backward_h
                 group_sync = (lambda g=groups.get(P): (torch.cuda.synchronize(),
                                                         dist.barrier(group=g)))
                 ts, gib = _timed(ring_step, reps, warm, group_sync)
+                if step_no_comm:   # the same ring with local copies in place of transfers
+                    quiet = dataclasses.replace(ring, communicate=False)
+                    no_comm = _timed(partial(ring_step, ring=quiet), reps, warm, group_sync)[0]
                 del shards
                 torch.cuda.empty_cache()
+            if step_no_comm and P > 1:
+                no_comm = slowest(no_comm if rank < P else [0.0] * reps)
+                if rank == 0:
+                    row["no_comm_ms"] = statistics.median(no_comm)
             ts = slowest(ts)   # every rank takes part; waiting ranks gave zeros
             mem = torch.tensor([gib], device=dev)
             dist.all_reduce(mem, op=dist.ReduceOp.MAX)
@@ -399,10 +407,11 @@ def _markdown(r, path):
         lines += ["", "training step, forward + backward (bf16, causal, zigzag, B1 H32 d128): ms, "
                   "median; efficiency against the smallest count measured at that N; GiB: torch's peak, "
                   "the whole-sequence inputs every rank draws (4 x N x 8 KiB) included",
-                  "| N | GPUs | ms | TFLOP/s per GPU | efficiency | vs | GiB per GPU |",
-                  "|---|---|---|---|---|---|---|"]
+                  "| N | GPUs | ms | no transfers ms | TFLOP/s per GPU | efficiency | vs | "
+                  "GiB per GPU |", "|---|---|---|---|---|---|---|---|"]
         for x in r["step"]:
-            lines.append(f"| {x['N']} | {x['gpus']} | {x['ms']:.1f} | {x['tflops_per_gpu']:.0f} | "
+            lines.append(f"| {x['N']} | {x['gpus']} | {x['ms']:.1f} | "
+                         f"{x.get('no_comm_ms', float('nan')):.1f} | {x['tflops_per_gpu']:.0f} | "
                          f"{x.get('efficiency', float('nan')):.3f} | {x.get('relative_to', '-')} | "
                          f"{x['peak_gib_per_gpu']:.2f} |" + (f" {x['error']}" if 'error' in x
                                                               else ""))
@@ -421,6 +430,8 @@ def main():
     ap.add_argument("--step-n", default="131072,524288,1048576", help="N of the step runs")
     ap.add_argument("--step-counts", default="1,2,4",
                     help="GPU counts of the step runs, in the order run (at most --world)")
+    ap.add_argument("--step-no-comm", action="store_true",
+                    help="also time each ring step with its transfers replaced by local copies")
     ap.add_argument("--backward-heads", type=int, default=2,
                     help="H of the backward runs (numflash's CUDA backward is slow: issue 13)")
     ap.add_argument("--backward-n", default="32768,65536", help="N of the backward runs")
@@ -436,7 +447,7 @@ def main():
                                 a.phases.split(","), a.backward_heads,
                                 [int(n) for n in a.backward_n.split(",")], a.backward_reps,
                                 a.correctness_n, [int(n) for n in a.step_n.split(",")],
-                                [int(n) for n in a.step_counts.split(",")]),
+                                [int(n) for n in a.step_counts.split(",")], a.step_no_comm),
                  nprocs=a.world)
     finally:
         if os.path.exists(init_file):
