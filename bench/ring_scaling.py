@@ -311,12 +311,14 @@ def _worker(rank, world, init_file, out_dir, quick, deadline, phases, backward_h
     # ---- the training step: forward + backward, 1 GPU and rings over the first P GPUs ----
     groups = {P: dist.new_group(list(range(P))) for P in step_counts if 1 < P < world}
     for N in (step_ns if "step" in phases else ()):
-        q, k, v, do = whole(1, 32, N, 128, torch.bfloat16, 11 * N)
         for P in step_counts:
             what = f"step bf16 N={N} on {P} GPU(s)"
             if out_of_time(what):
                 continue
             log(rank, what)
+            # the same whole inputs (one seed) drawn for each count, and dropped once sharded:
+            # a ring rank holds only its shards, as in training
+            q, k, v, do = whole(1, 32, N, 128, torch.bfloat16, 11 * N)
             big = N >= 524288
             # one repeat where a step takes most of a minute or more (kernels warm by then)
             reps, warm = (1, 0) if big and (P == 1 or N > 524288) else (2, 0) if big else (3, 1)
@@ -334,6 +336,8 @@ def _worker(rank, world, init_file, out_dir, quick, deadline, phases, backward_h
                 torch.cuda.empty_cache()
             elif P > 1 and rank < P:
                 shards = [nd.shard(t, rank, P, seq_dim=2) for t in (q, k, v, do)]
+                del q, k, v, do
+                torch.cuda.empty_cache()
                 ring = nd._Ring(groups.get(P), rank, P, True, 128 ** -0.5, "bhsd", "zigzag", ())
 
                 def ring_step(sh=shards, ring=ring):
@@ -365,8 +369,8 @@ def _worker(rank, world, init_file, out_dir, quick, deadline, phases, backward_h
                 log(rank, {k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()
                            if k != "repeats"})
             save()
-        del q, k, v, do
-        torch.cuda.empty_cache()
+            q = k = v = do = None
+            torch.cuda.empty_cache()
 
     results["finished"] = time.strftime("%F %T")
     save()
@@ -405,8 +409,8 @@ def _markdown(r, path):
                          f"{x['ring_peak_gib_per_gpu']:.2f} |")
     if r.get("step"):
         lines += ["", "training step, forward + backward (bf16, causal, zigzag, B1 H32 d128): ms, "
-                  "median; efficiency against the smallest count measured at that N; GiB: torch's peak, "
-                  "the whole-sequence inputs every rank draws (4 x N x 8 KiB) included",
+                  "median; efficiency against the smallest count measured at that N; GiB: "
+                  "torch's peak per GPU during the repeats (a ring rank holds its shards only)",
                   "| N | GPUs | ms | no transfers ms | TFLOP/s per GPU | efficiency | vs | "
                   "GiB per GPU |", "|---|---|---|---|---|---|---|---|"]
         for x in r["step"]:

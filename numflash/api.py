@@ -149,8 +149,8 @@ def attention_backward(do, q, k, v, o, lse, *, causal=False, softmax_scale=None,
         256; its forward takes float32 up to 128); "ieee" keeps them on the FMA units
         (cuda.row); "tf32" has no backward kernel.
 
-    Returns (dq, dk, dv) with the array kind and layout of q, k, v, in ``grad_dtype``. A row that sees no
-    key contributes nothing: its dq is zero. :func:`explain` with ``backward=True`` names the
+    Returns (dq, dk, dv) with the array kind and layout of q, k, v, in ``grad_dtype``. A row
+    that sees no key contributes nothing: its dq is zero. :func:`explain` with ``backward=True`` names the
     kernel that would run. Modifications: those the forward had; a score_mod needs its
     derivative (``score_mod_grad``; the built-ins carry theirs). No gradient flows to mod_args,
     attn_bias or alibi_slopes yet.

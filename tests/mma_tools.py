@@ -426,7 +426,8 @@ def run_backward_kernels(q, k, v, do, o, lse, DT, causal=False, causal_offset=0,
     """Run cuda.mma's generated backward source of kind DT (both passes) under the emulator;
     q, k, v, do, o in the kind's dtype (16-bit as float16 or ml_dtypes.bfloat16), lse as
     attention returns it. ``tiles``: {"queries": (NW, BC), "keys": (NW, BC[, SUB])}. Returns dq,
-    dk, dv in the inputs' dtype (``grad32``: the GRAD32 variant's float32). ``window``: a sliding window's (left, right) (WINDOW variants);
+    dk, dv in the inputs' dtype (``grad32``: the GRAD32 variant's float32). ``window``: a
+    sliding window's (left, right) (WINDOW variants);
     ``mods``: a numflash.mods.Mods (its window, and the MODS variant for the rest); ``chunks``:
     the CHUNKS variant's column slices (grid z); ``varlen``: (cu_q, cu_k, bottom_right) for the
     VARLEN variant (the arrays then hold the packed rows, batch 1)."""

@@ -158,9 +158,9 @@ def config(problem, device):
 def signature(dtype, kernel, window=False, token="", varlen=False, grad32=False):
     """Argument types of the "queries" or "keys" kernel: q, k, v, dO (and O for the query pass)
     (16-bit inputs as their bits), lse and delta (float32; float64 for float64), dQ or dK, dV
-    (like q; float32 with ``grad32``), the exp2 and natural scales, causal, causal_offset (and with a window its left
-    and right sizes, packed sequences' cu_q and cu_k, with modifications their arguments:
-    mods.argument_types)."""
+    (like q; float32 with ``grad32``), the exp2 and natural scales, causal, causal_offset (and
+    with a window its left and right sizes, packed sequences' cu_q and cu_k, with
+    modifications their arguments: mods.argument_types)."""
     from numba import types
     from ...inputs import lse_dtype
     from ..launch import array_type
