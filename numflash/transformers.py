@@ -114,8 +114,10 @@ def _kept_keys(mask_row):
 def attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
                       is_causal=None, **kwargs):
     """transformers' attention function: query (B, H, Nq, d), key and value (B, Hk, Nk, d),
-    ``attention_mask`` what :func:`key_padding_mask` returned. Returns ((B, Nq, H, d), weights),
-    weights being the exact attention probabilities with ``output_attentions=True``, else None."""
+    ``attention_mask`` what :func:`key_padding_mask` returned: a boolean key-padding mask, or
+    integer sequence ids of packed rows (an integer 0 / 1 padding mask must come through
+    :func:`key_padding_mask`, which makes it boolean). Returns ((B, Nq, H, d), weights), weights
+    being the exact attention probabilities with ``output_attentions=True``, else None."""
     if dropout and module.training:
         raise NotImplementedError(f"numflash has no attention dropout; this model trains with "
                                   f"attention_dropout={dropout}: set config.attention_dropout = 0.0")
