@@ -26,7 +26,7 @@ import torch
 
 from . import api as _api
 from .cuda import fastpath as _fastpath
-from .inputs import softmax_scale_value
+from .inputs import check_grad_dtype, softmax_scale_value
 
 __all__ = ["attention", "attention_backward", "scaled_dot_product_attention", "flash_attn_func",
            "flash_attn_varlen_func", "flash_attn_with_kvcache", "attention_probabilities",
@@ -451,7 +451,6 @@ def attention_backward(do, q, k, v, o, lse, *, causal=False, softmax_scale=None,
     if dq is None and dk is None and dv is None and not mods and grad_dtype is None:
         return _attention_backward_op(do, q, k, v, o, lse, *options)
     if grad_dtype is not None:
-        from .inputs import check_grad_dtype
         # checked by name before a tensor is made in it; numflash checks the given ones
         grad_dtype = getattr(torch, str(check_grad_dtype(grad_dtype, str(q.dtype)[6:])))
     grads = [g if g is not None else torch.empty(t.shape, dtype=grad_dtype or t.dtype,
