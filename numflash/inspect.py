@@ -56,7 +56,7 @@ def inspect(archs, head_dims=HEAD_DIMS, dtypes=DTYPES, out=sys.stdout, kernels=(
             print(f"{r['kernel']:11s} {r['cc'][0]}{r['cc'][1]:<2d} {r['dtype']:8s} d={r['d']}: "
                   f"{r['unsupported'][:90]}", file=out)
             continue
-        cfg = " ".join(f"{k}={v}" for k, v in r["config"].items() if k != "acc")
+        cfg = " ".join(f"{k}={v}" for k, v in r["config"].items())
         spill = r.get("spill_store_bytes", 0) + r.get("spill_load_bytes", 0)
         print(f"{r['kernel']:11s} {r['cc'][0]}{r['cc'][1]:<2d} {r['dtype']:8s} {cfg:52s} "
               f"{r.get('registers', 0):4d} {spill:5d} {r.get('stack_bytes', 0):5d} "

@@ -249,6 +249,8 @@ def test_blocks_and_model_bytes():
     assert cases.blocks_from_config({"block_q": 128, "block_k": 256}) == (128, 256)
     assert cases.blocks_from_config({"D": 64, "BR": 64, "BC": 32, "TM": 4}) == (64, 32)
     assert cases.blocks_from_config({"D": 64, "BC": 64, "ROWS": 128}) == (128, 64)
+    from numflash.cuda.mma.tiles import MmaConfig   # BR is derived there (16 rows a warp)
+    assert cases.blocks_from_config(MmaConfig(64, 64, 4, 32, 1, "f16", 1)) == (64, 32)
     assert cases.blocks_from_config({"D": 64}) is None
     from numflash import io_model
     r = {"B": 4, "H": 16, "Nq": 4096, "Nk": 4096, "d": 64, "dtype": "float16", "causal": True}

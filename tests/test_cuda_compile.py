@@ -55,8 +55,8 @@ def test_default_configs_do_not_spill(report, kernel):
     spills = [r for r in rows if spill_bytes(r) or r.get("stack_bytes", 0)]
     assert rows and not spills, spills
     if kernel == "cuda.row":  # both ways past the registers were compiled: split columns, q shared
-        assert any(r["config"]["QS"] for r in rows)
-        assert any(not r["config"]["QS"] and r["config"]["DV"] < r["d"] for r in rows)
+        assert any(not r["config"]["HOLDQ"] for r in rows)
+        assert any(r["config"]["HOLDQ"] and r["config"]["DV"] < r["d"] for r in rows)
 
 
 def test_only_sm75_float64_at_d256_is_refused_and_says_why(report):

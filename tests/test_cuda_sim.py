@@ -227,16 +227,17 @@ def test_replay_signature_tells_apart_what_the_full_path_would(rng, monkeypatch)
     assert fastpath.signature(a, a, a, opts) is None                # NumPy arrays
 
 
-@pytest.mark.parametrize("dtype,d,dv,q_shared,chunks", [("float32", 16, 256, 0, 2),
-                                                        ("float64", 59, 111, 1, 2),
-                                                        ("float32", 200, 40, 1, 1)])
-def test_row_kernel_large_head_dims(rng, dtype, d, dv, q_shared, chunks):
+@pytest.mark.parametrize("dtype,d,dv,hold_q,chunks", [("float32", 16, 256, 1, 2),
+                                                      ("float64", 59, 111, 0, 2),
+                                                      ("float32", 200, 40, 0, 1)])
+def test_row_kernel_large_head_dims(rng, dtype, d, dv, hold_q, chunks):
     """Head dims past the registers: the row kernel splits the output columns across blocks
-    (DV < dv) with q still in registers, or keeps q in shared memory (QS), every option exact."""
+    (DV < dv) with q still in registers (HOLDQ), or keeps q in shared memory, every option
+    exact."""
     q, k, v = arrays(rng, (1, 2, 9, d), dtype), arrays(rng, (1, 2, 70, d), dtype), \
         arrays(rng, (1, 2, 70, dv), dtype)
     plan = numflash.explain(q, k, v, backend="cuda", algorithm="row")
-    assert plan.config["QS"] == q_shared and -(-dv // plan.config["DV"]) == chunks
+    assert plan.config["HOLDQ"] == hold_q and -(-dv // plan.config["DV"]) == chunks
     for causal in (False, "bottom_right"):
         out, lse = numflash.attention(q, k, v, causal=causal, backend="cuda", algorithm="row",
                                       return_lse=True)

@@ -132,6 +132,8 @@ def tflops(flops, ms):
 
 def blocks_from_config(config):
     """(block_rows, block_cols) of a numflash kernel's tile config, or None if it names none."""
+    if isinstance(getattr(config, "BR", None), int):  # a numflash kernel's TileConfig
+        return config.BR, config.BC
     lower = {str(k).lower(): v for k, v in (config or {}).items()}
     rows = next((lower[k] for k in ("br", "block_q", "block_m", "block_rows", "rows")
                  if k in lower), None)

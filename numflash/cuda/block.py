@@ -17,17 +17,49 @@ once S is computed), Vs[BC][DV], and NT words of scratch for the simulator's sta
 Fewer bytes per block means more resident blocks, and occupancy is what this kernel is short of.
 """
 import math
+from dataclasses import dataclass
 
 import numpy as np
 from numba import cuda
 
 from ..device import Unsupported
 from . import launch
+from .config import SIMT_ACC, SIMT_DT, TileConfig
 from .common import NEG_INF, SMEM_ALIGN, compute_type, element_size, exp_for, forward_signature, \
     group_max, group_sum, head_dim_bucket, inlined_device, key_end, stage_chunk, stage_parts, \
     tile_needs_mask, tile_stager, vector_load, vector_store
 
 NAME = "cuda.block"
+
+
+@dataclass(frozen=True)
+class BlockConfig(TileConfig):
+    """One compile-time variant of cuda.block (cuda.config's naming scheme).
+
+    D, DV: padded head dims (DV a multiple of BC // TN, the output columns a thread group
+    splits). BR query rows a block, BC keys a tile. TM x TN: the patch of S a thread computes,
+    so NT = (BR / TM) x (BC / TN) threads. DT: "f32" or "f64", the accumulators' type. PF: the
+    next K / V tile is prefetched into registers during this one's compute. SP: the micro-GEMMs
+    are software-pipelined.
+    """
+    D: int
+    DV: int
+    BR: int
+    BC: int
+    TM: int
+    TN: int
+    DT: str
+    PF: int
+    SP: int
+
+    @property
+    def NT(self):
+        return (self.BR // self.TM) * (self.BC // self.TN)
+
+    @property
+    def acc(self):
+        """The accumulators' float type name."""
+        return SIMT_ACC[self.DT]
 
 
 def _layout(D, DV, BR, BC, TM, TN, acc):
@@ -123,13 +155,14 @@ def micro_gemm(M, N, acc, pipelined):
     return gemm
 
 
-def make_kernel(D, DV, BR, BC, TM, TN, acc, PF, SP):
+def make_kernel(D, DV, BR, BC, TM, TN, DT, PF, SP):
     """Kernel for head dims padded to D (q, k) and DV (v, a multiple of BC // TN).
 
     Index arithmetic is unsigned 64-bit throughout: numba guards every signed index with
     negative-wraparound code (shift, and, add per access), which cost more than the FMAs here.
     Every constant that meets an index is a uint64 (numba turns uint64 + int64 into float64).
     """
+    acc = SIMT_ACC[DT]
     ACC = compute_type(acc)
     exp = exp_for(acc)
     u = np.uint64
@@ -345,8 +378,7 @@ def tile_config(d, dv, tile, acc, prefetch=None, pipelined=1):
     DV = -(-head_dim_bucket(dv) // (BC // TN)) * (BC // TN)
     if prefetch is None:
         prefetch = prefetch_fits(D, DV, BC, TM, TN, BR, acc)
-    return {"D": D, "DV": DV, "BR": BR, "BC": BC, "TM": TM, "TN": TN, "acc": acc,
-            "PF": int(prefetch), "SP": int(pipelined)}
+    return BlockConfig(D, DV, BR, BC, TM, TN, SIMT_DT[acc], int(prefetch), int(pipelined))
 
 
 def config(problem, device):
@@ -365,14 +397,13 @@ def config(problem, device):
 
 def staged_parts(cfg):
     """How many register-sized parts a K and a V tile are staged in (1 each with prefetch)."""
-    chunk = kv_chunk(cfg["PF"], cfg["acc"])
-    threads = (cfg["BR"] // cfg["TM"]) * (cfg["BC"] // cfg["TN"])
-    return tuple(stage_parts(cfg["BC"], cols, threads, chunk)[1] for cols in (cfg["D"], cfg["DV"]))
+    chunk = kv_chunk(cfg.PF, cfg.acc)
+    return tuple(stage_parts(cfg.BC, cols, cfg.NT, chunk)[1] for cols in (cfg.D, cfg.DV))
 
 
 def shared_bytes(cfg):
-    return smem_words(cfg["D"], cfg["DV"], cfg["BR"], cfg["BC"], cfg["TM"], cfg["TN"],
-                      cfg["acc"]) * element_size(cfg["acc"])
+    return smem_words(cfg.D, cfg.DV, cfg.BR, cfg.BC, cfg.TM, cfg.TN, cfg.acc) \
+        * element_size(cfg.acc)
 
 
 def compiled_kernels(cfg, dtype):
@@ -386,9 +417,8 @@ def run(problem, cfg, device):
     B, H, Nq, Nk, d, dv = p.shape
     (kernel, _), = compiled_kernels(cfg, p.dtype_name)
     lse = p.empty_lse()
-    threads = (cfg["BR"] // cfg["TM"]) * (cfg["BC"] // cfg["TN"])
-    grid = (B * H, -(-Nq // cfg["BR"]))
-    kernel(grid, (threads,), shared_bytes(cfg),
+    grid = (B * H, -(-Nq // cfg.BR))
+    kernel(grid, (cfg.NT,), shared_bytes(cfg),
            (p.q, p.k, p.v, p.out, lse, float(p.scale), int(p.causal), int(p.causal_offset)),
            device)
     return lse

@@ -4,7 +4,7 @@ The thread keeps its q row and its output accumulator in registers; the block's 
 load each K/V tile into shared memory together (coalesced, staged through registers), then
 every thread runs the online-softmax update over the tile's keys one by one. When a key does not
 raise the running max (the common case after the first few), the accumulator needs no rescale.
-Grid: (batch x head, query chunk of ROWS rows, output column chunk), so any sequence length fits.
+Grid: (batch x head, query chunk of BR rows, output column chunk), so any sequence length fits.
 
 Large head dims do not fit in registers (q and the accumulator are one word each per element,
 255 registers a thread). Past REG_WORDS the output columns split across blocks (grid z), each
@@ -16,12 +16,14 @@ On the H100 this beat keeping everything in registers and letting ptxas spill 0.
 d=128 45.4 against 47.0 ms, float64 d=64 39.6 against 43.5 ms (bench/NOTES.md).
 """
 import math
+from dataclasses import dataclass
 
 import numpy as np
 from numba import cuda
 
 from ..device import Unsupported
 from . import launch
+from .config import SIMT_ACC, TileConfig, simt_dt
 from .common import NEG_INF, SMEM_ALIGN, compute_type, element_size, exp_for, forward_signature, \
     head_dim_bucket, key_end, stage_chunk, tile_stager, vector_load
 
@@ -32,25 +34,52 @@ ACC_WORDS = 128   # accumulator words per thread once q is in shared memory (no 
 KV_TILE_BYTES = 48 * 1024  # K and V tiles of one block
 
 
-def make_kernel(D, DV, BC, ROWS, QS, acc):
-    """Kernel for q/k head dims padded to D, DV output columns a block, BC keys a tile, ROWS
-    threads a block; QS: the q row lives in shared memory instead of registers.
+@dataclass(frozen=True)
+class RowConfig(TileConfig):
+    """One compile-time variant of cuda.row's forward (cuda.config's naming scheme).
+
+    D: q / k's padded head dim; DV: the output columns a block computes (grid z covers the rest).
+    BR query rows a block, one thread each (NT = BR); BC keys a K / V tile. HOLDQ: each thread's
+    q row stays in registers (else it lives in shared memory, transposed). DT: "f32" or "f64",
+    the accumulators' type.
+    """
+    D: int
+    DV: int
+    BR: int
+    BC: int
+    HOLDQ: int
+    DT: str
+
+    @property
+    def NT(self):
+        return self.BR
+
+    @property
+    def acc(self):
+        """The accumulators' float type name."""
+        return SIMT_ACC[self.DT]
+
+
+def make_kernel(D, DV, BR, BC, HOLDQ, DT):
+    """Kernel for q/k head dims padded to D, DV output columns a block, BR query rows (threads) a
+    block, BC keys a tile; HOLDQ: the q row stays in registers, else in shared memory.
 
     Shared-memory indices are uint64 (with uint64 constants) so numba emits no negative-index
     wraparound code in the inner loops.
     """
+    acc = SIMT_ACC[DT]
     ACC = compute_type(acc)
     exp = exp_for(acc)
     u = np.uint64
-    uD, uDV, uBC, uROWS = u(D), u(DV), u(BC), u(ROWS)
+    uD, uDV, uBR, uBC = u(D), u(DV), u(BR), u(BC)
     V_OFF = u(BC * D)             # V tile after the K tile
-    Q_OFF = u(BC * (D + DV))      # then Qt[c][row], if QS
+    Q_OFF = u(BC * (D + DV))      # then Qt[c][row], unless HOLDQ
     zero = u(0)
     chunk = stage_chunk(acc)
-    _, _, stage_k, K_REGS, _ = tile_stager(BC, D, ROWS, acc, False, D, chunk)
-    _, _, stage_v, V_REGS, _ = tile_stager(BC, DV, ROWS, acc, False, DV, chunk)
+    _, _, stage_k, K_REGS, _ = tile_stager(BC, D, BR, acc, False, D, chunk)
+    _, _, stage_v, V_REGS, _ = tile_stager(BC, DV, BR, acc, False, DV, chunk)
     STAGE_REGS = max(K_REGS, V_REGS)
-    Q_REGS = 1 if QS else D
+    Q_REGS = D if HOLDQ else 1
     VW = 16 // element_size(acc)  # elements per 16-byte load; D and DV are multiples of 16
     uVW = u(VW)
 
@@ -61,7 +90,7 @@ def make_kernel(D, DV, BC, ROWS, QS, acc):
         tid = u(cuda.threadIdx.x)
         b = u(cuda.blockIdx.x // H)
         h = u(cuda.blockIdx.x % H)
-        block_first = u(cuda.gridDim.y - 1 - cuda.blockIdx.y) * uROWS  # longest (causal) first
+        block_first = u(cuda.gridDim.y - 1 - cuda.blockIdx.y) * uBR  # longest (causal) first
         col0 = u(cuda.blockIdx.z) * uDV   # this block's output columns: col0 .. col0 + DV
         i = block_first + tid
         smem = cuda.shared.array(0, ACC, alignment=SMEM_ALIGN)
@@ -73,8 +102,8 @@ def make_kernel(D, DV, BC, ROWS, QS, acc):
         qr = cuda.local.array(Q_REGS, ACC)
         for c in range(uD):
             x = ACC(q[b, h, i, c]) if i < Nq and c < d else ACC(0)
-            if QS:
-                smem[Q_OFF + c * uROWS + tid] = x  # only this thread reads it back
+            if not HOLDQ:
+                smem[Q_OFF + c * uBR + tid] = x  # only this thread reads it back
             else:
                 qr[c] = x
         acc_o = cuda.local.array(DV, ACC)
@@ -85,7 +114,7 @@ def make_kernel(D, DV, BC, ROWS, QS, acc):
         l = ACC(0)
 
         row_keys = u(key_end(i, Nk, causal, causal_offset)) if i < Nq else zero
-        block_keys = u(key_end(min(Nq, block_first + uROWS) - u(1), Nk, causal, causal_offset))
+        block_keys = u(key_end(min(Nq, block_first + uBR) - u(1), Nk, causal, causal_offset))
         for j0 in range(zero, block_keys, uBC):
             cuda.syncthreads()  # the previous tile is no longer read
             stage_k(kbh, j0, Nk, d, regs, smem, zero, tid)
@@ -100,7 +129,7 @@ def make_kernel(D, DV, BC, ROWS, QS, acc):
                 for c in range(zero, uD, uVW):
                     t = vector_load(smem, kj + c, VW)
                     for w in range(uVW):
-                        dots[w] += (smem[Q_OFF + (c + w) * uROWS + tid] if QS else qr[c + w]) * t[w]
+                        dots[w] += (qr[c + w] if HOLDQ else smem[Q_OFF + (c + w) * uBR + tid]) * t[w]
                 dot = dots[0]
                 for w in range(u(1), uVW):
                     dot += dots[w]
@@ -138,19 +167,19 @@ def config(problem, device):
     esize = element_size(acc)
     words = esize // 4
     D, DV = head_dim_bucket(d), head_dim_bucket(dv)
-    qs = False
+    q_shared = False
     if (D + DV) * words > REG_WORDS:
         # The output columns split across blocks (each recomputing the scores) to fit beside q;
         # past MAX_SPLITS splits q moves to shared memory and leaves the registers to them.
         room = max(0, REG_WORDS // words - D) // 16 * 16
-        qs = room == 0 or -(-DV // room) > MAX_SPLITS
-        DV = min(DV, ACC_WORDS // words if qs else room)
+        q_shared = room == 0 or -(-DV // room) > MAX_SPLITS
+        DV = min(DV, ACC_WORDS // words if q_shared else room)
     limit = None if device.simulator else device.smem_per_block_optin
-    # The most rows a block (q in shared memory costs ROWS x D words), then the largest
+    # The most rows a block (q in shared memory costs BR x D words), then the largest
     # power-of-two key tile (8..64) whose K and V fit KV_TILE_BYTES and the device's limit.
     for rows in ((32,) if device.simulator else (128, 64, 32, 16)):
         for bc in (64, 32, 16, 8):
-            cfg = {"D": D, "DV": DV, "BC": bc, "ROWS": rows, "QS": int(qs), "acc": acc}
+            cfg = RowConfig(D, DV, rows, bc, int(not q_shared), simt_dt(problem.dtype_name))
             if bc * (D + DV) * esize <= KV_TILE_BYTES and (
                     limit is None or shared_bytes(cfg) <= limit):
                 return cfg
@@ -160,8 +189,8 @@ def config(problem, device):
 
 
 def shared_bytes(cfg):
-    words = cfg["BC"] * (cfg["D"] + cfg["DV"]) + (cfg["ROWS"] * cfg["D"] if cfg["QS"] else 0)
-    return words * element_size(cfg["acc"])
+    words = cfg.BC * (cfg.D + cfg.DV) + (0 if cfg.HOLDQ else cfg.BR * cfg.D)
+    return words * element_size(cfg.acc)
 
 
 def compiled_kernels(cfg, dtype):
@@ -175,8 +204,8 @@ def run(problem, cfg, device):
     B, H, Nq, Nk, d, dv = p.shape
     (kernel, _), = compiled_kernels(cfg, p.dtype_name)
     lse = p.empty_lse()
-    grid = (B * H, -(-Nq // cfg["ROWS"]), -(-dv // cfg["DV"]))
-    kernel(grid, (cfg["ROWS"],), shared_bytes(cfg),
+    grid = (B * H, -(-Nq // cfg.BR), -(-dv // cfg.DV))
+    kernel(grid, (cfg.NT,), shared_bytes(cfg),
            (p.q, p.k, p.v, p.out, lse, float(p.scale), int(p.causal), int(p.causal_offset)),
            device)
     return lse

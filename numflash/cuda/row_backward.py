@@ -19,58 +19,96 @@ The accumulated columns ([dK | dV] in the key pass, dQ in the query pass) are sp
 in chunks of at most ACC_WORDS words, each block recomputing the dot products, so the
 accumulators stay in registers at any head dim (as the forward row kernel splits its output).
 """
+from dataclasses import dataclass
+
 import numpy as np
 from numba import cuda
 
 from ..device import Unsupported
 from . import launch
-from .common import NEG_INF, SMEM_ALIGN, compute_type, element_size, exp_for, head_dim_bucket, \
-    key_end, stage_chunk, tile_stager
+from .config import SIMT_ACC, TileConfig, simt_dt
+from .common import NEG_INF, SMEM_ALIGN, compute_type, device_function, element_size, exp_for, \
+    head_dim_bucket, key_end, stage_chunk, tile_stager
 
 NAME = "cuda.row"
 ACC_WORDS = 64        # 32-bit words of accumulated gradient columns a thread keeps (no spills)
 TILE_BYTES = 48 * 1024
 
 
-def _own_rows_loader(D, ROWS, ACC):
-    """Copies this thread's row of a (B, H, N, d) array into shared memory, transposed
-    (smem[base + c * ROWS + tid]), zero past the row count or d."""
-    u = np.uint64
-    uD, uROWS = u(D), u(ROWS)
+@dataclass(frozen=True)
+class RowBackwardConfig(TileConfig):
+    """One compile-time variant of cuda.row's backward (cuda.config's naming scheme).
 
-    @cuda.jit(device=True)
+    D, DV: padded head dims. BR: the rows a block owns, one thread each (NT = BR): key rows in
+    the key pass, query rows in the query pass; BC: the rows of the other side a tile (query
+    tiles in the key pass, key tiles in the query pass). DT: "f32" or "f64", the accumulators'
+    type. CW_KEY, CW_QUERY: the accumulated columns a block of the key pass ([dK | dV]) and of
+    the query pass (dQ) computes (grid z covers the rest).
+    """
+    D: int
+    DV: int
+    BR: int
+    BC: int
+    DT: str
+    CW_KEY: int
+    CW_QUERY: int
+
+    @property
+    def NT(self):
+        return self.BR
+
+    @property
+    def acc(self):
+        """The accumulators' float type name."""
+        return SIMT_ACC[self.DT]
+
+    def pass_config(self, kernel):
+        """The compile-time config of the "keys" or "queries" kernel."""
+        cw = self.CW_KEY if kernel == "keys" else self.CW_QUERY
+        return {"D": self.D, "DV": self.DV, "CW": cw, "BR": self.BR, "BC": self.BC,
+                "DT": self.DT}
+
+
+def _own_rows_loader(D, BR, ACC):
+    """Copies this thread's row of a (B, H, N, d) array into shared memory, transposed
+    (smem[base + c * BR + tid]), zero past the row count or d."""
+    u = np.uint64
+    uD, uBR = u(D), u(BR)
+
+    @device_function
     def load_own_row(src, b, h, row, nrows, ncols, smem, base, tid):
         for c in range(uD):
-            smem[base + c * uROWS + tid] = ACC(src[b, h, row, c]) \
+            smem[base + c * uBR + tid] = ACC(src[b, h, row, c]) \
                 if row < nrows and c < ncols else ACC(0)
     return load_own_row
 
 
-def _pass_pieces(TILE, D, DV, ROWS, acc):
-    """What both passes need: stagers for the streamed tiles (TILE rows of width D, then DV),
+def _pass_pieces(BC, D, DV, BR, acc):
+    """What both passes need: stagers for the streamed tiles (BC rows of width D, then DV),
     the number of staging registers, and loaders for the thread's own rows (widths D and DV)."""
     chunk = stage_chunk(acc)
-    _, _, stage_d, regs_d, _ = tile_stager(TILE, D, ROWS, acc, False, D, chunk)
-    _, _, stage_dv, regs_dv, _ = tile_stager(TILE, DV, ROWS, acc, False, DV, chunk)
+    _, _, stage_d, regs_d, _ = tile_stager(BC, D, BR, acc, False, D, chunk)
+    _, _, stage_dv, regs_dv, _ = tile_stager(BC, DV, BR, acc, False, DV, chunk)
     ACC = compute_type(acc)
-    return (stage_d, stage_dv, max(regs_d, regs_dv), _own_rows_loader(D, ROWS, ACC),
-            _own_rows_loader(DV, ROWS, ACC))
+    return (stage_d, stage_dv, max(regs_d, regs_dv), _own_rows_loader(D, BR, ACC),
+            _own_rows_loader(DV, BR, ACC))
 
 
-def make_key_kernel(D, DV, CW, BQ, ROWS, acc):
-    """dK and dV: ROWS key rows a block, query tiles of BQ rows, CW accumulated columns of the
+def make_key_kernel(D, DV, CW, BR, BC, DT):
+    """dK and dV: BR key rows a block, query tiles of BC rows, CW accumulated columns of the
     concatenated [dK | dV] (D + DV padded columns) per block (grid z)."""
+    acc = SIMT_ACC[DT]
     ACC = compute_type(acc)
     exp = exp_for(acc)
     u = np.uint64
-    uD, uDV, uBQ, uROWS, uCW = u(D), u(DV), u(BQ), u(ROWS), u(CW)
-    KT, VT = u(0), u(D * ROWS)                    # own k, v rows (transposed)
-    QS = u((D + DV) * ROWS)                       # then the Q tile, the dO tile, lse and D
-    DOS = QS + u(BQ * D)
-    LS = DOS + u(BQ * DV)
-    DS = LS + uBQ
+    uD, uDV, uBR, uBC, uCW = u(D), u(DV), u(BR), u(BC), u(CW)
+    KT, VT = u(0), u(D * BR)                    # own k, v rows (transposed)
+    QS = u((D + DV) * BR)                       # then the Q tile, the dO tile, lse and D
+    DOS = QS + u(BC * D)
+    LS = DOS + u(BC * DV)
+    DS = LS + uBC
     zero = u(0)
-    stage_q, stage_do, STAGE_REGS, load_own_row, load_own_v = _pass_pieces(BQ, D, DV, ROWS, acc)
+    stage_q, stage_do, STAGE_REGS, load_own_row, load_own_v = _pass_pieces(BC, D, DV, BR, acc)
 
     def key_gradients(q, k, v, do, lse, delta, dk, dv, scale, causal, causal_offset):
         H = q.shape[1]  # dk, dv: (B, H, Nk, .), each query head's share (see run())
@@ -80,7 +118,7 @@ def make_key_kernel(D, DV, CW, BQ, ROWS, acc):
         b = u(cuda.blockIdx.x // H)
         h = u(cuda.blockIdx.x % H)
         hk = h // u(H // k.shape[1])  # grouped-query attention: the key/value head h reads
-        j_first = u(cuda.blockIdx.y) * uROWS
+        j_first = u(cuda.blockIdx.y) * uBR
         j = j_first + tid
         col0 = u(cuda.blockIdx.z) * uCW        # this block's columns of [dK | dV]
         smem = cuda.shared.array(0, ACC, alignment=SMEM_ALIGN)
@@ -93,28 +131,28 @@ def make_key_kernel(D, DV, CW, BQ, ROWS, acc):
         # The first query row that sees key j_first (causal), rounded down to a tile.
         i_start = zero
         if causal and int(j_first) - causal_offset > 0:
-            i_start = u(int(j_first) - causal_offset) // uBQ * uBQ
+            i_start = u(int(j_first) - causal_offset) // uBC * uBC
         qbh, dobh = q[b, h], do[b, h]
-        for i0 in range(i_start, Nq, uBQ):
+        for i0 in range(i_start, Nq, uBC):
             cuda.syncthreads()  # the previous tile is no longer read
             stage_q(qbh, i0, Nq, d, regs, smem, QS, tid)
             stage_do(dobh, i0, Nq, dvd, regs, smem, DOS, tid)
-            for t in range(tid, uBQ, uROWS):
+            for t in range(tid, uBC, uBR):
                 inside = i0 + t < Nq
                 smem[LS + t] = ACC(lse[b, h, i0 + t]) if inside else ACC(NEG_INF)
                 smem[DS + t] = ACC(delta[b, h, i0 + t]) if inside else ACC(0)
             cuda.syncthreads()
-            rows = min(uBQ, Nq - i0)
+            rows = min(uBC, Nq - i0)
             for r in range(rows):
                 m = smem[LS + r]
                 if j >= Nk or m == NEG_INF or j >= u(key_end(i0 + r, Nk, causal, causal_offset)):
                     continue  # this key is not seen by the row, or the row sees no key
                 s = ACC(0)
                 for c in range(uD):
-                    s += smem[QS + r * uD + c] * smem[KT + c * uROWS + tid]
+                    s += smem[QS + r * uD + c] * smem[KT + c * uBR + tid]
                 dp = ACC(0)
                 for c in range(uDV):
-                    dp += smem[DOS + r * uDV + c] * smem[VT + c * uROWS + tid]
+                    dp += smem[DOS + r * uDV + c] * smem[VT + c * uBR + tid]
                 p = exp(s * sc - m)
                 ds = p * (dp - smem[DS + r]) * sc
                 for w in range(uCW):
@@ -134,17 +172,18 @@ def make_key_kernel(D, DV, CW, BQ, ROWS, acc):
     return key_gradients
 
 
-def make_query_kernel(D, DV, CW, BC, ROWS, acc):
-    """dQ: ROWS query rows a block, key tiles of BC rows, CW columns of dQ per block (grid z)."""
+def make_query_kernel(D, DV, CW, BR, BC, DT):
+    """dQ: BR query rows a block, key tiles of BC rows, CW columns of dQ per block (grid z)."""
+    acc = SIMT_ACC[DT]
     ACC = compute_type(acc)
     exp = exp_for(acc)
     u = np.uint64
-    uD, uDV, uBC, uROWS, uCW = u(D), u(DV), u(BC), u(ROWS), u(CW)
-    QT, DOT = u(0), u(D * ROWS)                   # own q, dO rows (transposed)
-    KS = u((D + DV) * ROWS)                       # then the K tile and the V tile
+    uD, uDV, uBR, uBC, uCW = u(D), u(DV), u(BR), u(BC), u(CW)
+    QT, DOT = u(0), u(D * BR)                   # own q, dO rows (transposed)
+    KS = u((D + DV) * BR)                       # then the K tile and the V tile
     VS = KS + u(BC * D)
     zero = u(0)
-    stage_k, stage_v, STAGE_REGS, load_own_row, load_own_do = _pass_pieces(BC, D, DV, ROWS, acc)
+    stage_k, stage_v, STAGE_REGS, load_own_row, load_own_do = _pass_pieces(BC, D, DV, BR, acc)
 
     def query_gradients(q, k, v, do, lse, delta, dq, scale, causal, causal_offset):
         H = q.shape[1]
@@ -153,7 +192,7 @@ def make_query_kernel(D, DV, CW, BC, ROWS, acc):
         tid = u(cuda.threadIdx.x)
         b = u(cuda.blockIdx.x // H)
         h = u(cuda.blockIdx.x % H)
-        block_first = u(cuda.gridDim.y - 1 - cuda.blockIdx.y) * uROWS  # longest (causal) first
+        block_first = u(cuda.gridDim.y - 1 - cuda.blockIdx.y) * uBR  # longest (causal) first
         i = block_first + tid
         col0 = u(cuda.blockIdx.z) * uCW
         smem = cuda.shared.array(0, ACC, alignment=SMEM_ALIGN)
@@ -166,7 +205,7 @@ def make_query_kernel(D, DV, CW, BC, ROWS, acc):
         for c in range(uCW):
             acc_g[c] = 0
         row_keys = u(key_end(i, Nk, causal, causal_offset)) if i < Nq and m != NEG_INF else zero
-        block_keys = u(key_end(min(Nq, block_first + uROWS) - u(1), Nk, causal, causal_offset))
+        block_keys = u(key_end(min(Nq, block_first + uBR) - u(1), Nk, causal, causal_offset))
         hk = h // u(H // k.shape[1])  # grouped-query attention: the key/value head h reads
         kbh, vbh = k[b, hk], v[b, hk]
         for j0 in range(zero, block_keys, uBC):
@@ -178,10 +217,10 @@ def make_query_kernel(D, DV, CW, BC, ROWS, acc):
             for jj in range(keys):
                 s = ACC(0)
                 for c in range(uD):
-                    s += smem[QT + c * uROWS + tid] * smem[KS + jj * uD + c]
+                    s += smem[QT + c * uBR + tid] * smem[KS + jj * uD + c]
                 dp = ACC(0)
                 for c in range(uDV):
-                    dp += smem[DOT + c * uROWS + tid] * smem[VS + jj * uDV + c]
+                    dp += smem[DOT + c * uBR + tid] * smem[VS + jj * uDV + c]
                 ds = exp(s * sc - m) * (dp - di) * sc
                 for w in range(uCW):
                     c = col0 + w
@@ -214,8 +253,8 @@ def config(problem, device):
     limit = None if device.simulator else device.smem_per_block_optin
     for rows in ((32,) if device.simulator else (128, 64, 32)):
         for tile in (64, 32, 16, 8):
-            cfg = {"D": D, "DV": DV, "ROWS": rows, "TILE": tile, "acc": acc,
-                   "CW_KEY": _chunk_width(D + DV, words), "CW_QUERY": _chunk_width(D, words)}
+            cfg = RowBackwardConfig(D, DV, rows, tile, simt_dt(problem.dtype_name),
+                                    _chunk_width(D + DV, words), _chunk_width(D, words))
             if tile * (D + DV) * esize <= TILE_BYTES and (
                     limit is None or shared_bytes(cfg) <= limit):
                 return cfg
@@ -225,9 +264,9 @@ def config(problem, device):
 
 
 def shared_bytes(cfg):
-    own = cfg["ROWS"] * (cfg["D"] + cfg["DV"])
-    tiles = cfg["TILE"] * (cfg["D"] + cfg["DV"]) + 2 * cfg["TILE"]
-    return (own + tiles) * element_size(cfg["acc"])
+    own = cfg.BR * (cfg.D + cfg.DV)
+    tiles = cfg.BC * (cfg.D + cfg.DV) + 2 * cfg.BC
+    return (own + tiles) * element_size(cfg.acc)
 
 
 def signature(dtype, kernel):
@@ -246,12 +285,9 @@ def signature(dtype, kernel):
 def compiled_kernels(cfg, dtype):
     """What run() launches for this config and input dtype: [(Kernel, numba argument types)]
     for the key pass, then the query pass (`numflash.precompile`, `explain`'s cache status)."""
-    keys = launch.get_kernel(NAME + ".backward_keys", make_key_kernel,
-                             {"D": cfg["D"], "DV": cfg["DV"], "CW": cfg["CW_KEY"],
-                              "BQ": cfg["TILE"], "ROWS": cfg["ROWS"], "acc": cfg["acc"]})
+    keys = launch.get_kernel(NAME + ".backward_keys", make_key_kernel, cfg.pass_config("keys"))
     queries = launch.get_kernel(NAME + ".backward_queries", make_query_kernel,
-                                {"D": cfg["D"], "DV": cfg["DV"], "CW": cfg["CW_QUERY"],
-                                 "BC": cfg["TILE"], "ROWS": cfg["ROWS"], "acc": cfg["acc"]})
+                                cfg.pass_config("queries"))
     return [(keys, signature(dtype, "keys")), (queries, signature(dtype, "queries"))]
 
 
@@ -260,7 +296,7 @@ def run(problem, cfg, device):
     p = problem
     xp = p.xp
     B, H, Nq, Nk, d, dv = p.shape
-    acc = np.float64 if cfg["acc"] == "float64" else np.float32
+    acc = np.dtype(cfg.acc)
     q, k, v, do = p.q, p.k, p.v, p.do
     if p.dtype_name == "bfloat16":  # no bfloat16 in numba: the float32 kernels read copies
         q, k, v, do = (a.astype(np.float32) for a in (q, k, v, do))
@@ -276,15 +312,15 @@ def run(problem, cfg, device):
     group = p.kv_group
     shares = grads[1:] if group == 1 else [xp.empty((B, H, Nk, g.shape[3]), acc)
                                            for g in grads[1:]]
-    D, DV, ROWS = cfg["D"], cfg["DV"], cfg["ROWS"]
+    D, DV, BR = cfg.D, cfg.DV, cfg.BR
     opts = (float(p.scale), int(p.causal), int(p.causal_offset))
     (key_kernel, _), (query_kernel, _) = compiled_kernels(cfg, p.dtype_name)
-    key_kernel((B * H, -(-Nk // ROWS), -(-(D + DV) // cfg["CW_KEY"])), (ROWS,),
+    key_kernel((B * H, -(-Nk // BR), -(-(D + DV) // cfg.CW_KEY)), (cfg.NT,),
                shared_bytes(cfg), (q, k, v, do, lse, delta, shares[0], shares[1], *opts), device)
     if group > 1:
         for g, share in zip(grads[1:], shares):
             g[...] = share.reshape(B, H // group, group, Nk, g.shape[3]).sum(axis=2)
-    query_kernel((B * H, -(-Nq // ROWS), -(-D // cfg["CW_QUERY"])), (ROWS,), shared_bytes(cfg),
+    query_kernel((B * H, -(-Nq // BR), -(-D // cfg.CW_QUERY)), (cfg.NT,), shared_bytes(cfg),
                  (q, k, v, do, lse, delta, grads[0], *opts), device)
     for g, mine in zip((p.dq, p.dk, p.dv), grads):
         if g is not mine:

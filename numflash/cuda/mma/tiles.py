@@ -1,9 +1,9 @@
 """Tile configurations of the tensor-core kernels: the frozen config every piece reads, the tile
 tables (chosen by measurement, cited below), and the shared memory a config occupies."""
-from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 from ...device import Unsupported
+from ..config import TileConfig
 
 NAME = "cuda.mma"
 #: head dims are zero-padded up to the next of these
@@ -18,7 +18,7 @@ def head_dim_pad(n):
 
 
 @dataclass(frozen=True)
-class MmaConfig(Mapping):
+class MmaConfig(TileConfig):
     """One compile-time variant of a tensor-core kernel.
 
     D, DV: padded head dims of q/k and v. NW warps a block, each owning 16 query rows (BR = 16 NW
@@ -45,10 +45,9 @@ class MmaConfig(Mapping):
     16-bit backward writes dQ, dK, dV in float32 as accumulated (attention_backward's
     grad_dtype), not rounded to 16 bits.
 
-    A read-only mapping too (``cfg["D"]``, ``dict(cfg)``, ``f(**cfg)``) for code that treats
-    every kernel's config alike (the launcher's cache key, ``explain``); unset MMA, DBG=0,
-    WINDOW=0, SUB=0, MODS="", SPLIT=0, KVLEN=0, PAGE=0, CHUNKS=0, VARLEN=0 and GRAD32=0 are left
-    out of it.
+    The fields D, DV, BR (derived), BC, NT (derived), HOLDQ and DT follow cuda.config's naming
+    scheme shared with the SIMT kernels; the mapping (cuda.config.TileConfig) leaves out MMA,
+    DBG, WINDOW, SUB, MODS, SPLIT, KVLEN, PAGE, CHUNKS, VARLEN and GRAD32 while unset.
     """
     D: int
     DV: int
@@ -76,25 +75,6 @@ class MmaConfig(Mapping):
     @property
     def NT(self):
         return 32 * self.NW
-
-    def _items(self):
-        return {f.name: getattr(self, f.name) for f in fields(self)
-                if not (f.name == "MMA" and self.MMA is None)
-                and not (f.name in ("DBG", "WINDOW", "SUB", "MODS", "SPLIT", "KVLEN", "PAGE",
-                                    "CHUNKS", "VARLEN", "GRAD32")
-                     and not getattr(self, f.name))}
-
-    def __getitem__(self, key):
-        return self._items()[key]
-
-    def __str__(self):
-        return "(" + ", ".join(f"{k}={v}" for k, v in self._items().items()) + ")"
-
-    def __iter__(self):
-        return iter(self._items())
-
-    def __len__(self):
-        return len(self._items())
 
 
 def shared_bytes(cfg):
