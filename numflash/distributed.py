@@ -3,8 +3,8 @@
 Each of P ranks holds a shard of q, k and v along the sequence. The K/V shards travel round the
 ring (rank r sends to r + 1 and receives from r - 1, one ``batch_isend_irecv`` per step, on the
 process group's own stream) while each rank runs :func:`numflash.attention` on the block in hand;
-the partial results are merged with the online-softmax merge (the rule of
-:func:`numflash.merge_partials`), so the result is exact. The backward sends dK/dV accumulators
+the partial results are merged by :func:`numflash.merge_partials` (on CUDA tensors the
+cuda.merge kernel split-KV uses), so the result is exact. The backward sends dK/dV accumulators
 round the ring behind the K/V blocks and returns each rank the gradients of its own shard.
 
 Sharding (:func:`shard`, :func:`unshard`, :func:`shard_positions`):
@@ -136,20 +136,17 @@ def _rows(x, ring, start, length):
     return x.narrow(ring.seq_dim, start, length)
 
 
-def _per_row(w, layout):
-    """An (B, H, N) weight as a factor broadcast over an output in ``layout``."""
-    return (w if layout == "bhsd" else w.transpose(1, 2)).unsqueeze(-1)
-
-
 def _merge_into(out_acc, lse_acc, out_part, lse_part, layout):
-    """out_acc, lse_acc <- the merge of (out_acc, lse_acc) and (out_part, lse_part), in place:
-    lse = log(e^lse_acc + e^lse_part), out = each out weighted by e^(its lse - lse). A row with
-    no key in either part keeps zeros and -inf."""
-    lse_new = torch.logaddexp(lse_acc, lse_part)
-    safe = torch.where(torch.isneginf(lse_new), torch.zeros_like(lse_new), lse_new)
-    out_acc.mul_(_per_row(torch.exp(lse_acc - safe), layout))
-    out_acc.addcmul_(out_part, _per_row(torch.exp(lse_part - safe), layout))  # no temporary
-    lse_acc.copy_(lse_new)
+    """out_acc, lse_acc <- the merge of (out_acc, lse_acc) and (out_part, lse_part) by
+    numflash.merge_partials (its one rule; on CUDA tensors cuda.merge's kernel), written back
+    into the accumulators. merge_partials pairs each output row with its lse entry: with
+    layout "bshd" the lse (B, H, N) is viewed as (B, N, H) to match the output's rows."""
+    def rows(lse):
+        return lse if layout == "bhsd" else lse.transpose(1, 2)
+    out, lse = _nt.merge_partials([out_acc, out_part.to(out_acc.dtype)],
+                                  [rows(lse_acc), rows(lse_part)])
+    out_acc.copy_(out)
+    rows(lse_acc).copy_(lse)
 
 
 def _exchange(ring, send, recv):

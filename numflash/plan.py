@@ -89,9 +89,14 @@ _device_cache = {}
 
 
 def _cuda_device(problem):
+    return device_of(problem.q)
+
+
+def device_of(array):
+    """The Device a CuPy array's kernels run on (numba's simulator when it is on)."""
     if simulator_enabled():
         return Device(name="numba CUDA simulator", simulator=True)
-    dev_id = problem.q.device.id
+    dev_id = array.device.id
     if dev_id not in _device_cache:
         import cupy
         props = cupy.cuda.runtime.getDeviceProperties(dev_id)

@@ -27,10 +27,11 @@ import torch
 from . import api as _api
 from .cuda import fastpath as _fastpath
 from .inputs import check_grad_dtype, softmax_scale_value
+from .varlen import merge_partials as _api_merge_partials
 
 __all__ = ["attention", "attention_backward", "scaled_dot_product_attention", "flash_attn_func",
            "flash_attn_varlen_func", "flash_attn_with_kvcache", "attention_probabilities",
-           "install_as_sdpa"]
+           "merge_partials", "install_as_sdpa"]
 
 _CAUSAL = {False: "none", None: "none", True: "top_left", "top_left": "top_left",
            "bottom_right": "bottom_right"}
@@ -486,6 +487,22 @@ def attention_probabilities(q, k, *, causal=False, softmax_scale=None, layout="b
     p = torch.softmax(s.masked_fill(~visible, float("-inf")), dim=-1)
     p = torch.where(visible.any(dim=-1)[:, None], p, 0)  # a row with no key: 0, not NaN
     return p.to(q.dtype)
+
+
+def merge_partials(outs, lses):
+    """:func:`numflash.merge_partials` for torch tensors (CPU, or CUDA on torch's current
+    stream): the attention over the union of disjoint key sets from the results over each,
+    read through zero-copy views. Returns new (out, lse) tensors; not differentiable."""
+    outs, lses = list(outs), list(lses)
+    tensors = {**{f"outs[{i}]": t for i, t in enumerate(outs)},
+               **{f"lses[{i}]": t for i, t in enumerate(lses)}}
+    if not outs or len(outs) != len(lses):  # numflash says so, naming the counts
+        return _api_merge_partials(outs, lses)
+    _check_tensors(**tensors)
+    with _on_torch_stream(outs[0]):
+        out, lse = _api_merge_partials(_views(*outs), _views(*lses))
+    wrap = torch.from_numpy if outs[0].device.type == "cpu" else torch.from_dlpack
+    return wrap(out), wrap(lse)
 
 
 def _sdpa_refusals(attn_mask, dropout_p, enable_gqa, query, key):

@@ -293,7 +293,9 @@ def merge_partials(outs, lses):
     (what :func:`numflash.attention` returns); lses: their lse, (..., Nq). Returns (out, lse) with
     lse = log(sum_i exp(lse_i)) and out = sum_i exp(lse_i - lse) out_i, computed in float32
     (float64 for float64 inputs). A row that sees no key in any part gets zeros and lse = -inf; a
-    NaN lse in any part makes its row NaN. NumPy or CuPy arrays, all of one kind.
+    NaN lse in any part makes its row NaN. NumPy or CuPy arrays, all of one kind: CuPy arrays
+    are merged in one launch of cuda.merge (the kernel split-KV's shares use), NumPy arrays by
+    the formula below. numflash.torch.merge_partials takes torch tensors.
     """
     outs, lses = list(outs), list(lses)
     if not outs or len(outs) != len(lses):
@@ -311,7 +313,11 @@ def merge_partials(outs, lses):
             raise ValueError(f"lses[{i}] must have shape {shape[:-1]} (the outs' without the last "
                              f"axis); got {tuple(s.shape)}")
     xp = _xp(outs[0])
-    work = np.float64 if dtype == np.float64 else np.float32
+    if xp is not np:
+        from .cuda import merge
+        from .plan import device_of
+        return merge.merge_arrays(outs, lses, device_of(xp.asarray(outs[0])))
+    work = lse_dtype(dtype)
     lse_all = xp.stack([xp.asarray(s, dtype=work) for s in lses])
     top = lse_all.max(axis=0)
     top_safe = xp.where(xp.isfinite(top), top, 0)  # rows with no key anywhere: all -inf

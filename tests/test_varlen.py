@@ -146,6 +146,77 @@ def test_merge_partials_bad_input(rng):
         numflash.merge_partials([o, [1]], [lse, lse])
 
 
+def _merge_parts(rng, shape, dtype, xp=np):
+    """Three parts of a merge: outputs of ``shape`` in ``dtype``, float lses with rows no part
+    sees (all -inf), rows only one part sees and a NaN lse in one part."""
+    outs = [rng.standard_normal(shape).astype(dtype) for _ in range(3)]
+    lses = [rng.standard_normal(shape[:-1]).astype(testing.lse_dtype(dtype)) * 3
+            for _ in range(3)]
+    for lse in lses:
+        lse[..., 0] = -np.inf                      # no key anywhere
+    lses[1][..., 1] = lses[2][..., 1] = -np.inf    # only part 0 sees row 1
+    lses[2][..., 2] = np.nan                       # part 2 poisons row 2
+    return [xp.asarray(a) for a in outs], [xp.asarray(a) for a in lses]
+
+
+def test_torch_merge_partials_is_numflash_merge_on_views(rng):
+    """numflash.torch.merge_partials runs numflash.merge_partials on the tensors' memory: the
+    same bits, any leading axes (here a bshd-ordered (B, N, H, d) output with its lse viewed
+    as (B, N, H)), and its refusals name the argument."""
+    torch = pytest.importorskip("torch")
+    from numflash import torch as nt
+    outs, lses = _merge_parts(rng, (2, 5, 3, 8), np.float32)
+    want, want_lse = numflash.merge_partials(outs, lses)
+    bhs = [torch.from_numpy(np.ascontiguousarray(s.transpose(0, 2, 1))) for s in lses]
+    got, got_lse = nt.merge_partials([torch.from_numpy(o) for o in outs],
+                                     [s.transpose(1, 2) for s in bhs])
+    assert isinstance(got, torch.Tensor) and got.dtype == torch.float32
+    np.testing.assert_array_equal(got.numpy(), want)
+    np.testing.assert_array_equal(got_lse.numpy(), want_lse)
+    assert (got[..., 0, :] == 0).all() and torch.isnan(got[..., 2, :]).all()
+    with pytest.raises(TypeError, match=r"lses\[1\] must be a torch.Tensor"):
+        nt.merge_partials([torch.from_numpy(o) for o in outs[:2]], [bhs[0], lses[1]])
+    with pytest.raises(ValueError, match="as many outs as lses"):
+        nt.merge_partials([torch.from_numpy(outs[0])], [])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64"])
+def test_gpu_merge_partials_runs_the_merge_kernel(rng, monkeypatch, dtype):
+    """On CuPy arrays merge_partials is one cuda.merge launch, and it gives what the NumPy
+    formula gives (to the last bits of exp / log), with rows no part sees, rows one part sees
+    and a NaN part, for 3-, 4- and 5-D outputs; numflash.torch.merge_partials gives the same
+    on CUDA tensors, on torch's current stream."""
+    cupy = pytest.importorskip("cupy")
+    torch = pytest.importorskip("torch")
+    from numflash import torch as nt
+    from numflash.cuda import merge
+    dtype = (np.dtype(pytest.importorskip("ml_dtypes").bfloat16) if dtype == "bfloat16"
+             else np.dtype(dtype))
+    launches = []
+    original = merge.run
+    monkeypatch.setattr(merge, "run", lambda *a: launches.append(1) or original(*a))
+    tol = 1e-12 if dtype == np.float64 else 1e-5 if dtype == np.float32 else 1e-2
+    for shape in ((7, 33, 24), (2, 3, 97, 64), (2, 2, 3, 40, 16)):
+        outs, lses = _merge_parts(rng, shape, dtype)
+        want, want_lse = numflash.merge_partials(outs, lses)
+        dev_outs, dev_lses = [cupy.asarray(o) for o in outs], [cupy.asarray(s) for s in lses]
+        out, lse = numflash.merge_partials(dev_outs, dev_lses)
+        assert out.dtype == dtype and out.shape == shape and lse.shape == shape[:-1]
+        np.testing.assert_allclose(out.get().astype(np.float64), want.astype(np.float64),
+                                   rtol=tol, atol=tol)
+        np.testing.assert_allclose(lse.get(), want_lse, rtol=tol, atol=tol)
+        stream = torch.cuda.Stream()
+        with torch.cuda.stream(stream):
+            t_out, t_lse = nt.merge_partials([torch.from_dlpack(o) for o in dev_outs],
+                                             [torch.from_dlpack(s) for s in dev_lses])
+        stream.synchronize()
+        for t, a in ((t_out, out), (t_lse, lse)):   # the same bits, NaN rows included
+            np.testing.assert_array_equal(cupy.from_dlpack(t).get().astype(np.float64),
+                                          a.get().astype(np.float64))
+    assert len(launches) == 6
+
+
 def test_torch_flash_attn_varlen_func_is_differentiable(rng):
     torch = pytest.importorskip("torch")
     import numflash.torch as nt

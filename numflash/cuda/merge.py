@@ -11,7 +11,8 @@ row (lse_s = -inf) weighs 0; a row no share saw gets zeros and lse = -inf; a NaN
 score in that share) makes the row's O and lse NaN, as the unsplit kernel would. This is the
 rule of :func:`numflash.merge_partials`, applied in one launch: a thread per output element,
 which reads its row's lse_s from cache and writes the output in its dtype (16-bit outputs as
-their bits).
+their bits). merge_partials runs this kernel for CuPy arrays (:func:`merge_arrays`); its NumPy
+form is the independent host implementation the tests check this kernel against.
 """
 import functools
 
@@ -109,6 +110,28 @@ def kernel(dtype_name):
 
 
 THREADS = 256
+
+
+def merge_arrays(outs, lses, device):
+    """:func:`numflash.merge_partials` on CuPy arrays (checked there): outs (..., Nq, dv) of one
+    dtype, lses (..., Nq); returns new (out, lse). The parts are stacked in the lse's dtype,
+    with the leading axes folded into one (the kernel is elementwise over rows), then merged in
+    one launch."""
+    import cupy
+    from ..inputs import lse_dtype
+    dtype = np.dtype(outs[0].dtype)
+    shape, work = tuple(outs[0].shape), lse_dtype(dtype)
+    rows, dv = int(np.prod(shape[:-2], dtype=np.int64)), shape[-1]
+    nq = shape[-2]
+    part = cupy.stack([cupy.asarray(o, dtype=work) for o in outs]).reshape(
+        len(outs), 1, rows, nq, dv)
+    part_lse = cupy.stack([cupy.asarray(s, dtype=work) for s in lses]).reshape(
+        len(lses), 1, rows, nq)
+    out = cupy.empty((1, rows, nq, dv), dtype)
+    lse = cupy.empty((1, rows, nq), work)
+    sixteen = dtype.name in ("float16", "bfloat16")
+    run(part, part_lse, out.view(cupy.uint16) if sixteen else out, lse, dtype.name, device)
+    return out.reshape(shape), lse.reshape(shape[:-1])
 
 
 def run(part, part_lse, out, lse, dtype_name, device):
