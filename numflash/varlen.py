@@ -305,6 +305,9 @@ def merge_partials(outs, lses):
     if None in kinds or len({k in ("cupy", "cuda") for k in kinds}) > 1:
         raise TypeError("outs and lses must all be NumPy arrays or all device (CuPy) arrays")
     shape, dtype = tuple(outs[0].shape), np.dtype(outs[0].dtype)
+    if len(shape) < 2:
+        raise ValueError(f"outs must be (..., Nq, dv) arrays, at least 2-D; outs[0] has shape "
+                         f"{shape}")
     for i, (o, s) in enumerate(zip(outs, lses)):
         if tuple(o.shape) != shape or np.dtype(o.dtype) != dtype:
             raise ValueError(f"outs[{i}] has shape {tuple(o.shape)} and dtype {o.dtype}; outs[0] "

@@ -144,6 +144,8 @@ def test_merge_partials_bad_input(rng):
         numflash.merge_partials([o, o.astype(np.float32)], [lse, lse])
     with pytest.raises(TypeError, match="all be NumPy arrays"):
         numflash.merge_partials([o, [1]], [lse, lse])
+    with pytest.raises(ValueError, match=r"at least 2-D; outs\[0\] has shape \(4,\)"):
+        numflash.merge_partials([o[0, 0, 0]], [lse[0, 0, :1]])
 
 
 def _merge_parts(rng, shape, dtype, xp=np):
