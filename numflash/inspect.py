@@ -47,7 +47,7 @@ def inspect(archs, head_dims=HEAD_DIMS, dtypes=DTYPES, out=sys.stdout, kernels=(
         shared = module.shared_bytes(cfg)
         (kernel, args), = module.compiled_kernels(cfg, dt)
         _, _, ptx, res = launch.compile_to_cubin(kernel.pyfunc, args, cc)
-        rows.append({"kernel": module.NAME, "cc": cc, "d": d, "dtype": dt, "config": cfg,
+        rows.append({"kernel": module.NAME, "cc": cc, "d": d, "dtype": dt, "config": dict(cfg),
                      "shared_bytes": shared, **res})
     print(f"{'kernel':11s} {'sm':>3s} {'dtype':8s} {'config':52s} {'regs':>4s} {'spill':>5s} "
           f"{'stack':>5s} {'smem':>7s}", file=out)
