@@ -24,7 +24,7 @@ from numba import cuda
 
 from ..device import Unsupported
 from . import launch
-from .config import SIMT_ACC, SIMT_DT, TileConfig
+from .config import SIMT_ACC, SIMT_DT, SimtConfig
 from .common import NEG_INF, SMEM_ALIGN, compute_type, element_size, exp_for, forward_signature, \
     group_max, group_sum, head_dim_bucket, inlined_device, key_end, stage_chunk, stage_parts, \
     tile_needs_mask, tile_stager, vector_load, vector_store
@@ -33,7 +33,7 @@ NAME = "cuda.block"
 
 
 @dataclass(frozen=True)
-class BlockConfig(TileConfig):
+class BlockConfig(SimtConfig):
     """One compile-time variant of cuda.block (cuda.config's naming scheme).
 
     D, DV: padded head dims (DV a multiple of BC // TN, the output columns a thread group
@@ -55,11 +55,6 @@ class BlockConfig(TileConfig):
     @property
     def NT(self):
         return (self.BR // self.TM) * (self.BC // self.TN)
-
-    @property
-    def acc(self):
-        """The accumulators' float type name."""
-        return SIMT_ACC[self.DT]
 
 
 def _layout(D, DV, BR, BC, TM, TN, acc):

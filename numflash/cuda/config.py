@@ -51,3 +51,18 @@ class TileConfig(Mapping):
 
     def __len__(self):
         return len(self._items())
+
+
+@dataclass(frozen=True)
+class SimtConfig(TileConfig):
+    """Base of the FMA (SIMT) kernels' configs: DT is "f32" or "f64"; one thread a row (NT = BR)
+    unless the kernel says otherwise."""
+
+    @property
+    def acc(self):
+        """The accumulators' float type name."""
+        return SIMT_ACC[self.DT]
+
+    @property
+    def NT(self):
+        return self.BR

@@ -23,7 +23,7 @@ from numba import cuda
 
 from ..device import Unsupported
 from . import launch
-from .config import SIMT_ACC, TileConfig, simt_dt
+from .config import SIMT_ACC, SimtConfig, simt_dt
 from .common import NEG_INF, SMEM_ALIGN, compute_type, element_size, exp_for, forward_signature, \
     head_dim_bucket, key_end, stage_chunk, tile_stager, vector_load
 
@@ -35,7 +35,7 @@ KV_TILE_BYTES = 48 * 1024  # K and V tiles of one block
 
 
 @dataclass(frozen=True)
-class RowConfig(TileConfig):
+class RowConfig(SimtConfig):
     """One compile-time variant of cuda.row's forward (cuda.config's naming scheme).
 
     D: q / k's padded head dim; DV: the output columns a block computes (grid z covers the rest).
@@ -49,15 +49,6 @@ class RowConfig(TileConfig):
     BC: int
     HOLDQ: int
     DT: str
-
-    @property
-    def NT(self):
-        return self.BR
-
-    @property
-    def acc(self):
-        """The accumulators' float type name."""
-        return SIMT_ACC[self.DT]
 
 
 def make_kernel(D, DV, BR, BC, HOLDQ, DT):

@@ -26,7 +26,7 @@ from numba import cuda
 
 from ..device import Unsupported
 from . import launch
-from .config import SIMT_ACC, TileConfig, simt_dt
+from .config import SIMT_ACC, SimtConfig, simt_dt
 from .common import NEG_INF, SMEM_ALIGN, compute_type, device_function, element_size, exp_for, \
     head_dim_bucket, key_end, stage_chunk, tile_stager
 
@@ -36,7 +36,7 @@ TILE_BYTES = 48 * 1024
 
 
 @dataclass(frozen=True)
-class RowBackwardConfig(TileConfig):
+class RowBackwardConfig(SimtConfig):
     """One compile-time variant of cuda.row's backward (cuda.config's naming scheme).
 
     D, DV: padded head dims. BR: the rows a block owns, one thread each (NT = BR): key rows in
@@ -52,15 +52,6 @@ class RowBackwardConfig(TileConfig):
     DT: str
     CW_KEY: int
     CW_QUERY: int
-
-    @property
-    def NT(self):
-        return self.BR
-
-    @property
-    def acc(self):
-        """The accumulators' float type name."""
-        return SIMT_ACC[self.DT]
 
     def pass_config(self, kernel):
         """The compile-time config of the "keys" or "queries" kernel."""
