@@ -88,6 +88,11 @@ def _views(*tensors):
     return [cupy.from_dlpack(t.detach()) for t in tensors]
 
 
+def _tensor(array, like):
+    """A NumPy (CPU) or CuPy (CUDA) result as a torch tensor on ``like``'s device, no copy."""
+    return torch.from_numpy(array) if like.device.type == "cpu" else torch.from_dlpack(array)
+
+
 def _current_device():
     """torch.cuda.current_device() without its lazy-initialization check (CUDA is initialized
     once a CUDA tensor exists)."""
@@ -205,7 +210,7 @@ def _forward_into(out, q, k, v, causal, scale, layout, backend, algorithm, preci
                                     layout=layout, backend=backend, algorithm=algorithm,
                                     return_lse=True, out=outa, precision=precision,
                                     **_mod_arrays(mods))
-    return (torch.from_numpy(lse) if q.device.type == "cpu" else torch.from_dlpack(lse)), launches
+    return _tensor(lse, q), launches
 
 
 def _backward_impl(do, q, k, v, o, lse, causal, scale, layout, backend, algorithm, precision,
@@ -494,15 +499,13 @@ def merge_partials(outs, lses):
     stream): the attention over the union of disjoint key sets from the results over each,
     read through zero-copy views. Returns new (out, lse) tensors; not differentiable."""
     outs, lses = list(outs), list(lses)
-    tensors = {**{f"outs[{i}]": t for i, t in enumerate(outs)},
-               **{f"lses[{i}]": t for i, t in enumerate(lses)}}
     if not outs or len(outs) != len(lses):  # numflash says so, naming the counts
         return _api_merge_partials(outs, lses)
-    _check_tensors(**tensors)
+    _check_tensors(**{f"outs[{i}]": t for i, t in enumerate(outs)},
+                   **{f"lses[{i}]": t for i, t in enumerate(lses)})
     with _on_torch_stream(outs[0]):
         out, lse = _api_merge_partials(_views(*outs), _views(*lses))
-    wrap = torch.from_numpy if outs[0].device.type == "cpu" else torch.from_dlpack
-    return wrap(out), wrap(lse)
+    return _tensor(out, outs[0]), _tensor(lse, outs[0])
 
 
 def _sdpa_refusals(attn_mask, dropout_p, enable_gqa, query, key):
@@ -752,10 +755,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             arrays["q"], arrays["k_cache"], arrays["v_cache"], arrays.get("k"), arrays.get("v"),
             arrays.get("cache_seqlens", cache_seqlens), arrays.get("block_table", block_table),
             causal=causal, return_lse=return_softmax_lse, **options)
-    wrap = torch.from_numpy if q.device.type == "cpu" else torch.from_dlpack
     if return_softmax_lse:
-        return wrap(res[0]), wrap(res[1])
-    return wrap(res)
+        return _tensor(res[0], q), _tensor(res[1], q)
+    return _tensor(res, q)
 
 
 # ---- numflash as torch's SDPA flash implementation ----

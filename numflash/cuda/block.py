@@ -24,7 +24,7 @@ from numba import cuda
 
 from ..device import Unsupported
 from . import launch
-from .config import SIMT_ACC, SIMT_DT, SimtConfig
+from .config import SIMT_ACC, SIMT_DT, SimtConfig, simt_dt
 from .common import NEG_INF, SMEM_ALIGN, compute_type, element_size, exp_for, forward_signature, \
     group_max, group_sum, head_dim_bucket, inlined_device, key_end, stage_chunk, stage_parts, \
     tile_needs_mask, tile_stager, vector_load, vector_store
@@ -378,7 +378,7 @@ def tile_config(d, dv, tile, acc, prefetch=None, pipelined=1):
 
 def config(problem, device):
     B, H, Nq, Nk, d, dv = problem.shape
-    acc = "float64" if problem.dtype_name == "float64" else "float32"
+    acc = SIMT_ACC[simt_dt(problem.dtype_name)]
     # The class of the larger head dim: dv sizes the output patch as d sizes the score loop.
     for tile in tile_candidates(device, acc, head_dim_bucket(max(d, dv))):
         cfg = tile_config(d, dv, tile, acc)

@@ -154,7 +154,8 @@ def make_kernel(D, DV, BR, BC, HOLDQ, DT):
 
 def config(problem, device):
     B, H, Nq, Nk, d, dv = problem.shape
-    acc = "float64" if problem.dtype_name == "float64" else "float32"
+    DT = simt_dt(problem.dtype_name)
+    acc = SIMT_ACC[DT]
     esize = element_size(acc)
     words = esize // 4
     D, DV = head_dim_bucket(d), head_dim_bucket(dv)
@@ -170,7 +171,7 @@ def config(problem, device):
     # power-of-two key tile (8..64) whose K and V fit KV_TILE_BYTES and the device's limit.
     for rows in ((32,) if device.simulator else (128, 64, 32, 16)):
         for bc in (64, 32, 16, 8):
-            cfg = RowConfig(D, DV, rows, bc, int(not q_shared), simt_dt(problem.dtype_name))
+            cfg = RowConfig(D, DV, rows, bc, int(not q_shared), DT)
             if bc * (D + DV) * esize <= KV_TILE_BYTES and (
                     limit is None or shared_bytes(cfg) <= limit):
                 return cfg

@@ -237,14 +237,15 @@ def _chunk_width(total, words):
 
 def config(problem, device):
     B, H, Nq, Nk, d, dv = problem.shape
-    acc = "float64" if problem.dtype_name == "float64" else "float32"
+    DT = simt_dt(problem.dtype_name)
+    acc = SIMT_ACC[DT]
     esize = element_size(acc)
     D, DV = head_dim_bucket(d), head_dim_bucket(dv)
     words = esize // 4
     limit = None if device.simulator else device.smem_per_block_optin
     for rows in ((32,) if device.simulator else (128, 64, 32)):
         for tile in (64, 32, 16, 8):
-            cfg = RowBackwardConfig(D, DV, rows, tile, simt_dt(problem.dtype_name),
+            cfg = RowBackwardConfig(D, DV, rows, tile, DT,
                                     _chunk_width(D + DV, words), _chunk_width(D, words))
             if tile * (D + DV) * esize <= TILE_BYTES and (
                     limit is None or shared_bytes(cfg) <= limit):
@@ -266,7 +267,7 @@ def signature(dtype, kernel):
     causal, causal_offset."""
     from numba import types
     from .launch import array_type
-    acc = "float64" if dtype == "float64" else "float32"
+    acc = SIMT_ACC[simt_dt(dtype)]
     arr = array_type("float32" if dtype == "bfloat16" else dtype)
     rows, grad = array_type(acc, 3), array_type(acc)
     grads = (grad, grad) if kernel == "keys" else (grad,)
