@@ -1,4 +1,5 @@
 """Public entry points: check inputs -> choose a plan -> run it. No kernel code lives here."""
+from . import dropout as _dropout
 from . import mods as _mods
 from . import plan as _plan
 from .cuda import fastpath as _fastpath
@@ -8,12 +9,14 @@ MOD_OPTIONS = ("score_mod", "mask_mod", "mod_args", "score_mod_grad", "window_si
                "alibi_slopes", "attn_bias", "attn_mask", "block_mask")
 
 
-def _with_mods(problem, options):
-    """Attach the call's modifications (numflash.mods) to its problem; checks each option."""
+def _with_mods(problem, options, dropout_p=0.0, dropout_seed=None):
+    """Attach the call's modifications (numflash.mods) and dropout (numflash.dropout) to its
+    problem; checks each option."""
     if options:
         problem.mods = _mods.build(problem.shape, problem.kind, problem.causal_offset,
                                    device_id=problem.q.device.id if problem.on_device else None,
                                    **options)
+    problem.dropout = _dropout.build(dropout_p, dropout_seed)
     return problem
 
 
@@ -31,7 +34,7 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, layout="bhsd", backe
               algorithm="auto", return_lse=False, out=None, precision="auto", score_mod=None,
               mask_mod=None, mod_args=(), score_mod_grad=None, window_size=None, softcap=None,
               alibi_slopes=None, attn_bias=None, attn_mask=None,
-              block_mask=None, num_splits=None):
+              block_mask=None, num_splits=None, dropout_p=0.0, dropout_seed=None):
     """Exact attention softmax(softmax_scale * q k^T + mask) v with O(N) memory.
 
     q: (B, H, Nq, d), k: (B, Hk, Nk, d), v: (B, Hk, Nk, dv) for ``layout="bhsd"``;
@@ -76,6 +79,13 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, layout="bhsd", backe
     on cuda.mma, the mask evaluated only in blocks it leaves partly filled). A row that nothing
     is left in gives zeros and lse = -inf.
 
+    dropout_p, dropout_seed: attention dropout after the softmax (:mod:`numflash.dropout`):
+        each probability dropped with probability dropout_p, the others scaled by
+        1 / (1 - dropout_p); lse stays the undropped softmax's. The mask is drawn from the int
+        ``dropout_seed`` (required with dropout_p > 0) by a counter-based generator, the same on
+        every backend; :func:`attention_backward` regenerates it from the same two arguments.
+        The CPU path and cuda.mma take it (not packed sequences or a KV cache).
+
     num_splits: split-KV, how many shares of the keys each block of queries is split into on
         the GPU (cuda.mma), their partial results then merged exactly (:func:`merge_partials`'s
         rule, one more launch). None: chosen from the GPU's size, splitting when the query
@@ -89,7 +99,8 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, layout="bhsd", backe
     mod_options = _mod_options(score_mod, mask_mod, mod_args, score_mod_grad, window_size,
                                softcap, alibi_slopes, attn_bias, attn_mask, block_mask)
     key = None
-    if out is None and not mod_options:  # a repeated CuPy call replays its recorded launch
+    if out is None and not mod_options and not dropout_p:  # a repeated CuPy call replays its
+        #                                                    recorded launch
         key = _fastpath.signature(q, k, v, _fastpath.call_options(
             causal, softmax_scale, layout, backend, algorithm, return_lse, precision,
             num_splits))
@@ -104,10 +115,11 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, layout="bhsd", backe
         return _torch.attention(q, k, v, causal=causal, softmax_scale=softmax_scale,
                                 layout=layout, backend=backend, algorithm=algorithm,
                                 return_lse=return_lse, out=out, precision=precision,
-                                **mod_options)
+                                dropout_p=dropout_p, dropout_seed=dropout_seed, **mod_options)
     problem = _with_mods(normalize(q, k, v, causal=causal, softmax_scale=softmax_scale,
                                    layout=layout, return_lse=return_lse, out=out,
-                                   precision=precision, num_splits=num_splits), mod_options)
+                                   precision=precision, num_splits=num_splits), mod_options,
+                         dropout_p, dropout_seed)
     plan = _plan.choose(problem, backend, algorithm)
     B, H, Nq, Nk, d, dv = problem.shape
     if B * H * Nq == 0:
@@ -129,7 +141,8 @@ def attention_backward(do, q, k, v, o, lse, *, causal=False, softmax_scale=None,
                        backend="auto", algorithm="auto", precision="auto", deterministic=False,
                        dq=None, dk=None, dv=None, grad_dtype=None, score_mod=None, mask_mod=None,
                        mod_args=(), score_mod_grad=None, window_size=None, softcap=None,
-                       alibi_slopes=None, attn_bias=None, attn_mask=None, block_mask=None):
+                       alibi_slopes=None, attn_bias=None, attn_mask=None, block_mask=None,
+                       dropout_p=0.0, dropout_seed=None):
     """Gradients (dq, dk, dv) of :func:`attention` for the output gradient ``do``, in O(N) memory.
 
     ``o`` and ``lse`` are what ``attention(q, k, v, ..., return_lse=True)`` returned for the same
@@ -153,7 +166,8 @@ def attention_backward(do, q, k, v, o, lse, *, causal=False, softmax_scale=None,
     that sees no key contributes nothing: its dq is zero. :func:`explain` with ``backward=True`` names the
     kernel that would run. Modifications: those the forward had; a score_mod needs its
     derivative (``score_mod_grad``; the built-ins carry theirs). No gradient flows to mod_args,
-    attn_bias or alibi_slopes yet.
+    attn_bias or alibi_slopes yet. Dropout: the forward's ``dropout_p`` and ``dropout_seed``
+    (its mask is regenerated, not stored).
     """
     mod_options = _mod_options(score_mod, mask_mod, mod_args, score_mod_grad, window_size,
                                softcap, alibi_slopes, attn_bias, attn_mask, block_mask)
@@ -164,11 +178,12 @@ def attention_backward(do, q, k, v, o, lse, *, causal=False, softmax_scale=None,
                                          backend=backend, algorithm=algorithm,
                                          precision=precision, deterministic=deterministic,
                                          dq=dq, dk=dk, dv=dv, grad_dtype=grad_dtype,
+                                         dropout_p=dropout_p, dropout_seed=dropout_seed,
                                          **mod_options)
     problem = _with_mods(normalize_backward(
         do, q, k, v, o, lse, causal=causal, softmax_scale=softmax_scale, layout=layout,
         precision=precision, deterministic=deterministic, dq=dq, dk=dk, dv=dv,
-        grad_dtype=grad_dtype), mod_options)
+        grad_dtype=grad_dtype), mod_options, dropout_p, dropout_seed)
     if problem.mods is not None and not problem.mods.has_grad:
         raise ValueError(f"the backward needs the derivative of every score_mod: "
                          f"{', '.join(problem.mods.missing_grad())} has none; pass "
@@ -194,13 +209,15 @@ def explain(q, k, v, *, causal=False, softmax_scale=None, layout="bhsd", backend
             algorithm="auto", return_lse=False, out=None, precision="auto", backward=False,
             deterministic=False, grad_dtype=None, score_mod=None, mask_mod=None, mod_args=(),
             score_mod_grad=None, window_size=None, softcap=None, alibi_slopes=None,
-            attn_bias=None, attn_mask=None, block_mask=None, num_splits=None):
+            attn_bias=None, attn_mask=None, block_mask=None, num_splits=None, dropout_p=0.0,
+            dropout_seed=None):
     """The :class:`numflash.plan.Plan` that :func:`attention` would run for these arguments
     (with ``backward=True``: that :func:`attention_backward` would run for these q, k, v, and
     ``deterministic`` and ``grad_dtype`` as it takes them).
 
     ``str(plan)`` names the kernel and its tile config and, for every kernel not chosen, why.
-    Raises the same errors as :func:`attention` would.
+    Raises the same errors as :func:`attention` would (``dropout_seed`` may be left out: the
+    plan does not depend on it).
     """
     mod_options = _mod_options(score_mod, mask_mod, mod_args, score_mod_grad, window_size,
                                softcap, alibi_slopes, attn_bias, attn_mask, block_mask)
@@ -218,7 +235,8 @@ def explain(q, k, v, *, causal=False, softmax_scale=None, layout="bhsd", backend
                          "over keys already): leave it None with backward=True")
     problem = _with_mods(normalize(q, k, v, causal=causal, softmax_scale=softmax_scale,
                                    layout=layout, return_lse=return_lse, out=out,
-                                   precision=precision, num_splits=num_splits), mod_options)
+                                   precision=precision, num_splits=num_splits), mod_options,
+                         dropout_p, 0 if dropout_seed is None and dropout_p else dropout_seed)
     if backward:
         problem.direction, problem.deterministic = "backward", bool(deterministic)
         problem.grad_dtype = check_grad_dtype(grad_dtype, problem.dtype)

@@ -100,6 +100,7 @@ class Problem:
     num_splits: int = None  # the forward's forced split-KV share count (None: the kernel picks)
     kvcache: object = None  # numflash.kvcache.KVCache: per-entry key counts and pages, or None
     varlen: object = None   # numflash.varlen.Packed: packed sequences run in one launch, or None
+    dropout: object = None  # numflash.dropout.Dropout: p and seed of attention dropout, or None
 
     @property
     def shape(self):

@@ -36,6 +36,7 @@ class Operator:
     splits: bool = False              # splits the keys over blocks (num_splits > 1)
     kvcache: bool = False             # reads a KV cache in one launch (attention_with_kvcache)
     varlen: bool = False              # runs packed sequences in one launch (attention_varlen)
+    dropout: bool = False             # attention dropout (dropout_p > 0, numflash.dropout)
     summary: str = ""
 
     @property
@@ -53,6 +54,9 @@ class Operator:
         if refused:
             return (f"{self.name} takes {', '.join(self.mods)} of the modifications, not "
                     f"{', '.join(refused)}; the CPU path (cpu.tiled, NumPy arrays) takes them all")
+        if getattr(problem, "dropout", None) is not None and not self.dropout:
+            return (f"{self.name} has no dropout ({problem.dropout}); the CPU path (cpu.tiled) "
+                    f"and cuda.mma (CuPy arrays, compute capability >= 8.0) take it")
         if getattr(problem, "kvcache", None) is not None and not self.kvcache:
             return (f"{self.name} does not read a KV cache in one launch; cuda.mma's forward "
                     f"does (CuPy arrays, compute capability >= 8.0), and "
@@ -139,7 +143,7 @@ FORWARD = (
     Operator("cuda.mma", "cuda", "mma", _cuda_mma,
              dtypes=("float16", "bfloat16", "float32", "float64"), max_head_dim=256,
              min_cc=(8, 0), min_cc_why="mma.sync bf16 / f64, cp.async", runs_in_simulator=False,
-             tf32=True, mods="all", splits=True, kvcache=True, varlen=True,
+             tf32=True, mods="all", splits=True, kvcache=True, varlen=True, dropout=True,
              summary="FlashAttention-2 on tensor cores: mma.sync m16n8k16, register online "
                      "softmax, cp.async double-buffered K/V, ldmatrix; float64 (d <= 128, 64 on "
                      "sm_8x) on float64 mma.sync; float32 (d <= 128, cc 8.0 / 9.0) as 3xTF32 "
@@ -149,7 +153,7 @@ FORWARD = (
                      "block over several blocks, merged by cuda.merge) when the query blocks "
                      "cannot fill the GPU"),
     Operator("cpu.tiled", "cpu", "block", _cpu_tiled,
-             dtypes=("float16", "float32", "float64"), mods="all",
+             dtypes=("float16", "float32", "float64"), mods="all", dropout=True,
              summary="numba.njit block-tiled online softmax, parallel over (batch, head, query "
                      "block)"),
     Operator("cuda.block", "cuda", "block", _cuda_block,
@@ -164,13 +168,14 @@ FORWARD = (
 BACKWARD = (
     Operator("cpu.tiled", "cpu", "block", _cpu_backward,
              dtypes=("float16", "float32", "float64"), direction="backward", mods="all",
+             dropout=True,
              summary="numba.njit FlashAttention-2 backward: parallel over (batch, head, key-block "
                      "split), P recomputed from lse tile by tile, dQ per split summed in a "
                      "fixed order (always deterministic)"),
     Operator("cuda.mma", "cuda", "mma", _cuda_mma_backward,
              dtypes=("float16", "bfloat16", "float32", "float64"), max_head_dim=256,
              direction="backward", min_cc=(8, 0), min_cc_why="mma.sync bf16 / f64, cp.async",
-             runs_in_simulator=False, tf32=True, mods="all", varlen=True,
+             runs_in_simulator=False, tf32=True, mods="all", varlen=True, dropout=True,
              summary="FlashAttention-2 backward on tensor cores (mma.sync m16n8k16, ldmatrix, "
                      "cp.async double buffering; float32 as 3xTF32 on m16n8k8 tf32, float64 "
                      "on float64 mma.sync): a query pass (dQ) and a key pass (dK, dV, GQA "

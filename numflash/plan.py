@@ -27,6 +27,7 @@ class Plan:
     mods: str = ""  # the modifications compiled into the kernel, in words
     dtype: str = ""  # the inputs' dtype name (which compiled variants the config launches)
     notes: list = field(default_factory=list)  # the kernel's schedule in words (split-KV)
+    dropout: bool = False  # the kernel drops P (numflash.dropout)
 
     @property
     def operator(self):
@@ -76,6 +77,12 @@ class Plan:
                 "; in FULL blocks its mask_mod is not evaluated" if self.backend == "cuda"
                 else " (a CPU tile covering only EMPTY blocks); its mask_mod is evaluated in "
                      "the others"))
+        if self.dropout:
+            lines.append("  dropout: each pair's keep drawn from dropout_seed by Philox-4x32-10 "
+                         "(numflash.dropout) in the kernel" + (
+                             ", the forward's mask regenerated, never stored"
+                             if self.direction == "backward" else "; nothing of size Nq x Nk "
+                             "is stored"))
         lines += [f"  {note}" for note in self.notes]
         for name, why in self.rejected.items():
             lines.append(f"  not {name}: {why}")
@@ -145,6 +152,7 @@ def choose(problem, backend="auto", algorithm="auto"):
            # packed sequences: explain's notes name the count and the longest
            None if getattr(problem, "varlen", None) is None else (problem.varlen.key(),
                                                                   problem.causal),
+           getattr(problem, "dropout", None) is not None,  # its p and seed are run-time values
            problem.kind, problem.dtype,
            problem.shape, simulator_enabled(),
            tuple(a.strides for a in arrays),  # configs may depend on layout (mma's vector path)
@@ -224,5 +232,6 @@ def _choose(problem, backend, algorithm, device=None):
     return Plan(backend=backend, algorithm=chosen.algorithm, kernel=chosen.name, device=device,
                 config=config, rejected=rejected, direction=direction,
                 mods="" if mods is None else str(mods), dtype=problem.dtype_name,
-                notes=notes(problem, config, device) if notes else [])
+                notes=notes(problem, config, device) if notes else [],
+                dropout=getattr(problem, "dropout", None) is not None)
 

@@ -8,18 +8,20 @@ from .inputs import lse_dtype, normalize
 
 
 def attention(q, k, v, *, causal=False, softmax_scale=None, layout="bhsd", return_lse=False, out=None,
-              backend="auto", algorithm="auto", precision="auto", **mod_options):
+              backend="auto", algorithm="auto", precision="auto", dropout_p=0.0,
+              dropout_seed=None, **mod_options):
     """Naive float64 attention with the same signature as :func:`numflash.attention`.
 
     Works on NumPy arrays and on device arrays (copied to the host). The result is float64 NumPy
     (or written into ``out``, cast to its dtype); ``backend``, ``algorithm`` and ``precision``
     are accepted for signature compatibility and ignored (the reference is always float64).
+    Dropout draws numflash.dropout's mask for the same seed.
     """
     p = normalize(q, k, v, causal=causal, softmax_scale=softmax_scale, layout=layout,
                   return_lse=return_lse, out=out)
     o, lse = naive(p.host(p.q), p.host(p.k), p.host(p.v), scale=p.scale, causal=p.causal,
                    causal_offset=p.causal_offset, dtype=np.float64,
-                   mods=mods_of(p, mod_options))
+                   mods=mods_of(p, mod_options), dropout=build_dropout(dropout_p, dropout_seed))
     if out is not None:
         p.write_out(o)
         o = out
@@ -118,13 +120,15 @@ def _visible_matmul(a, b, visible):
 
 
 def naive(q, k, v, *, scale, causal=False, causal_offset=0, dtype=np.float64, query_positions=None,
-          mods=None):
+          mods=None, dropout=None):
     """softmax(scale * q k^T + mask) v in ``dtype`` on (B, H, N, d) NumPy arrays; returns (o, lse).
 
     Rows that see no key give zeros and lse = -inf; a NaN score makes its row's output and lse NaN. ``dtype`` lets the accuracy tests compute the
     same naive formula in a lower precision, to measure that precision's own error.
     ``query_positions``: the original row index of each q row, when q holds a subset of the rows
     (rows are independent, so a sample of them can be checked at sizes where all would not fit).
+    ``dropout``: a numflash.dropout.Dropout: P's pairs dropped by its mask and the rest scaled
+    (lse is the undropped softmax's).
     """
     dtype = np.dtype(dtype).type  # accept np.float32, "float32" or np.dtype("float32")
     q, k, v = (np.asarray(a, dtype=dtype) for a in (q, k, v))
@@ -133,6 +137,9 @@ def naive(q, k, v, *, scale, causal=False, causal_offset=0, dtype=np.float64, qu
                          dtype=dtype, query_positions=query_positions, mods=mods)
     p, l, m_safe = _exp_and_sums(s, dtype)
     with np.errstate(divide="ignore", invalid="ignore"):
+        if dropout is not None:
+            z = _dropout_factors(dropout, p.shape, query_positions, dtype)
+            p, visible = p * z, visible & (z != 0)  # a dropped pair reads no v, as in kernels
         o = _visible_matmul(p, v, visible) / np.where(l > 0, l, 1).astype(dtype)
         # -inf only for a row that sees no key; a NaN score gives a NaN l, hence a NaN lse
         lse = np.where(l == 0, -np.inf, np.log(np.where(l == 0, 1, l)) + m_safe)[..., 0]
@@ -140,7 +147,7 @@ def naive(q, k, v, *, scale, causal=False, causal_offset=0, dtype=np.float64, qu
 
 
 def naive_backward(do, q, k, v, *, scale, causal=False, causal_offset=0, dtype=np.float64, o=None,
-                   mods=None, stored=None):
+                   mods=None, stored=None, dropout=None):
     """Gradients (dq, dk, dv) of naive attention for the output gradient ``do``, in ``dtype``.
 
     The textbook backward: P = softmax(S), dV = P^T dO, dP = dO V^T, D = rowsum(dO * O),
@@ -149,7 +156,8 @@ def naive_backward(do, q, k, v, *, scale, causal=False, causal_offset=0, dtype=n
     by default P V in ``dtype``. Rows that see no key contribute nothing (P = 0).
     ``stored``: a dtype the N x N intermediates P, dP and dS are rounded to, as a framework
     computing in that dtype stores them (the same-dtype baseline of flash-attn's rule is torch
-    in float16 / bfloat16, which stores these and S too).
+    in float16 / bfloat16, which stores these and S too). ``dropout``: a numflash.dropout.Dropout
+    with factors Z (0 or 1 / (1 - p)): O = (P Z) V, dV = (P Z)^T dO, dS = P (Z dP - D).
     """
     dtype = np.dtype(dtype).type
     keep = (lambda a: a) if stored is None else (lambda a: a.astype(stored).astype(dtype))
@@ -165,10 +173,13 @@ def naive_backward(do, q, k, v, *, scale, causal=False, causal_offset=0, dtype=n
     # a non-finite dO, q or v where nothing reads it reaches no gradient through P = 0.
     vis = visible & ~(l == 0)  # a row whose every score is -inf sees nothing, as in the kernels
     vis_t = np.swapaxes(vis, -1, -2)
-    o = _visible_matmul(p, v, vis) if o is None else np.asarray(o, dtype=dtype)
-    dv = _visible_matmul(np.swapaxes(p, -1, -2), do, vis_t)
+    z = 1 if dropout is None else _dropout_factors(dropout, p.shape, None, dtype)
+    pz = p * z
+    vis_z = vis & (z != 0)  # a dropped pair reads no v, as in the kernels
+    o = _visible_matmul(pz, v, vis_z) if o is None else np.asarray(o, dtype=dtype)
+    dv = _visible_matmul(np.swapaxes(pz, -1, -2), do, np.swapaxes(vis_z, -1, -2))
     with np.errstate(invalid="ignore"):
-        dp = keep(np.where(vis, np.matmul(do, np.swapaxes(v, -1, -2)), 0))
+        dp = keep(np.where(vis_z, np.matmul(do, np.swapaxes(v, -1, -2)), 0) * z)
         delta = (do * o).sum(axis=-1, keepdims=True)
         ds = p * (dp - delta) * dtype(scale)
         if grad is not None:  # the chain rule through the score_mods
@@ -178,6 +189,17 @@ def naive_backward(do, q, k, v, *, scale, causal=False, causal_offset=0, dtype=n
     dk = _visible_matmul(np.swapaxes(ds, -1, -2), q, vis_t)
     dk, dv = _group_sum(dk, kv_heads), _group_sum(dv, kv_heads)
     return dq.astype(dtype), dk.astype(dtype), dv.astype(dtype)
+
+
+def build_dropout(dropout_p, dropout_seed):
+    from .dropout import build
+    return build(dropout_p, dropout_seed)
+
+
+def _dropout_factors(dropout, shape, query_positions, dtype):
+    """Z: 0 where the mask drops a pair, 1 / (1 - p) where it keeps it."""
+    from .dropout import keep_mask
+    return np.where(keep_mask(dropout, shape, query_positions), dtype(dropout.scale), dtype(0))
 
 
 def _shared_heads(q, kv):
@@ -196,7 +218,8 @@ def _group_sum(g, kv_heads):
 
 def attention_backward(do, q, k, v, o=None, lse=None, *, causal=False, softmax_scale=None,
                        layout="bhsd", backend="auto", algorithm="auto", precision="auto",
-                       deterministic=False, dq=None, dk=None, dv=None, **mod_options):
+                       deterministic=False, dq=None, dk=None, dv=None, dropout_p=0.0,
+                       dropout_seed=None, **mod_options):
     """Float64 naive gradients with the signature of :func:`numflash.attention_backward`.
 
     Returns float64 NumPy (dq, dk, dv) in ``layout``. ``o`` and ``lse`` may be omitted (the
@@ -207,5 +230,6 @@ def attention_backward(do, q, k, v, o=None, lse=None, *, causal=False, softmax_s
     d4 = do if layout == "bhsd" else do.transpose(0, 2, 1, 3)
     grads = naive_backward(p.host(d4), p.host(p.q), p.host(p.k), p.host(p.v), scale=p.scale,
                            causal=p.causal, causal_offset=p.causal_offset,
-                           mods=mods_of(p, mod_options))
+                           mods=mods_of(p, mod_options),
+                           dropout=build_dropout(dropout_p, dropout_seed))
     return tuple(g if layout == "bhsd" else g.transpose(0, 2, 1, 3) for g in grads)

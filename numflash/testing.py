@@ -22,12 +22,12 @@ def _to_host(a):
     return a.get() if hasattr(a, "get") and not isinstance(a, np.ndarray) else np.asarray(a)
 
 
-def _naive_same_dtype(q, k, v, p, rows, mods=None):
+def _naive_same_dtype(q, k, v, p, rows, mods=None, dropout=None):
     """Naive attention with every step rounded to the input dtype (float16: float32 matmuls)."""
     dt = p.dtype
     work = np.float32 if dt.name in ("float16", "bfloat16") else dt.type
     o, _ = reference.naive(q, k, v, scale=p.scale, causal=p.causal, causal_offset=p.causal_offset,
-                           dtype=work, query_positions=rows, mods=mods)
+                           dtype=work, query_positions=rows, mods=mods, dropout=dropout)
     return o.astype(dt).astype(np.float64)
 
 
@@ -50,20 +50,22 @@ class AccuracyReport:
 
 
 def check(out, q, k, v, *, lse=None, causal=False, softmax_scale=None, layout="bhsd", rows=None,
-          **mod_options):
+          dropout_p=0.0, dropout_seed=None, **mod_options):
     """Compare an attention result (and optionally its lse) with the float64 reference.
 
     ``rows``: check only these query rows (indices into Nq) — for sizes where the full
     Nq x Nk reference would not fit; every key is still used for each checked row.
-    ``mod_options``: the modifications the result was computed with (numflash.mods).
+    ``mod_options``: the modifications the result was computed with (numflash.mods), and
+    ``dropout_p`` / ``dropout_seed`` its dropout (the reference draws the same mask).
     """
     p = normalize(q, k, v, causal=causal, softmax_scale=softmax_scale, layout=layout)
     mods = reference.mods_of(p, mod_options)
+    dropout = reference.build_dropout(dropout_p, dropout_seed)
     qs = p.q if rows is None else p.q[:, :, rows]
     qh, kh, vh = (_to_host(a).astype(np.float64) for a in (qs, p.k, p.v))
     ref, ref_lse = reference.naive(qh, kh, vh, scale=p.scale, causal=p.causal,
                                    causal_offset=p.causal_offset, query_positions=rows,
-                                   mods=mods)
+                                   mods=mods, dropout=dropout)
     o = _to_host(out)
     o = (o if layout == "bhsd" else o.transpose(0, 2, 1, 3))
     if rows is not None:
@@ -72,7 +74,7 @@ def check(out, q, k, v, *, lse=None, causal=False, softmax_scale=None, layout="b
     o = o.astype(np.float64)
     if o.shape != ref.shape:
         raise ValueError(f"out has shape {o.shape}, expected {ref.shape} (bhsd order)")
-    naive = _naive_same_dtype(_to_host(qs), _to_host(p.k), _to_host(p.v), p, rows, mods)
+    naive = _naive_same_dtype(_to_host(qs), _to_host(p.k), _to_host(p.v), p, rows, mods, dropout)
     finite = bool(np.isfinite(o).all())
     max_err = float(np.abs(o - ref).max()) if o.size else 0.0
     naive_err = float(np.abs(naive - ref).max()) if o.size else 0.0
@@ -118,7 +120,7 @@ class GradientReport:
 
 
 def check_backward(grads, do, q, k, v, *, causal=False, softmax_scale=None, layout="bhsd",
-                   **mod_options):
+                   dropout_p=0.0, dropout_seed=None, **mod_options):
     """Compare gradients (dq, dk, dv) for output gradient ``do`` with the float64 reference.
 
     The naive backward in the same dtype reads its own forward output rounded to that dtype, as a
@@ -131,7 +133,8 @@ def check_backward(grads, do, q, k, v, *, causal=False, softmax_scale=None, layo
     dt = p.dtype
     raw = [_to_host(a) for a in (bhsd(do), p.q, p.k, p.v)]
     opts = dict(scale=p.scale, causal=p.causal, causal_offset=p.causal_offset,
-                mods=reference.mods_of(p, mod_options))
+                mods=reference.mods_of(p, mod_options),
+                dropout=reference.build_dropout(dropout_p, dropout_seed))
     ref = reference.naive_backward(*(a.astype(np.float64) for a in raw), **opts)
     work = np.float32 if dt.name in ("float16", "bfloat16") else dt.type
     o_low, _ = reference.naive(*raw[1:], dtype=work, **opts)

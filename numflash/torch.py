@@ -250,6 +250,16 @@ def _mod_arrays(mods):
     return out
 
 
+def _dropout_options(dropout_p, dropout_seed):
+    """{dropout_p, dropout_seed} of a call ({} without dropout), the seed drawn from torch's
+    default generator when none is given (torch.manual_seed makes it reproducible)."""
+    if not dropout_p:
+        return {}
+    if dropout_seed is None:
+        dropout_seed = int(torch.randint(0, 2 ** 63 - 1, ()).item())
+    return {"dropout_p": dropout_p, "dropout_seed": dropout_seed}
+
+
 def _mod_tensor(name, t):
     if t.requires_grad and torch.is_grad_enabled():
         raise NotImplementedError(f"{name} requires grad, but numflash computes no gradient for "
@@ -402,7 +412,7 @@ def _run_forward(q, k, v, *options):
 
 def attention(q, k, v, *, causal=False, softmax_scale=None, layout="bhsd", backend="auto",
               algorithm="auto", return_lse=False, out=None, precision="auto",
-              deterministic=False, **mods):
+              deterministic=False, dropout_p=0.0, dropout_seed=None, **mods):
     """:func:`numflash.attention` for torch tensors (it is what that function runs for them).
 
     Differentiable: gradients come from numflash's backward (``deterministic=True`` asks the
@@ -416,11 +426,16 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, layout="bhsd", backe
     tensor-core kernels take them all, forward and backward; cuda.block / cuda.row refuse them,
     naming them) and are differentiable in q, k and v, not in the modification
     tensors (one that requires grad is refused), and not through torch.compile yet.
+
+    ``dropout_p``: attention dropout (numflash.dropout), differentiable as above; without a
+    ``dropout_seed`` the seed is drawn from torch's default generator (so ``torch.manual_seed``
+    makes it reproducible), and the backward regenerates the same mask.
     """
     mods = {name: value for name, value in mods.items() if value is not None}
     unknown = set(mods) - set(_api.MOD_OPTIONS)
     if unknown:
         raise TypeError(f"attention() got unexpected keyword arguments {sorted(unknown)}")
+    mods.update(_dropout_options(dropout_p, dropout_seed))
     if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor)
             and isinstance(v, torch.Tensor)):
         _check_tensors(q=q, k=k, v=v)  # raises; the rest is checked where the call runs
@@ -446,12 +461,16 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, layout="bhsd", backe
 
 def attention_backward(do, q, k, v, o, lse, *, causal=False, softmax_scale=None, layout="bhsd",
                        backend="auto", algorithm="auto", precision="auto", deterministic=False,
-                       dq=None, dk=None, dv=None, grad_dtype=None, **mods):
+                       dq=None, dk=None, dv=None, grad_dtype=None, dropout_p=0.0,
+                       dropout_seed=None, **mods):
     """:func:`numflash.attention_backward` for torch tensors: returns (dq, dk, dv) tensors.
-    ``mods``: the modification options the forward ran with (see :func:`attention`);
-    ``grad_dtype``: None (q's dtype) or torch.float32 for 16-bit inputs."""
+    ``mods``: the modification options the forward ran with (see :func:`attention`), and its
+    dropout_p and dropout_seed; ``grad_dtype``: None (q's dtype) or torch.float32 for 16-bit
+    inputs."""
     _check_tensors(do=do, q=q, k=k, v=v, o=o, lse=lse)
     mods = {name: value for name, value in mods.items() if value is not None}
+    if dropout_p:   # the forward's seed, given: numflash says so when it is missing
+        mods.update(dropout_p=dropout_p, dropout_seed=dropout_seed)
     options = (_causal_name(causal), _scale(softmax_scale, q.shape[-1] if q.dim() == 4 else 0),
                layout, backend, algorithm, precision, bool(deterministic))
     if dq is None and dk is None and dv is None and not mods and grad_dtype is None:
@@ -513,10 +532,6 @@ def _sdpa_refusals(attn_mask, dropout_p, enable_gqa, query, key):
         raise NotImplementedError("numflash.torch.scaled_dot_product_attention: attn_mask with "
                                   "more than 4-D inputs is not supported; fold the leading "
                                   "dimensions into (N, H) first")
-    if dropout_p:
-        raise NotImplementedError(f"numflash.torch.scaled_dot_product_attention: dropout_p="
-                                  f"{dropout_p} is not supported (numflash has no dropout); pass "
-                                  f"dropout_p=0.0")
     if (not enable_gqa and query.dim() >= 3 and key.dim() >= 3
             and query.shape[-3] != key.shape[-3]):
         raise ValueError(f"numflash.torch.scaled_dot_product_attention: query has "
@@ -535,8 +550,9 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     broadcastable to (N, H, L, S), as in torch; it runs as a numflash modification
     (numflash.mods; read in place, on the tensor cores for CUDA tensors), where a row that the
     mask leaves empty gives zeros (torch gives NaN), and it gets no
-    gradient (one that requires grad is refused). Refused with NotImplementedError naming the
-    option: ``dropout_p > 0``.
+    gradient (one that requires grad is refused). ``dropout_p > 0`` drops attention
+    probabilities as torch does (numflash.dropout's mask, its seed drawn from torch's default
+    generator; pass 0.0 in evaluation, as with torch).
     """
     if (attn_mask is None and not dropout_p and type(query) is torch.Tensor and query.dim() == 4
             and type(key) is torch.Tensor and key.dim() == 4 and type(value) is torch.Tensor
@@ -561,7 +577,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         if not isinstance(attn_mask, torch.Tensor):
             raise TypeError(f"attn_mask must be a torch.Tensor; got {type(attn_mask).__name__}")
         mods["attn_mask" if attn_mask.dtype == torch.bool else "attn_bias"] = attn_mask
-    out = attention(q4, k4, v4, causal=bool(is_causal), softmax_scale=scale, **mods)
+    out = attention(q4, k4, v4, causal=bool(is_causal), softmax_scale=scale, dropout_p=dropout_p,
+                    **mods)
     return out.reshape(*lead, *out.shape[-2:])
 
 
@@ -578,8 +595,9 @@ def _as_4d(t):
 
 def _refuse_dropout(where, dropout_p):
     if dropout_p:
-        raise NotImplementedError(f"{where}: dropout_p={dropout_p} is not supported (numflash "
-                                  f"has no dropout); pass dropout_p=0.0")
+        raise NotImplementedError(f"{where}: dropout_p={dropout_p} is not supported with packed "
+                                  f"sequences yet (flash_attn_func and attention take it); pass "
+                                  f"dropout_p=0.0")
 
 
 def _flash_attn_mods(where, window_size, softcap, alibi_slopes, causal, nq, nk):
@@ -612,17 +630,17 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     the exact probabilities (B, H, Nq, Nk) (:func:`attention_probabilities`). k and v may have
     fewer heads than q (GQA / MQA). ``window_size``, ``softcap`` and ``alibi_slopes`` run as
     numflash modifications (gradients for q, k, v; on CUDA tensors on the tensor-core kernels,
-    forward and backward). Refused with
-    NotImplementedError naming the option: ``dropout_p > 0``, and a window or ALiBi with
-    causal=False and Nq != Nk (see :func:`_flash_attn_mods`).
+    forward and backward). ``dropout_p > 0``: attention dropout (numflash.dropout; the seed
+    drawn from torch's default generator). Refused with NotImplementedError naming the option:
+    a window or ALiBi with causal=False and Nq != Nk (see :func:`_flash_attn_mods`).
     """
     _check_tensors(q=q, k=k, v=v)
-    _refuse_dropout("flash_attn_func", dropout_p)
     mods = _flash_attn_mods("flash_attn_func", window_size, softcap, alibi_slopes, causal,
                             q.shape[1] if q.dim() == 4 else 0, k.shape[1] if k.dim() == 4 else 0)
     causal_mode = "bottom_right" if causal else False
     out, lse = attention(q, k, v, causal=causal_mode, softmax_scale=softmax_scale, layout="bshd",
-                         return_lse=True, deterministic=deterministic, **mods)
+                         return_lse=True, deterministic=deterministic, dropout_p=dropout_p,
+                         **mods)
     if return_attn_probs:
         probs = attention_probabilities(q, k, causal=causal_mode,
                                         softmax_scale=softmax_scale, layout="bshd")
@@ -677,7 +695,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=Non
 
     ``return_attn_probs=True`` returns (out, softmax_lse (H, total_q), None): the per-sequence
     probabilities have no dense packed form. Takes and refuses what :func:`flash_attn_func`
-    does; ``alibi_slopes`` of shape (B, H) give sequence b its row.
+    does, and ``dropout_p > 0`` (not with packed sequences yet); ``alibi_slopes`` of shape
+    (B, H) give sequence b its row.
     """
     from .varlen import _check_packed
     _check_tensors(q=q, k=k, v=v)
@@ -769,17 +788,24 @@ def _sdpa_flash_forward(query, key, value, dropout_p=0.0, is_causal=False,
                         return_debug_mask=False, *, scale=None):
     """``aten::_scaled_dot_product_flash_attention`` on numflash: query (B, H, Nq, d), key and
     value (B, Hk, Nk, .), SDPA's top-left causal. Returns what torch's flash kernel returns
-    (out, lse, no cumulative lengths, Nq, Nk, empty dropout state, no debug mask)."""
-    if dropout_p:
-        raise RuntimeError(f"numflash's SDPA flash implementation has no dropout (dropout_p="
-                           f"{dropout_p}): pass dropout_p=0.0, or "
-                           f"torch.nn.attention.restore_flash_attention_impl() for torch's")
+    (out, lse, no cumulative lengths, Nq, Nk, the dropout state, no debug mask). With
+    ``dropout_p`` numflash.dropout's mask: its seed, drawn from torch's default generator, is the
+    state's first entry, which aten hands the backward as ``philox_seed``."""
     if return_debug_mask:
         raise RuntimeError("numflash's SDPA flash implementation returns no debug mask")
+    causal, softmax_scale = "top_left" if is_causal else "none", _scale(scale, query.shape[-1])
+    dropout = _dropout_options(dropout_p, None)
     with torch.no_grad():   # below autograd already: aten's formula calls the backward below
-        out, lse = _forward_impl(query, key, value, "top_left" if is_causal else "none",
-                                 _scale(scale, query.shape[-1]), "bhsd", "auto", "auto", "auto")
-    state = torch.zeros((2,), dtype=torch.uint64, device=query.device)
+        if dropout:
+            out = torch.empty(_out_shape(query, value, "bhsd"), dtype=query.dtype,
+                              device=query.device)
+            lse, _ = _forward_into(out, query, key, value, causal, softmax_scale, "bhsd", "auto",
+                                   "auto", "auto", dropout)
+        else:
+            out, lse = _forward_impl(query, key, value, causal, softmax_scale, "bhsd", "auto",
+                                     "auto", "auto")
+    state = torch.tensor([dropout.get("dropout_seed", 0), 0], dtype=torch.uint64,
+                         device=query.device)
     offset = torch.zeros((), dtype=torch.uint64, device=query.device)
     debug = torch.empty(0, dtype=query.dtype, device=query.device)
     return out, lse, None, None, query.shape[2], key.shape[2], state, offset, debug
@@ -788,15 +814,17 @@ def _sdpa_flash_forward(query, key, value, dropout_p=0.0, is_causal=False,
 def _sdpa_flash_backward(grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k,
                          max_q, max_k, dropout_p, is_causal, philox_seed, philox_offset, *,
                          scale=None):
-    """``aten::_scaled_dot_product_flash_attention_backward`` on numflash's backward."""
+    """``aten::_scaled_dot_product_flash_attention_backward`` on numflash's backward (with
+    dropout, the forward's seed read back from ``philox_seed``: one small device-to-host
+    copy)."""
+    dropout = {}
     if dropout_p:
-        raise RuntimeError(f"numflash's SDPA flash implementation has no dropout (dropout_p="
-                           f"{dropout_p})")
+        dropout = {"dropout_p": dropout_p, "dropout_seed": int(philox_seed[0].item())}
     with torch.no_grad():
         return _backward_impl(grad_out, query, key, value, out, logsumexp,
                               "top_left" if is_causal else "none",
                               _scale(scale, query.shape[-1]), "bhsd", "auto", "auto", "auto",
-                              False)
+                              False, mods=dropout)
 
 
 class _SdpaHandle:
@@ -828,7 +856,9 @@ def install_as_sdpa():
     ``torch.nn.attention.register_flash_attention_impl``; returns the registered name.
 
     Inside, inputs numflash cannot run raise (no silent fallback to torch's kernel, which the
-    registration replaces): ``dropout_p > 0``, and what :func:`numflash.explain` refuses."""
+    registration replaces): what :func:`numflash.explain` refuses. ``dropout_p > 0`` (torch's
+    training mode) runs numflash.dropout, its seed kept in the state torch's flash kernel
+    returns."""
     from torch.nn import attention as _attention
     if not hasattr(_attention, "register_flash_attention_impl"):
         raise NotImplementedError(f"torch {torch.__version__} has no "

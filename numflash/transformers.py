@@ -117,10 +117,13 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     ``attention_mask`` what :func:`key_padding_mask` returned: a boolean key-padding mask, or
     integer sequence ids of packed rows (an integer 0 / 1 padding mask must come through
     :func:`key_padding_mask`, which makes it boolean). Returns ((B, Nq, H, d), weights), weights
-    being the exact attention probabilities with ``output_attentions=True``, else None."""
-    if dropout and module.training:
-        raise NotImplementedError(f"numflash has no attention dropout; this model trains with "
-                                  f"attention_dropout={dropout}: set config.attention_dropout = 0.0")
+    being the exact attention probabilities with ``output_attentions=True``, else None.
+    ``dropout`` applies in training mode (numflash.dropout; seeds from torch's generator)."""
+    dropout = dropout if module.training else 0.0
+    if dropout and kwargs.get("output_attentions"):
+        raise NotImplementedError("numflash's transformers attention gives the undropped "
+                                  "probabilities only: with attention dropout in training, "
+                                  "leave output_attentions off (or call model.eval())")
     for option in ("softcap", "sliding_window", "s_aux"):
         if kwargs.get(option) is not None:
             raise NotImplementedError(f"numflash's transformers attention does not support "
@@ -130,6 +133,10 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     packed = attention_mask is not None and not attention_mask.dtype.is_floating_point and \
         attention_mask.dtype != torch.bool
     if packed or kwargs.get("cu_seq_lens_q") is not None:
+        if dropout:
+            raise NotImplementedError(f"numflash has no attention dropout for packed sequences "
+                                      f"yet; this model trains with attention_dropout={dropout}: "
+                                      f"set config.attention_dropout = 0.0, or pad the batch")
         if kwargs.get("output_attentions"):
             raise NotImplementedError("numflash's transformers attention gives no attention "
                                       "probabilities for packed sequences (they have no dense "
@@ -144,7 +151,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     mode = "bottom_right" if causal and nq > 1 else False  # a lone new query sees every key
     if attention_mask is None:
         out, lse = _nt.attention(query, key, value, causal=mode, softmax_scale=scaling,
-                                 return_lse=True)
+                                 return_lse=True, dropout_p=dropout)
         lse_parts = [(lse, key, 0, nk, 0, nq)]
     else:
         outs, lse_parts = [], []
@@ -161,7 +168,8 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
             kb, vb = key[b:b + 1, :, start:end], value[b:b + 1, :, start:end]
             if r1 > r0:
                 rows_out, rows_lse = _nt.attention(query[b:b + 1, :, r0:r1], kb, vb, causal=mode,
-                                                   softmax_scale=scaling, return_lse=True)
+                                                   softmax_scale=scaling, return_lse=True,
+                                                   dropout_p=dropout)
                 if r1 - r0 == nq:
                     o, lse = rows_out, rows_lse
                 else:  # padding rows stay zero; torch.cat keeps the gradient path

@@ -421,8 +421,21 @@ def _packed_setup(varlen):
             int(np.diff(cu_q).max()), int(np.diff(cu_k).max()))
 
 
+def with_dropout(ns, cfg):
+    """An emulator namespace with a DROP variant's generator as plain Python (NumPy uint64)."""
+    from numflash.cuda.mma import dropout
+    ns.update(dropout.namespace(cfg))
+    return ns
+
+
+def _dropout_arguments(dropout):
+    """The kernel's dropout arguments of a numflash.dropout.Dropout (or None: none)."""
+    return list(dropout.arguments()) if dropout is not None else []
+
+
 def run_backward_kernels(q, k, v, do, o, lse, DT, causal=False, causal_offset=0, scale=None,
-                         tiles=None, window=None, mods=None, chunks=0, varlen=None, grad32=False):
+                         tiles=None, window=None, mods=None, chunks=0, varlen=None, grad32=False,
+                         dropout=None):
     """Run cuda.mma's generated backward source of kind DT (both passes) under the emulator;
     q, k, v, do, o in the kind's dtype (16-bit as float16 or ml_dtypes.bfloat16), lse as
     attention returns it. ``tiles``: {"queries": (NW, BC), "keys": (NW, BC[, SUB])}. Returns dq,
@@ -430,8 +443,10 @@ def run_backward_kernels(q, k, v, do, o, lse, DT, causal=False, causal_offset=0,
     sliding window's (left, right) (WINDOW variants);
     ``mods``: a numflash.mods.Mods (its window, and the MODS variant for the rest); ``chunks``:
     the CHUNKS variant's column slices (grid z); ``varlen``: (cu_q, cu_k, bottom_right) for the
-    VARLEN variant (the arrays then hold the packed rows, batch 1)."""
+    VARLEN variant (the arrays then hold the packed rows, batch 1); ``dropout``: a
+    numflash.dropout.Dropout (the DROP variant)."""
     token, window, extra = _mods_setup(mods, window)
+    extra += _dropout_arguments(dropout)
     if varlen is not None:   # after the window's arguments, before the mods'
         cu_q, cu_k, causal_offset, max_q, max_k = _packed_setup(varlen)
         extra[len(window or ()):len(window or ())] = [cu_q, cu_k]
@@ -450,7 +465,8 @@ def run_backward_kernels(q, k, v, do, o, lse, DT, causal=False, causal_offset=0,
         NW, BC, *sub = (tiles or {}).get(kernel, (2, 32))
         cfg = MmaConfig(D, DV, NW, BC, 0, DT, 1, MMA=form, SUB=sub[0] if sub else 0,
                         WINDOW=int(window is not None), MODS=token, CHUNKS=chunks,
-                        VARLEN=int(varlen is not None), GRAD32=int(grad32))
+                        VARLEN=int(varlen is not None), GRAD32=int(grad32),
+                        DROP=int(dropout is not None))
         src = backward.SOURCES[kernel](cfg)
         rows = Nq if kernel == "queries" else Nk
         count = B
@@ -459,7 +475,7 @@ def run_backward_kernels(q, k, v, do, o, lse, DT, causal=False, causal_offset=0,
         grid = (-(-rows // cfg.BR), count * (H if kernel == "queries" else Hkv))
         emu = Emu(cfg.NT, grid + ((chunks,) if chunks else ()),
                   backward.shared_bytes(cfg, kernel), word)
-        ns = with_mods(emulator_namespace(emu, DT), token, DT)
+        ns = with_dropout(with_mods(emulator_namespace(emu, DT), token, DT), cfg)
         exec(compile(src, f"<{DT} backward {kernel} emu>", "exec"), ns)
         outs = [grads["dq"]] if kernel == "queries" else [grads["dk"], grads["dv"]]
         inputs = (q, k, v, do, o) if kernel == "queries" else (q, k, v, do)
@@ -473,7 +489,8 @@ def run_backward_kernels(q, k, v, do, o, lse, DT, causal=False, causal_offset=0,
 
 
 def run_forward_kernel(q, k, v, DT, causal=False, causal_offset=0, scale=None, VEC=0, tile=None,
-                       window=None, mods=None, splits=None, kvcache=None, varlen=None):
+                       window=None, mods=None, splits=None, kvcache=None, varlen=None,
+                       dropout=None):
     """Run mma.kernel_source of operand kind DT under the emulator: "tf32" / "3xtf32" (float32
     q, k, v), "f64" (float64), "f16" / "bf16" (float16 / ml_dtypes.bfloat16); returns (out,
     lse). VEC=1 runs the cp.async / double-buffered staging (16-bit kinds: with ldmatrix);
@@ -483,9 +500,11 @@ def run_forward_kernel(q, k, v, DT, causal=False, causal_offset=0, scale=None, V
     and return its partials, (splits, B, H, Nq, dv) and (splits, B, H, Nq), in float32 (float64
     for f64); ``kvcache``: (kv_lens, block_table or None, page or 0) for the KVLEN / PAGE
     variant (k, v then hold every page's rows, the batch axis broadcast); ``varlen``: (cu_q,
-    cu_k, bottom_right) for the VARLEN variant (q, k, v hold the packed rows, batch 1)."""
+    cu_k, bottom_right) for the VARLEN variant (q, k, v hold the packed rows, batch 1);
+    ``dropout``: a numflash.dropout.Dropout (the DROP variant)."""
     from numflash.cuda import mma
     token, window, extra = _mods_setup(mods, window)
+    extra += _dropout_arguments(dropout)
     if kvcache is not None:   # the cache's arguments come after the window's
         lens, table, page = kvcache
         at = len(window or ())
@@ -501,7 +520,7 @@ def run_forward_kernel(q, k, v, DT, causal=False, causal_offset=0, scale=None, V
     cfg = mma.MmaConfig(D, DV, NW, BC, HOLDQ, DT, VEC, WINDOW=int(window is not None),
                         MODS=token, SPLIT=int(splits is not None),
                         KVLEN=int(kvcache is not None), PAGE=kvcache[2] if kvcache else 0,
-                        VARLEN=int(varlen is not None))
+                        VARLEN=int(varlen is not None), DROP=int(dropout is not None))
     src = mma.kernel_source(cfg)
     real = np.float64 if DT == "f64" else np.float32
     word = {"f64": np.float64, "3xtf32": np.float32}.get(DT, np.uint32)
@@ -509,7 +528,7 @@ def run_forward_kernel(q, k, v, DT, causal=False, causal_offset=0, scale=None, V
     if varlen is not None:
         grid = (-(-max_q // cfg.BR), (len(cu_q) - 1) * H)
     emu = Emu(cfg.NT, grid, mma.shared_bytes(cfg), word)
-    ns = with_mods(emulator_namespace(emu, DT), token, DT)
+    ns = with_dropout(with_mods(emulator_namespace(emu, DT), token, DT), cfg)
     exec(compile(src, f"<{DT} emu>", "exec"), ns)
     if splits is not None:   # the partials, written as floats
         out = np.full((splits, B, H, Nq, dv), np.nan, real)

@@ -125,6 +125,16 @@ def test_readme_modifications_example_runs():
                          mod_args=ns["args"]).ok
 
 
+def test_readme_dropout_example_runs():
+    from numflash import testing
+    ns = {}
+    exec(compile(_block("dropout_seed=1234"), "README.md", "exec"), ns)
+    opts = dict(causal=True, dropout_p=0.1, dropout_seed=1234)
+    assert testing.check(ns["o"], ns["q"], ns["k"], ns["v"], lse=ns["lse"], **opts).ok
+    grads = (ns["dq"], ns["dk"], ns["dv"])
+    assert testing.check_backward(grads, ns["o"] * 0 + 1, ns["q"], ns["k"], ns["v"], **opts).ok
+
+
 def test_readme_kvcache_example_runs():
     """The decoding loop appends a row a step and attends to each sequence's rows."""
     import numpy as np

@@ -193,7 +193,6 @@ def test_sdpa_attn_mask_matches_torch_with_gradients(shape, mask_kind):
 @pytest.mark.parametrize("kwargs, error, match", [
     (dict(attn_mask=torch.ones(5, 5, dtype=torch.bool)), NotImplementedError,
      "more than 4-D inputs"),
-    (dict(dropout_p=0.1), NotImplementedError, "dropout_p=0.1 is not supported"),
     (dict(attn_mask=torch.randn(5, 5, requires_grad=True)), NotImplementedError,
      "attn_bias requires grad"),
     (dict(attn_mask=torch.ones(3, 5, dtype=torch.bool)), ValueError,
@@ -203,6 +202,63 @@ def test_sdpa_refuses_what_it_cannot_run(kwargs, error, match):
     q = torch.randn(1, 1, 4, 5, 8) if "more than" in match else torch.randn(1, 4, 5, 8)
     with pytest.raises(error, match=match):
         nt.scaled_dot_product_attention(q, q, q, **kwargs)
+
+
+@pytest.mark.parametrize("entry", ["attention", "sdpa", "flash_attn_func"])
+def test_dropout_through_the_torch_layers_with_gradients(entry):
+    """dropout_p on numflash.torch.attention (explicit seed), SDPA and flash_attn_func (the
+    seed drawn from torch's default generator: torch.manual_seed reproduces the call); output
+    and autograd gradients meet the accuracy rule against the reference with that seed."""
+    q, k, v = tensors((2, 3, 37, 16), (2, 3, 41, 16), torch.float64, grad=True)
+    bshd = entry == "flash_attn_func"
+    if bshd:
+        q, k, v = (t.detach().transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v))
+    seeds = []
+    real_randint = torch.randint
+
+    def spy(*a, **kw):   # the seed the layer draws
+        out = real_randint(*a, **kw)
+        seeds.append(int(out.item()))
+        return out
+
+    def run():
+        if entry == "attention":
+            return nt.attention(q, k, v, causal=True, dropout_p=0.3, dropout_seed=77)
+        if entry == "sdpa":
+            return nt.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=0.3)
+        return nt.flash_attn_func(q, k, v, causal=True, dropout_p=0.3)
+    torch.manual_seed(0)
+    torch.randint = spy
+    try:
+        out = run()
+        torch.manual_seed(0)
+        again = run()
+    finally:
+        torch.randint = real_randint
+    assert torch.equal(out, again)
+    seed = 77 if entry == "attention" else seeds[0]
+    assert entry == "attention" or seeds[0] == seeds[1]
+    do = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), do)
+    layout = "bshd" if bshd else "bhsd"
+    causal = "bottom_right" if bshd else True   # 37 != 41: flash-attn's alignment
+    opts = dict(causal=causal, layout=layout, dropout_p=0.3, dropout_seed=seed)
+    testing.assert_accurate(np_(out), np_(q), np_(k), np_(v), **opts)
+    testing.assert_gradients_accurate([np_(g) for g in grads], np_(do), np_(q), np_(k), np_(v),
+                                      **opts)
+    # attention_backward with the same seed gives the same gradients
+    _, lse = nt.attention(q, k, v, causal=causal, layout=layout, return_lse=True, **{
+        "dropout_p": 0.3, "dropout_seed": seed})
+    again = nt.attention_backward(do, q, k, v, out, lse, causal=causal, layout=layout,
+                                  dropout_p=0.3, dropout_seed=seed)
+    for a, b in zip(grads, again):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_varlen_refuses_dropout_naming_it():
+    q = torch.randn(10, 2, 8)
+    with pytest.raises(NotImplementedError, match="not supported with packed sequences"):
+        nt.flash_attn_varlen_func(q, q, q, [0, 4, 10], [0, 4, 10], dropout_p=0.1)
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -275,7 +331,6 @@ def test_flash_attn_varlen_takes_the_same_modifications():
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(dropout_p=0.1), "dropout_p=0.1"),
     (dict(window_size=(4, 0)), "causal=False and 5 queries != 7 keys"),
     (dict(alibi_slopes=torch.ones(2)), "causal=False and 5 queries != 7 keys"),
     (dict(alibi_slopes=torch.ones(2, requires_grad=True), causal=True), "requires grad"),
@@ -560,8 +615,16 @@ def test_install_as_sdpa_registers_and_restores_and_its_kernels_are_numflash():
     assert all(map(torch.equal, grads, ref))
     testing.assert_gradients_accurate([np_(g) for g in grads], np_(do), np_(q), np_(k), np_(v),
                                       causal="top_left", softmax_scale=0.3)
-    with pytest.raises(RuntimeError, match="no dropout"):
-        nt._sdpa_flash_forward(q, k, v, dropout_p=0.1)
+    # dropout: the seed travels in the state aten hands the backward as philox_seed
+    torch.manual_seed(4)
+    got = nt._sdpa_flash_forward(q, k, v, dropout_p=0.25, is_causal=True, scale=0.3)
+    seed = int(got[6][0].item())
+    opts = dict(causal="top_left", softmax_scale=0.3, dropout_p=0.25, dropout_seed=seed)
+    testing.assert_accurate(np_(got[0]), np_(q), np_(k), np_(v), lse=np_(got[1]), **opts)
+    grads = nt._sdpa_flash_backward(do, q, k, v, got[0], got[1], None, None, 33, 40, 0.25, True,
+                                    got[6], got[7], scale=0.3)
+    testing.assert_gradients_accurate([np_(g) for g in grads], np_(do), np_(q), np_(k), np_(v),
+                                      **opts)
 
 
 @pytest.mark.gpu
@@ -595,3 +658,18 @@ def test_gpu_unchanged_sdpa_calls_run_numflash_after_install():
     with torch.no_grad(), sdpa_kernel(SDPBackend.FLASH_ATTENTION):
         again = F.scaled_dot_product_attention(q, k, v, is_causal=True)
     assert torch.equal(again, own)
+    # training-mode dropout through the registration: the seed drawn from torch's generator,
+    # kept in the state aten hands the backward, so the gradients are numflash's with that seed
+    torch.manual_seed(11)
+    ref = nt.attention(q, k, v, causal=True, dropout_p=0.2)
+    ref_grads = torch.autograd.grad(ref, (q, k, v), do)
+    try:
+        nt.install_as_sdpa()
+        torch.manual_seed(11)
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=0.2)
+            grads = torch.autograd.grad(out, (q, k, v), do)
+    finally:
+        A.restore_flash_attention_impl()
+    assert torch.equal(out, ref) and all(map(torch.equal, grads, ref_grads))
+    assert not torch.equal(out, again)

@@ -3,12 +3,14 @@ weights downloaded) run with numflash against the same model with transformers' 
 a left-padded batch, greedy generation with the KV cache, output_attentions and a training step;
 and the refusals that keep unsupported mask patterns from being dropped silently."""
 import copy
+import math
 
 import pytest
 
 torch = pytest.importorskip("torch", reason="torch is optional: pip install torch==2.13.0")
 transformers = pytest.importorskip("transformers", reason="transformers is optional")
 
+import numflash  # noqa: E402
 import numflash.transformers as ntf  # noqa: E402
 
 NAME = ntf.register()
@@ -18,7 +20,7 @@ def llama(impl, dtype, kv_heads=2, seed=0, **extra):
     cfg = transformers.LlamaConfig(vocab_size=101, hidden_size=64, intermediate_size=96,
                                    num_hidden_layers=2, num_attention_heads=4,
                                    num_key_value_heads=kv_heads, max_position_embeddings=256,
-                                   attention_dropout=0.0, **extra)
+                                   **{"attention_dropout": 0.0, **extra})
     torch.manual_seed(seed)
     # from_config keeps the config object: each model gets its own copy, or both would share
     # one attn_implementation
@@ -292,6 +294,67 @@ def test_a_static_cache_is_refused_not_run_on_its_empty_slots():
     cache = transformers.StaticCache(config=ours.config, max_cache_len=16)
     with pytest.raises(NotImplementedError, match="static"):
         ours(ids, past_key_values=cache)
+
+
+def _drawn_seed(state):
+    """The seed numflash.torch draws from torch's default generator after manual_seed(state)."""
+    torch.manual_seed(state)
+    return int(torch.randint(0, 2 ** 63 - 1, ()).item())
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_attention_dropout_in_training_mode_only(padded):
+    """A module in training mode with attention dropout: numflash drops with a seed from
+    torch's generator, and the output is the reference's with that seed's mask (each padded
+    batch entry is its own call, with its own seed); in eval mode nothing is dropped."""
+    from numflash import testing
+    g = torch.Generator().manual_seed(6)
+    q = torch.randn(2, 4, 9, 8, dtype=torch.float64, generator=g)
+    k, v = (torch.randn(2, 2, 9, 8, dtype=torch.float64, generator=g) for _ in range(2))
+    mask = torch.ones(2, 9, dtype=torch.bool) if padded else None
+    if padded:
+        mask[1, :3] = False
+    module = type("Layer", (), {"training": True, "is_causal": True})()
+    torch.manual_seed(8)
+    out, _ = ntf.attention_forward(module, q, k, v, mask, dropout=0.4, scaling=0.3)
+    seed = _drawn_seed(8)
+    if not padded:
+        want = numflash.reference.attention(*(t.numpy() for t in (q, k, v)), causal=True,
+                                            softmax_scale=0.3, dropout_p=0.4, dropout_seed=seed)
+        torch.testing.assert_close(out, torch.from_numpy(want).transpose(1, 2), rtol=0,
+                                   atol=1e-13)
+    else:   # entry 0 is the first call (the first seed drawn), over every key
+        q0, k0, v0 = (t[:1].numpy() for t in (q, k, v))
+        rep = testing.check(out[:1].transpose(1, 2).numpy(), q0, k0, v0, causal=True,
+                            softmax_scale=0.3, dropout_p=0.4, dropout_seed=seed)
+        assert rep.ok, rep
+    module.training = False
+    plain, _ = ntf.attention_forward(module, q, k, v, mask, dropout=0.4, scaling=0.3)
+    module.training = True
+    assert not torch.allclose(out, plain)
+    with pytest.raises(NotImplementedError, match="undropped probabilities"):
+        ntf.attention_forward(module, q, k, v, mask, dropout=0.4, output_attentions=True)
+
+
+def test_a_model_trains_with_attention_dropout():
+    """A model configured with attention_dropout trains with numflash: finite loss and
+    gradients, reproducible under torch.manual_seed, different from the model without
+    dropout; eval mode gives sdpa's logits."""
+    ref, ours = pair(torch.float64, attention_dropout=0.2)
+    ids, _ = batch(40)
+    ours.train()
+    losses = []
+    for _ in range(2):
+        torch.manual_seed(3)
+        losses.append(ours(ids, labels=ids).loss)
+    assert losses[0].item() == losses[1].item() and math.isfinite(losses[0].item())
+    losses[0].backward()
+    assert all(torch.isfinite(p.grad).all() for p in ours.parameters() if p.grad is not None)
+    ours.eval()
+    plain = ours(ids, labels=ids).loss.item()
+    assert plain != losses[0].item()
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids).logits, ref(ids).logits, rtol=1e-9, atol=1e-11)
 
 
 def test_bidirectional_attention_with_padding_sees_every_kept_key():

@@ -19,7 +19,7 @@ from numba import njit, prange
 
 from ..mods import compile_errors
 from .tiled import FASTMATH, LOG2E, _exp2, _load_block, _SingleThreadedBlas, all_finite, \
-    half_table, run_tasks, uncached, visible_keys
+    apply_dropout, dropout_arguments, half_table, run_tasks, uncached, visible_keys
 
 NAME = "cpu.tiled"
 BLOCK_Q = 256
@@ -29,8 +29,9 @@ MIN_BLOCK_K = 32
 
 @njit(fastmath=FASTMATH, cache=True)
 def _masked_products(p, ds, qr, dor, kc, t_v, t_k, t_q, b, h, i0, j0, cols, causal, causal_offset,
-                     lse2_rows, zero, mod_visible, mod_args):
-    """t_v = P^T dO, t_k = dS^T Q, t_q = dS K over visible (row, key) pairs only."""
+                     lse2_rows, zero, drop, z, mod_visible, mod_args):
+    """t_v = P^T dO, t_k = dS^T Q, t_q = dS K over visible (row, key) pairs only (t_v also
+    over the pairs dropout keeps only: ``drop``, z[r, c] = 0 where dropped)."""
     rows = qr.shape[0]
     t_v[:cols] = zero
     t_k[:cols] = zero
@@ -41,8 +42,9 @@ def _masked_products(p, ds, qr, dor, kc, t_v, t_k, t_q, b, h, i0, j0, cols, caus
         for c in range(visible_keys(i0 + r, j0, cols, causal, causal_offset)):
             if mod_visible is not None and not mod_visible(b, h, i0 + r, j0 + c, mod_args):
                 continue
-            for x in range(dor.shape[1]):
-                t_v[c, x] += p[r, c] * dor[r, x]
+            if not drop or z[r, c] != 0:
+                for x in range(dor.shape[1]):
+                    t_v[c, x] += p[r, c] * dor[r, x]
             for x in range(qr.shape[1]):
                 t_k[c, x] += ds[r, c] * qr[r, x]
                 t_q[r, x] += ds[r, c] * kc[c, x]
@@ -51,15 +53,16 @@ def _masked_products(p, ds, qr, dor, kc, t_v, t_k, t_q, b, h, i0, j0, cols, caus
 @njit(fastmath=FASTMATH, cache=True)
 def _key_block_gradients(q, k, v, do, lse2, delta, dq_acc, dk, dv, b, hk, group, j0, cols, c2,
                          scale, causal, causal_offset, block_q, lut, kj, vj, qi, doi, s_buf,
-                         dp_buf, dk_acc, dv_acc, t_k, t_v, t_q, g_buf, mod, mod_visible,
-                         mod_live, mod_args):
+                         dp_buf, dk_acc, dv_acc, t_k, t_v, t_q, g_buf, z_buf, drop, seed_lo,
+                         seed_hi, threshold, drop_factor, mod, mod_visible, mod_live, mod_args):
     """dK and dV for keys j0:j0+cols of key/value head (b, hk), summed over the `group` query
     heads that read it (grouped-query attention), and their dQ contributions into dq_acc.
 
     ``mod`` (None, or numflash.mods' compiled apply_backward): each tile of raw scores becomes
     the modified scaled scores (then c2 = log2(e)) and g_buf the score_mod's derivative, which
     dS picks up by the chain rule. Query blocks that ``mod_live`` says a block mask empties
-    for these keys are skipped."""
+    for these keys are skipped. ``drop``: dropout's factors Z (numflash.dropout) go to z_buf,
+    and P Z takes P's place in dV, Z dP dP's in dS."""
     Nq = q.shape[2]
     d = q.shape[3]
     dvd = v.shape[3]
@@ -91,6 +94,11 @@ def _key_block_gradients(q, k, v, do, lse2, delta, dq_acc, dk, dv, b, hk, group,
         if mod is not None:  # compiled away without a modification
             g = g_buf[:rows * cols].reshape((rows, cols))
             mod(s, g, b, h, i0, j0, scale, mod_args)
+        z = s  # dropout's factors (a stand-in without)
+        if drop:
+            z = z_buf[:rows * cols].reshape((rows, cols))
+            z[:] = 1
+            apply_dropout(z, b, h, i0, j0, seed_lo, seed_hi, threshold, drop_factor)
         # P = exp(scale s - lse) = 2**(c2 s - lse2); dS = scale P (dP - D), in place over s.
         for r in range(rows):
             i = i0 + r
@@ -102,6 +110,9 @@ def _key_block_gradients(q, k, v, do, lse2, delta, dq_acc, dk, dv, b, hk, group,
             for c in range(last):
                 p = _exp2(s[r, c] * c2 - m)
                 s[r, c] = p
+                if drop:  # dV takes P Z; dS = P (Z dP - D), a dropped pair's dP never read
+                    s[r, c] = p * z[r, c]
+                    dp[r, c] = dp[r, c] * z[r, c] if z[r, c] != 0 else zero
                 if mod is None:
                     dp[r, c] = p * (dp[r, c] - dr) * scale
                 elif mod_visible(b, h, i, j0 + c, mod_args):  # chain rule through score_mod
@@ -119,8 +130,8 @@ def _key_block_gradients(q, k, v, do, lse2, delta, dq_acc, dk, dv, b, hk, group,
         else:  # non-finite inputs: sum over the (row, key) pairs that see each other only, so
             #    a NaN never reaches a gradient through a masked (zero) P or dS: 0 * NaN
             _masked_products(s, dp, qr, dor, kc, t_v, t_k, t_q, b, h, i0, j0, cols, causal,
-                             causal_offset, lse2[b, h, i0:i0 + rows], zero, mod_visible,
-                             mod_args)
+                             causal_offset, lse2[b, h, i0:i0 + rows], zero, drop, z,
+                             mod_visible, mod_args)
         for c in range(cols):
             for x in range(dvd):
                 dv_acc[c, x] += t_v[c, x]
@@ -138,15 +149,16 @@ def _key_block_gradients(q, k, v, do, lse2, delta, dq_acc, dk, dv, b, hk, group,
 
 @njit(parallel=True, fastmath=FASTMATH, cache=True)
 def tiled_backward(q, k, v, do, lse2, delta, dq_parts, dk, dv, c2, scale, causal, causal_offset,
-                   block_q, block_k, lut, mod, mod_visible, mod_live, mod_args, task_first,
-                   task_step):
+                   block_q, block_k, lut, drop, seed_lo, seed_hi, threshold, drop_factor, mod,
+                   mod_visible, mod_live, mod_args, task_first, task_step):
     """dk, dv (compute dtype) and dq_parts[split] (zeroed; summed by the caller) for every head.
 
     q, k, v, do: (B, H, N, .) of any strides (float32, float64, or float16 bits as uint16);
     lse2 = lse * log2(e) and delta = rowsum(dO * O): (B, H, Nq) in the compute dtype.
     With a modification (mod, mod_visible, mod_live, mod_args from numflash.mods; None, None,
     None, () without)
-    c2 = log2(e): the kernel scales and modifies the scores itself. Runs tasks task_first,
+    c2 = log2(e): the kernel scales and modifies the scores itself. ``drop`` ... drop_factor:
+    the forward's dropout (tiled.dropout_arguments). Runs tasks task_first,
     task_first + task_step, ... (0, 1: all; tiled.run_tasks spreads them over threads).
     """
     splits, B, H, Nq, d = dq_parts.shape
@@ -174,6 +186,7 @@ def tiled_backward(q, k, v, do, lse2, delta, dq_parts, dk, dv, c2, scale, causal
         t_v = np.empty((block_k, dvd), dt)
         t_q = np.empty((block_q, d), dt)
         g_buf = np.empty(block_q * block_k if mod is not None else 0, dt)
+        z_buf = np.empty(block_q * block_k if drop else 0, dt)
         # Round-robin key blocks: under a causal mask later blocks have less work, so dealing
         # them out keeps the splits even.
         for jb in range(split, nkb, splits):
@@ -181,7 +194,8 @@ def tiled_backward(q, k, v, do, lse2, delta, dq_parts, dk, dv, c2, scale, causal
             _key_block_gradients(q, k, v, do, lse2, delta, dq_parts[split], dk, dv, b, hk, group,
                                  j0, min(block_k, Nk - j0), c2, scale, causal, causal_offset,
                                  block_q, lut, kj, vj, qi, doi, s_buf, dp_buf, dk_acc, dv_acc,
-                                 t_k, t_v, t_q, g_buf, mod, mod_visible, mod_live, mod_args)
+                                 t_k, t_v, t_q, g_buf, z_buf, drop, seed_lo, seed_hi, threshold,
+                                 drop_factor, mod, mod_visible, mod_live, mod_args)
 
 
 _MOD_KERNELS = {}
@@ -225,16 +239,16 @@ def run(problem, config, device=None):
     dvo = p.dv if p.dv.dtype == compute else np.empty(p.dv.shape, compute)
     args = (q, k, v, do, lse2, delta, dq_parts, dk, dvo, compute(p.scale * LOG2E),
             compute(p.scale), p.causal, p.causal_offset, config["block_q"], config["block_k"],
-            lut, None, None, None, ())
+            lut) + dropout_arguments(p, compute)
     chunk = numba.set_parallel_chunksize(1)
     try:
         with _SingleThreadedBlas(), compile_errors(p.mods):
             if p.mods is None:
-                tiled_backward(*args, 0, 1)
+                tiled_backward(*args, None, None, None, (), 0, 1)
             else:  # scores are scaled and modified in the kernel
                 _, apply_backward, visible, live = p.mods.compiled()
-                args = args[:9] + (compute(LOG2E),) + args[10:16] + (apply_backward, visible,
-                                                                    live, p.mods.args)
+                args = args[:9] + (compute(LOG2E),) + args[10:] + (apply_backward, visible,
+                                                                  live, p.mods.args)
                 run_tasks(_backward_with_mods(), args, B * k.shape[1] * config["splits"])
     finally:
         numba.set_parallel_chunksize(chunk)

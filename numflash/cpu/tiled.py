@@ -26,6 +26,7 @@ import numba
 from numba import njit, prange, types
 from numba.extending import intrinsic, overload
 
+from .. import dropout as _dropout
 from ..mods import compile_errors
 
 NAME = "cpu.tiled"
@@ -108,6 +109,34 @@ def _exp2_impl(x):
 
 # No 'nnan'/'ninf': fully masked rows rely on -inf comparisons that those flags would delete.
 FASTMATH = {"nsz", "arcp", "contract", "afn", "reassoc"}
+
+_DROPOUT = _dropout.compiled(njit)
+_row_bytes = _DROPOUT["row_bytes"]
+_keep = _DROPOUT["keep"]
+
+
+@njit(fastmath=FASTMATH, cache=True)
+def apply_dropout(x, b, h, i0, j0, seed_lo, seed_hi, threshold, factor):
+    """x[r, c], the probability of pair (b, h, i0 + r, j0 + c), times ``factor`` (1 / (1 - p))
+    where numflash.dropout keeps the pair, 0 where it drops it: one generator call per row and
+    8 keys (the keys j, j + 8, ..., j + 56 of a 64-key group share its bytes)."""
+    rows, cols = x.shape
+    zero = x.dtype.type(0)
+    for r in range(rows):
+        i = i0 + r
+        odd = (i >> 3) & 1   # the call's bytes 8-15 are this row's
+        for c0 in range(cols):
+            j = j0 + c0
+            if c0 >= 8 and (j & 63) >= 8:   # its call was made at key j - 8 (or earlier)
+                continue
+            lo, hi = _row_bytes(seed_lo, seed_hi, b, h, i, j)
+            row = hi if odd else lo
+            for n in range((j & 63) >> 3, 8):   # this key and j + 8, ... in the group
+                c = c0 + (n - ((j & 63) >> 3)) * 8
+                if c >= cols:
+                    break
+                kept = (row >> np.uint64(8 * n)) & np.uint64(255) >= threshold
+                x[r, c] = x[r, c] * factor if kept else zero
 
 
 @njit(fastmath=FASTMATH, cache=True)
@@ -193,11 +222,13 @@ def _online_softmax(s, c2, p, m, l, alpha, zero):
 
 @njit(fastmath=FASTMATH, cache=True)
 def _attend_block(q, k, v, out, lse, b, h, hk, i0, rows, kend, causal, causal_offset, block_k, c2,
-                  lut, scale, mod, mod_visible, mod_live, mod_args):
+                  lut, scale, drop, seed_lo, seed_hi, threshold, drop_factor, mod, mod_visible,
+                  mod_live, mod_args):
     """Rows i0:i0+rows of out[b, h] and lse[b, h] from keys 0:kend of key/value head hk: one
     parallel task. ``mod`` (None, or numflash.mods' compiled apply_forward) turns each tile of
     raw scores into modified scaled scores; the caller then passes c2 = log2(e). A tile that
-    ``mod_live`` says a block mask empties is skipped (it would add nothing)."""
+    ``mod_live`` says a block mask empties is skipped (it would add nothing). ``drop``: P is
+    dropped (numflash.dropout) after the row sums take it, before P V."""
     d = q.shape[3]
     dv = v.shape[3]
     dt = out.dtype
@@ -231,6 +262,8 @@ def _attend_block(q, k, v, out, lse, b, h, hk, i0, rows, kend, causal, causal_of
         if mod is not None:  # compiled away without a modification
             mod(s, b, h, i0, j0, scale, mod_args)
         _online_softmax(s, c2, p, m, l, alpha, zero)
+        if drop:
+            apply_dropout(p, b, h, i0, j0, seed_lo, seed_hi, threshold, drop_factor)
         if all_finite(vj[:cols]):
             np.dot(p, vj[:cols], pv)
         else:  # a non-finite v reaches only the rows that see its key, never through a 0 weight
@@ -238,6 +271,8 @@ def _attend_block(q, k, v, out, lse, b, h, hk, i0, rows, kend, causal, causal_of
             for r in range(rows):
                 for c in range(visible_keys(i0 + r, j0, cols, causal, causal_offset)):
                     if mod is not None and not mod_visible(b, h, i0 + r, j0 + c, mod_args):
+                        continue
+                    if drop and not _keep(seed_lo, seed_hi, threshold, b, h, i0 + r, j0 + c):
                         continue
                     for x in range(pv.shape[1]):
                         pv[r, x] += p[r, c] * vj[c, x]
@@ -261,7 +296,8 @@ def _attend_block(q, k, v, out, lse, b, h, hk, i0, rows, kend, causal, causal_of
 
 @njit(parallel=True, fastmath=FASTMATH, cache=True)
 def tiled_forward(q, k, v, out, lse, c2, causal, causal_offset, block_q, block_k, lut, scale,
-                  mod, mod_visible, mod_live, mod_args, task_first, task_step):
+                  drop, seed_lo, seed_hi, threshold, drop_factor, mod, mod_visible, mod_live,
+                  mod_args, task_first, task_step):
     """out[b, h] = softmax(scale q k^T [causal mask]) v; lse[b, h] = log of each row's denominator.
 
     q, k, v: (B, H, N, d) arrays of any strides (float32, float64, or float16 bits as uint16);
@@ -269,7 +305,9 @@ def tiled_forward(q, k, v, out, lse, c2, causal, causal_offset, block_q, block_k
     c2 = softmax_scale * log2(e) in the compute dtype: exp(scale * s) = exp2(c2 * s); with a
     modification (mod, mod_visible, mod_live, mod_args from numflash.mods; None, None, None, ()
     without) the
-    scores are scaled and modified first and c2 = log2(e). Runs tasks task_first, task_first +
+    scores are scaled and modified first and c2 = log2(e). ``drop``, seed_lo, seed_hi, threshold
+    (uint64) and drop_factor: the call's dropout (numflash.dropout.Dropout.arguments; drop
+    False: none). Runs tasks task_first, task_first +
     task_step, ... (0, 1: all of them; see run_tasks for the modification path's threads).
     Call with the BLAS single-threaded (see run()).
     """
@@ -292,7 +330,8 @@ def tiled_forward(q, k, v, out, lse, c2, causal, causal_offset, block_q, block_k
         if causal:
             kend = min(Nk, max(0, i0 + rows + causal_offset))
         _attend_block(q, k, v, out, lse, b, h, h // group, i0, rows, kend, causal, causal_offset,
-                      block_k, c2, lut, scale, mod, mod_visible, mod_live, mod_args)
+                      block_k, c2, lut, scale, drop, seed_lo, seed_hi, threshold, drop_factor,
+                      mod, mod_visible, mod_live, mod_args)
 
 
 def uncached(dispatcher, **rebind):
@@ -394,6 +433,14 @@ class _SingleThreadedBlas:
                 fns[1](self._saved)
 
 
+def dropout_arguments(problem, compute):
+    """The kernels' (drop, seed_lo, seed_hi, threshold, drop_factor) of a problem."""
+    if problem.dropout is None:
+        return False, np.uint64(0), np.uint64(0), np.uint64(0), compute(1)
+    lo, hi, threshold, factor = problem.dropout.arguments()
+    return True, np.uint64(lo), np.uint64(hi), np.uint64(threshold), compute(factor)
+
+
 def config(problem, device):
     B, H, Nq, Nk, d, dv = problem.shape
     # Small problems: smaller query blocks, so every thread gets a few tasks.
@@ -416,16 +463,18 @@ def run(problem, config, device=None):
     out = p.out if p.out.dtype == compute else np.empty(p.out.shape, compute)
     lse = p.empty_lse()
     args = (q, k, v, out, lse, compute(p.scale * LOG2E), p.causal, p.causal_offset,
-            config["block_q"], config["block_k"], lut, compute(p.scale), None, None, None, ())
+            config["block_q"], config["block_k"], lut, compute(p.scale)) + \
+        dropout_arguments(p, compute)
+    no_mods = (None, None, None, ())
     chunk = numba.set_parallel_chunksize(1)  # returns the previous value
     try:
         with _SingleThreadedBlas(), compile_errors(p.mods):
             if p.mods is None:
-                tiled_forward(*args, 0, 1)
+                tiled_forward(*args, *no_mods, 0, 1)
             else:  # scores are scaled and modified in the kernel, then exp2(log2(e) x)
                 apply_forward, _, visible, live = p.mods.compiled()
-                args = args[:5] + (compute(LOG2E),) + args[6:12] + (apply_forward, visible, live,
-                                                                   p.mods.args)
+                args = args[:5] + (compute(LOG2E),) + args[6:] + (apply_forward, visible, live,
+                                                                  p.mods.args)
                 B, H, Nq = p.q.shape[:3]
                 run_tasks(_forward_with_mods(), args, B * H * -(-Nq // config["block_q"]))
     finally:

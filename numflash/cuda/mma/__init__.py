@@ -24,7 +24,7 @@ import functools
 import math
 
 from ...mods import compile_errors
-from . import mods
+from . import dropout, mods
 from .config import F64_MAX_HEAD_DIM, TF32_MAX_HEAD_DIM, config, split_count, vector_ok
 from .forward import kernel_source, make_kernel
 from .tiles import HEAD_DIMS, NAME, X3_CCS, MmaConfig, choose_tile, head_dim_pad, shared_bytes
@@ -44,11 +44,12 @@ def _as_bits(a):
 
 @functools.lru_cache(maxsize=256)   # numba types are made anew otherwise: ~0.1 ms a call
 def signature(dtype, window=False, token="", split=False, kvlen=False, paged=False,
-              varlen=False):
+              varlen=False, drop=False):
     """The kernel's argument types: q, k, v, out (16-bit inputs as their bits), lse, a float32
     debug array, the exp2 and natural scales, causal, causal_offset (and with a window its left
     and right sizes, a KV cache's lengths and block table, packed sequences' cu_q and cu_k,
-    with modifications their arguments: mods.argument_types). Split-KV: out and lse are the
+    with modifications their arguments: mods.argument_types, with dropout its four:
+    dropout.argument_types). Split-KV: out and lse are the
     (splits, B, H, Nq, .) partials (cuda.merge's precision)."""
     from numba import types
     from ...inputs import lse_dtype
@@ -64,7 +65,8 @@ def signature(dtype, window=False, token="", split=False, kvlen=False, paged=Fal
     cache += (array_type("int32", 1),) * 2 if varlen else ()
     return (arr, arr, arr, out, lse, array_type("float32"),
             types.float64, types.float64, types.int64, types.int64) + \
-        ((types.int64, types.int64) if window else ()) + cache + mods.argument_types(token)
+        ((types.int64, types.int64) if window else ()) + cache + mods.argument_types(token) + \
+        dropout.argument_types(drop)
 
 
 def compiled_kernels(cfg, dtype):
@@ -73,7 +75,7 @@ def compiled_kernels(cfg, dtype):
     from .. import launch, merge
     kernels = [(launch.get_kernel(NAME, make_kernel, cfg),
                 signature(dtype, cfg.WINDOW, cfg.MODS, bool(cfg.SPLIT), bool(cfg.KVLEN),
-                          bool(cfg.PAGE), bool(cfg.VARLEN)))]
+                          bool(cfg.PAGE), bool(cfg.VARLEN), bool(cfg.DROP)))]
     return kernels + ([merge.kernel(str(dtype))] if cfg.SPLIT else [])
 
 
@@ -145,7 +147,7 @@ def run(problem, cfg, device, debug=None):
                (bits(p.q), bits(p.k), bits(p.v), out, out_lse, debug,
                 float(p.scale * math.log2(math.e)), float(p.scale), int(p.causal),
                 causal_offset) + window + cache + packed +
-               (mods.arguments(p.mods) if cfg.MODS else ()), device)
+               (mods.arguments(p.mods) if cfg.MODS else ()) + dropout.arguments(p), device)
     if cfg.SPLIT:
         from .. import merge
         merge.run(out, out_lse, bits(p.out), lse, p.dtype_name, device)

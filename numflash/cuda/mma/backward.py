@@ -22,7 +22,7 @@ exchange for no float32 dQ buffer, no atomics and determinism by construction.
 A row that sees no key (lse = -inf) reads lse as +inf, so its P, and its gradients, are zero.
 """
 
-from . import mods
+from . import dropout, mods
 from .emit import (VARLEN_ARGUMENTS, U, Source, define, emit_views_at_use, emit_sequence,
                    emit_thread_indices, head_view, row_value)
 from .forward import emit_block_row, emit_modified_scale, namespace_with_mods
@@ -196,7 +196,8 @@ def query_pass_source(cfg):
     s = Source()
     s(f"def {KERNEL_NAMES['queries']}({ARGUMENTS['queries']}{SCALARS}"
       f"{', window_left, window_right' if window else ''}"
-      f"{VARLEN_ARGUMENTS if cfg.VARLEN else ''}{mods.parameters(cfg.MODS)}):")
+      f"{VARLEN_ARGUMENTS if cfg.VARLEN else ''}{mods.parameters(cfg.MODS)}"
+      f"{dropout.parameters(cfg)}):")
     with s.block():
         emit_thread_indices(s, ops.float)
         s(f"qb = U(cuda.gridDim.x) - {U(1)} - U(cuda.blockIdx.x)",  # longest causal block first
@@ -212,6 +213,7 @@ def query_pass_source(cfg):
         if cfg.MODS:
             emit_modified_scale(s, ops.float, cfg.MODS, "scale")
             s("hi = I(h)")
+        dropout.emit_locals(s, cfg, ops.float)
         _stage_rows(s, ops, "qh", cfg.BR, "i0", "Nq_u", cfg.D, "d_u", 0, QW, cfg.NT)
         _stage_rows(s, ops, "doh", cfg.BR, "i0", "Nq_u", cfg.DV, "dv_u", do_off, OW, cfg.NT)
         _stage_rows(s, ops, "oh", cfg.BR, "i0", "Nq_u", cfg.DV, "dv_u", kv_off, OW, cfg.NT)
@@ -246,6 +248,7 @@ def query_pass_source(cfg):
                     # where they are made, never held across a product
                     _dot_products(s, ops, NN, "dp", "do", OW, "v", v_off, VW, kb,
                                   cfg.DV // k_step)
+                    _emit_dropped_dp(s, cfg, NN)
                 _dot_products(s, ops, NN, "s", "q", QW, "k", k_off, KW, kb, cfg.D // k_step)
                 emit_score_mask(s, NN, cfg.BC, window)
                 if cfg.MODS:
@@ -263,6 +266,7 @@ def query_pass_source(cfg):
                             for r in range(4)))
                     _dot_products(s, ops, NN, "dp", "do", OW, "v", v_off, VW, kb,
                                   cfg.DV // k_step)
+                    _emit_dropped_dp(s, cfg, NN)
                     for n in range(NN):
                         s(*(f"s_{n}_{r} = {_ds(f's_{n}_{r}', f'dp_{n}_{r}', f'delta{r // 2}')}"
                             for r in range(4)))
@@ -271,6 +275,13 @@ def query_pass_source(cfg):
         emit_views_at_use(s, cfg, (("dqh", "dq", "h", "q"),))
         _store_rows(s, ops, cfg, ("r0", "r1"), "Nq", [("dq", ND, "scale", "dqh", "d_u", "c0q")])
     return s.text()
+
+
+def _emit_dropped_dp(s, cfg, NN):
+    """Emit, with dropout, Z dP in the query pass's dP registers (dS = P (Z dP - delta))."""
+    if cfg.DROP:
+        s("dj = j0 + I(t) * 2")
+        dropout.emit_rows(s, NN, "dp", cfg.BC)
 
 
 def key_pass_source(cfg):
@@ -287,7 +298,8 @@ def key_pass_source(cfg):
     s = Source()
     s(f"def {KERNEL_NAMES['keys']}({ARGUMENTS['keys']}{SCALARS}"
       f"{', window_left, window_right' if window else ''}"
-      f"{VARLEN_ARGUMENTS if cfg.VARLEN else ''}{mods.parameters(cfg.MODS)}):")
+      f"{VARLEN_ARGUMENTS if cfg.VARLEN else ''}{mods.parameters(cfg.MODS)}"
+      f"{dropout.parameters(cfg)}):")
     with s.block():
         emit_thread_indices(s, ops.float)
         s("bh = U(cuda.blockIdx.y)", "b = bh // U(Hkv)", "hk = bh % U(Hkv)",
@@ -303,6 +315,7 @@ def key_pass_source(cfg):
         _emit_column_slice(s, ops, cfg, (("k", cfg.D), ("v", cfg.DV)))
         if cfg.MODS:
             emit_modified_scale(s, ops.float, cfg.MODS, "scale")
+        dropout.emit_locals(s, cfg, ops.float)
         _stage_rows(s, ops, "kh", cfg.BR, "j0k", "Nk_u", cfg.D, "d_u", 0, KW, cfg.NT)
         _stage_rows(s, ops, "vh", cfg.BR, "j0k", "Nk_u", cfg.DV, "dv_u", v_off, VW, cfg.NT)
         s("cp_async_commit()")
@@ -311,6 +324,7 @@ def key_pass_source(cfg):
         # block's first key to the last row whose first key is at most the block's last key
         s("j0ks = I(j0k)", "wk = j0ks + I(warp) * 16", "kr0 = wk + I(g)", "kr1 = kr0 + 8",
           "q_first = min(Nq, max(0, j0ks - causal_offset)) if causal else 0")
+        dropout.emit_key_shifts(s, cfg)
         if window:
             s("if window_right >= 0:")
             with s.block():
@@ -420,8 +434,8 @@ def _key_pass_products(s, ops, cfg, SUB, kb, q_off, do_off, lse_off, delta_off, 
                         with s.block():
                             s(f"s_{n}_{r} = NEG_INF")
         s(f"qc = t * {U(2)}")
-        if cfg.MODS:
-            _key_pass_modified(s, ops, cfg, NN, kb, lse_off, delta_off, do_off, OW, VW)
+        if cfg.MODS or cfg.DROP:
+            _key_pass_elementwise(s, ops, cfg, NN, kb, lse_off, delta_off, do_off, OW, VW)
             ds = "dp"   # P^T stays in the S registers for dV, dS^T goes to dP's
         else:
             _per_query(s, NN, [("lse2", f"{kb}{U(lse_off)}")],
@@ -437,10 +451,11 @@ def _key_pass_products(s, ops, cfg, SUB, kb, q_off, do_off, lse_off, delta_off, 
                           name="qt", W=QW, rescaled=False)
 
 
-def _key_pass_modified(s, ops, cfg, NN, kb, lse_off, delta_off, do_off, OW, VW):
-    """The key pass's scores with modifications: dP^T = V dO^T first, then per score its
-    modification and derivative, P^T (kept in the S registers, added into dV here) and dS^T
-    (left in dP's registers), so no derivative is held across a product."""
+def _key_pass_elementwise(s, ops, cfg, NN, kb, lse_off, delta_off, do_off, OW, VW):
+    """The key pass's scores with modifications or dropout: dP^T = V dO^T first, then per
+    score its modification and derivative, P^T (kept in the S registers, added into dV here;
+    with dropout P^T Z) and dS^T = P^T (Z dP^T - delta) (left in dP's registers), so no
+    derivative or keep is held across a product."""
     NVN = cfg.DV // 8 // (cfg.CHUNKS or 1)
     SUB = NN * 8
     _dot_products(s, ops, NN, "dp", "v", VW, "do", do_off, OW, kb, cfg.DV // ops.k_step)
@@ -448,10 +463,15 @@ def _key_pass_modified(s, ops, cfg, NN, kb, lse_off, delta_off, do_off, OW, VW):
 
     def modified(n, r, c):
         name = f"s_{n}_{r}"
-        mods.emit_apply_grad(s, cfg.MODS, name, "gm", f"qcol + {8 * n + c}",
-                             "kr0" if r < 2 else "kr1")
-        s(f"{name} = ex2({name} * scale_log2 - lse2)",
-          f"dp_{n}_{r} = {_ds(name, f'dp_{n}_{r}', 'dlt', 'gm')}")
+        if cfg.MODS:
+            mods.emit_apply_grad(s, cfg.MODS, name, "gm", f"qcol + {8 * n + c}",
+                                 "kr0" if r < 2 else "kr1")
+        s(f"{name} = ex2({name} * scale_log2 - lse2)")
+        if cfg.DROP:   # Z dP^T first; P^T Z for dV once dS^T has read P^T
+            dropout.emit_transposed(s, n, r, c, f"dp_{n}_{r}", paired=SUB % 16 == 0)
+        s(f"dp_{n}_{r} = {_ds(name, f'dp_{n}_{r}', 'dlt', 'gm' if cfg.MODS else None)}")
+        if cfg.DROP:
+            dropout.emit_transposed(s, n, r, c, name, paired=SUB % 16 == 0, draw=False)
 
     _per_query(s, NN, [("lse2", f"{kb}{U(lse_off)}"), ("dlt", f"{kb}{U(delta_off)}")],
                modified)
@@ -494,7 +514,7 @@ def _identity(kernel, **config):
     from .forward import source_identity
     cfg = MmaConfig(**config)
     return source_identity(SOURCES[kernel](cfg), (_namespace,) + (
-        mods.identity_functions(cfg.MODS) if cfg.MODS else ()))
+        mods.identity_functions(cfg.MODS) if cfg.MODS else ()) + dropout.identity_functions(cfg))
 
 
 def _cacheable(**config):

@@ -50,6 +50,11 @@ def modifications(problem):
     return mods.token_for(getattr(problem, "mods", None))
 
 
+def dropped(problem):
+    """Whether a problem has attention dropout (MmaConfig.DROP)."""
+    return getattr(problem, "dropout", None) is not None
+
+
 def check_block_tiles(problem, tiles):
     """Raise Unsupported when a block mask's blocks are not made of whole tiles of the kernels:
     ``tiles``: ((query rows, key columns, which kernel), ...) of a tile each (a kernel's tile
@@ -170,7 +175,8 @@ def config(problem, device):
         VEC = int(vector)
     NW, BC, HOLDQ = choose_tile(D, DV, DT, device.smem_per_block_optin, VEC, device.cc, window,
                                 bool(token))
-    cfg = MmaConfig(D, DV, NW, BC, HOLDQ, DT, VEC, MMA=form, WINDOW=int(window), MODS=token)
+    cfg = MmaConfig(D, DV, NW, BC, HOLDQ, DT, VEC, MMA=form, WINDOW=int(window), MODS=token,
+                    DROP=int(dropped(problem)))
     check_block_tiles(problem, ((cfg.BR, cfg.BC, "forward"),))
     cache = getattr(problem, "kvcache", None)
     if cache is not None:

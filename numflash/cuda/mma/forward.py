@@ -19,7 +19,7 @@ import numpy as np
 
 from .emit import (VARLEN_ARGUMENTS, Source, define, emit_views_at_use, emit_prologue,
                    head_view, row_value)
-from . import mods
+from . import dropout, mods
 from .mask import emit_debug_dump, emit_row_bounds, emit_score_mask, warp_sees_tile
 from .operands import operands_for
 from .softmax import emit_accumulators, emit_epilogue, emit_online_update
@@ -43,7 +43,8 @@ def kernel_source(cfg):
     s = Source()
     s(f"def mma_attention({ARGUMENTS}{WINDOW_ARGUMENTS if window else ''}"
       f"{KVCACHE_ARGUMENTS[bool(cfg.PAGE)] if cfg.KVLEN else ''}"
-      f"{VARLEN_ARGUMENTS if cfg.VARLEN else ''}{mods.parameters(cfg.MODS)}):")
+      f"{VARLEN_ARGUMENTS if cfg.VARLEN else ''}{mods.parameters(cfg.MODS)}"
+      f"{dropout.parameters(cfg)}):")
     with s.block():
         if cfg.SPLIT:   # out, lse: (splits, B, H, Nq, .) partials; blockIdx.z is the share
             emit_prologue(s, cfg.BR, ops.float, ops.word, views=(
@@ -59,6 +60,7 @@ def kernel_source(cfg):
         if cfg.MODS:
             emit_modified_scale(s, ops.float, cfg.MODS, "ONE")
             s("hi = I(h)")
+        dropout.emit_locals(s, cfg, ops.float)
         ops.stage_q(s)
         emit_row_bounds(s, cfg.BR, window)
         if cfg.SPLIT:
@@ -101,15 +103,21 @@ def kernel_source(cfg):
                 if cfg.DBG:
                     emit_debug_dump(s, NN)
                 emit_online_update(s, NN, NVN, rescale_o=ops.rescales_o_in_softmax)
+                if cfg.DROP:   # P dropped after the row sums took it, before P V; the kept
+                    #            ones' 1 / (1 - p) is O's, in the epilogue
+                    s("dj = j0 + I(t) * 2")
+                    dropout.emit_rows(s, NN, "s", cfg.BC, scaled=False)
                 ops.accumulate_pv(s, kb, v_off, NVN, NPK)
 
         if cfg.SPLIT:
             emit_epilogue(s, NVN, lambda n, ra, rb, half: ops.store_partial(s, n, ra, rb, half),
-                          lse_at="lse[U(cuda.blockIdx.z), b, h, ru]")
+                          lse_at="lse[U(cuda.blockIdx.z), b, h, ru]",
+                          factor="drop_scale" if cfg.DROP else "ONE")
         else:
             emit_views_at_use(s, cfg, (("oh", "out", "h", "q"),))
             emit_epilogue(s, NVN, lambda n, ra, rb, half: ops.store_o(s, n, ra, rb, half),
-                          lse_at=row_value(cfg, "lse", "h", "ru"))
+                          lse_at=row_value(cfg, "lse", "h", "ru"),
+                          factor="drop_scale" if cfg.DROP else "ONE")
     return s.text()
 
 
@@ -185,12 +193,15 @@ def make_kernel(**config):
 
 
 def namespace_with_mods(cfg, base):
-    """``base(cfg)``, and the config's modifications compiled as device functions."""
+    """``base(cfg)``, and the config's modifications and dropout generator compiled as device
+    functions."""
     ns = base(cfg)
-    if cfg.MODS:
+    if cfg.MODS or cfg.DROP:
         from numba import cuda
         real = np.float64 if cfg.DT == "f64" else np.float32
-        ns.update(mods.namespace(cfg.MODS, real, cuda.jit(device=True)))
+        if cfg.MODS:
+            ns.update(mods.namespace(cfg.MODS, real, cuda.jit(device=True)))
+        ns.update(dropout.namespace(cfg, cuda.jit(device=True)))
     return ns
 
 
@@ -213,8 +224,8 @@ def code_identity(**config):
     """The forward variant's identity (source_identity of its generated source and, with
     modifications, of their functions)."""
     cfg = MmaConfig(**config)
-    return source_identity(kernel_source(cfg), mods.identity_functions(cfg.MODS) if cfg.MODS
-                           else ())
+    return source_identity(kernel_source(cfg), (mods.identity_functions(cfg.MODS) if cfg.MODS
+                                                else ()) + dropout.identity_functions(cfg))
 
 
 make_kernel.code_identity = code_identity

@@ -13,8 +13,9 @@ import math
 from ...device import Unsupported
 from ...mods import compile_errors
 from .backward import make_key_kernel, make_query_kernel, shared_bytes
-from . import mods
-from .config import check_block_tiles, check_packed, modifications, padded_dims, vector_ok
+from . import dropout, mods
+from .config import (check_block_tiles, check_packed, dropped, modifications, padded_dims,
+                     vector_ok)
 from .tiles import NAME, X3_CCS, MmaConfig
 
 #: the gradient columns one block holds, by operand kind: the key pass keeps dK and dV
@@ -141,9 +142,12 @@ def config(problem, device):
         check_packed(problem)
     # float32 gradients of 16-bit inputs: the accumulators stored unrounded
     grad32 = DT in ("f16", "bf16") and str(getattr(problem, "grad_dtype", None)) == "float32"
-    cfg = {kernel: dataclasses.replace(c, MODS=token, VARLEN=int(packed), GRAD32=int(grad32))
-           for kernel, c in tiles(D, DV, device.smem_per_block_optin, window, bool(token), DT,
-                                  device.cc).items()}
+    drop = dropped(problem)
+    # dropout's key pass runs the elementwise path of modifications: their tiles
+    cfg = {kernel: dataclasses.replace(c, MODS=token, VARLEN=int(packed), GRAD32=int(grad32),
+                                       DROP=int(drop))
+           for kernel, c in tiles(D, DV, device.smem_per_block_optin, window,
+                                  bool(token) or drop, DT, device.cc).items()}
     check_block_tiles(problem, ((cfg["queries"].BR, cfg["queries"].BC, "backward's query pass"),
                                 (cfg["keys"].BC, cfg["keys"].BR, "backward's key pass")))
     for kernel, c in cfg.items():
@@ -155,7 +159,7 @@ def config(problem, device):
     return cfg
 
 
-def signature(dtype, kernel, window=False, token="", varlen=False, grad32=False):
+def signature(dtype, kernel, window=False, token="", varlen=False, grad32=False, drop=False):
     """Argument types of the "queries" or "keys" kernel: q, k, v, dO (and O for the query pass)
     (16-bit inputs as their bits), lse and delta (float32; float64 for float64), dQ or dK, dV
     (like q; float32 with ``grad32``), the exp2 and natural scales, causal, causal_offset (and
@@ -172,7 +176,8 @@ def signature(dtype, kernel, window=False, token="", varlen=False, grad32=False)
     grads = (grad,) if kernel == "queries" else (grad, grad)
     return (*inputs, rows, rows, *grads, types.float64, types.float64, types.int64,
             types.int64) + ((types.int64, types.int64) if window else ()) + \
-        ((array_type("int32", 1),) * 2 if varlen else ()) + mods.argument_types(token)
+        ((array_type("int32", 1),) * 2 if varlen else ()) + mods.argument_types(token) + \
+        dropout.argument_types(drop)
 
 
 def compiled_kernels(cfg, dtype):
@@ -185,7 +190,8 @@ def compiled_kernels(cfg, dtype):
 
 
 def _signature(dtype, kernel, c):
-    return signature(dtype, kernel, c.WINDOW, c.MODS, bool(c.VARLEN), bool(c.GRAD32))
+    return signature(dtype, kernel, c.WINDOW, c.MODS, bool(c.VARLEN), bool(c.GRAD32),
+                     bool(c.DROP))
 
 
 def run(problem, cfg, device):
@@ -213,6 +219,7 @@ def run(problem, cfg, device):
         key_grid = p.varlen.grid(kc.BR, p.k.shape[1], keys=True)
     if cfg["queries"].MODS:
         scalars += mods.arguments(p.mods)
+    scalars += dropout.arguments(p)
     (queries, _), (keys, _) = compiled_kernels(cfg, p.dtype_name)
     inputs = tuple(bits(a) for a in (p.q, p.k, p.v, p.do))
     grad = (lambda a: a) if qc.GRAD32 else bits   # float32 gradients are written as floats

@@ -43,11 +43,12 @@ class MmaConfig(TileConfig):
     once. The run-time causal_offset argument then says the alignment (0: top-left, else
     bottom-right per sequence), and lse / delta are (1, heads, total query rows). GRAD32: the
     16-bit backward writes dQ, dK, dV in float32 as accumulated (attention_backward's
-    grad_dtype), not rounded to 16 bits.
+    grad_dtype), not rounded to 16 bits. DROP: attention dropout (dropout.py), its seed,
+    threshold and scale run-time arguments.
 
     The fields D, DV, BR (derived), BC, NT (derived), HOLDQ and DT follow cuda.config's naming
     scheme shared with the SIMT kernels; the mapping (cuda.config.TileConfig) leaves out MMA,
-    DBG, WINDOW, SUB, MODS, SPLIT, KVLEN, PAGE, CHUNKS, VARLEN and GRAD32 while unset.
+    DBG, WINDOW, SUB, MODS, SPLIT, KVLEN, PAGE, CHUNKS, VARLEN, GRAD32 and DROP while unset.
     """
     D: int
     DV: int
@@ -67,6 +68,7 @@ class MmaConfig(TileConfig):
     CHUNKS: int = 0
     VARLEN: int = 0
     GRAD32: int = 0
+    DROP: int = 0
 
     @property
     def BR(self):
