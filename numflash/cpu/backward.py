@@ -29,9 +29,9 @@ MIN_BLOCK_K = 32
 
 @njit(fastmath=FASTMATH, cache=True)
 def _masked_products(p, ds, qr, dor, kc, t_v, t_k, t_q, b, h, i0, j0, cols, causal, causal_offset,
-                     lse2_rows, zero, drop, z, mod_visible, mod_args):
+                     lse2_rows, zero, dropout, z, mod_visible, mod_args):
     """t_v = P^T dO, t_k = dS^T Q, t_q = dS K over visible (row, key) pairs only (t_v also
-    over the pairs dropout keeps only: ``drop``, z[r, c] = 0 where dropped)."""
+    over the pairs dropout keeps only: with ``dropout``, z[r, c] = 0 where dropped)."""
     rows = qr.shape[0]
     t_v[:cols] = zero
     t_k[:cols] = zero
@@ -42,7 +42,7 @@ def _masked_products(p, ds, qr, dor, kc, t_v, t_k, t_q, b, h, i0, j0, cols, caus
         for c in range(visible_keys(i0 + r, j0, cols, causal, causal_offset)):
             if mod_visible is not None and not mod_visible(b, h, i0 + r, j0 + c, mod_args):
                 continue
-            if not drop or z[r, c] != 0:
+            if dropout is None or z[r, c] != 0:
                 for x in range(dor.shape[1]):
                     t_v[c, x] += p[r, c] * dor[r, x]
             for x in range(qr.shape[1]):
@@ -53,16 +53,17 @@ def _masked_products(p, ds, qr, dor, kc, t_v, t_k, t_q, b, h, i0, j0, cols, caus
 @njit(fastmath=FASTMATH, cache=True)
 def _key_block_gradients(q, k, v, do, lse2, delta, dq_acc, dk, dv, b, hk, group, j0, cols, c2,
                          scale, causal, causal_offset, block_q, lut, kj, vj, qi, doi, s_buf,
-                         dp_buf, dk_acc, dv_acc, t_k, t_v, t_q, g_buf, z_buf, drop, seed_lo,
-                         seed_hi, threshold, drop_factor, mod, mod_visible, mod_live, mod_args):
+                         dp_buf, dk_acc, dv_acc, t_k, t_v, t_q, g_buf, z_buf, dropout, mod,
+                         mod_visible, mod_live, mod_args):
     """dK and dV for keys j0:j0+cols of key/value head (b, hk), summed over the `group` query
     heads that read it (grouped-query attention), and their dQ contributions into dq_acc.
 
     ``mod`` (None, or numflash.mods' compiled apply_backward): each tile of raw scores becomes
     the modified scaled scores (then c2 = log2(e)) and g_buf the score_mod's derivative, which
     dS picks up by the chain rule. Query blocks that ``mod_live`` says a block mask empties
-    for these keys are skipped. ``drop``: dropout's factors Z (numflash.dropout) go to z_buf,
-    and P Z takes P's place in dV, Z dP dP's in dS."""
+    for these keys are skipped. ``dropout`` (None, or tiled.dropout_arguments' tuple): its
+    factors Z (numflash.dropout) go to z_buf, and P Z takes P's place in dV, Z dP dP's in
+    dS."""
     Nq = q.shape[2]
     d = q.shape[3]
     dvd = v.shape[3]
@@ -95,10 +96,10 @@ def _key_block_gradients(q, k, v, do, lse2, delta, dq_acc, dk, dv, b, hk, group,
             g = g_buf[:rows * cols].reshape((rows, cols))
             mod(s, g, b, h, i0, j0, scale, mod_args)
         z = s  # dropout's factors (a stand-in without)
-        if drop:
+        if dropout is not None:  # compiled away without dropout
             z = z_buf[:rows * cols].reshape((rows, cols))
             z[:] = 1
-            apply_dropout(z, b, h, i0, j0, seed_lo, seed_hi, threshold, drop_factor)
+            apply_dropout(z, b, h, i0, j0, *dropout)
         # P = exp(scale s - lse) = 2**(c2 s - lse2); dS = scale P (dP - D), in place over s.
         for r in range(rows):
             i = i0 + r
@@ -110,7 +111,8 @@ def _key_block_gradients(q, k, v, do, lse2, delta, dq_acc, dk, dv, b, hk, group,
             for c in range(last):
                 p = _exp2(s[r, c] * c2 - m)
                 s[r, c] = p
-                if drop:  # dV takes P Z; dS = P (Z dP - D), a dropped pair's dP never read
+                # with dropout dV takes P Z, dS = P (Z dP - D): a dropped pair's dP is not read
+                if dropout is not None:
                     s[r, c] = p * z[r, c]
                     dp[r, c] = dp[r, c] * z[r, c] if z[r, c] != 0 else zero
                 if mod is None:
@@ -130,7 +132,7 @@ def _key_block_gradients(q, k, v, do, lse2, delta, dq_acc, dk, dv, b, hk, group,
         else:  # non-finite inputs: sum over the (row, key) pairs that see each other only, so
             #    a NaN never reaches a gradient through a masked (zero) P or dS: 0 * NaN
             _masked_products(s, dp, qr, dor, kc, t_v, t_k, t_q, b, h, i0, j0, cols, causal,
-                             causal_offset, lse2[b, h, i0:i0 + rows], zero, drop, z,
+                             causal_offset, lse2[b, h, i0:i0 + rows], zero, dropout, z,
                              mod_visible, mod_args)
         for c in range(cols):
             for x in range(dvd):
@@ -149,16 +151,16 @@ def _key_block_gradients(q, k, v, do, lse2, delta, dq_acc, dk, dv, b, hk, group,
 
 @njit(parallel=True, fastmath=FASTMATH, cache=True)
 def tiled_backward(q, k, v, do, lse2, delta, dq_parts, dk, dv, c2, scale, causal, causal_offset,
-                   block_q, block_k, lut, drop, seed_lo, seed_hi, threshold, drop_factor, mod,
-                   mod_visible, mod_live, mod_args, task_first, task_step):
+                   block_q, block_k, lut, dropout, mod, mod_visible, mod_live, mod_args,
+                   task_first, task_step):
     """dk, dv (compute dtype) and dq_parts[split] (zeroed; summed by the caller) for every head.
 
     q, k, v, do: (B, H, N, .) of any strides (float32, float64, or float16 bits as uint16);
     lse2 = lse * log2(e) and delta = rowsum(dO * O): (B, H, Nq) in the compute dtype.
     With a modification (mod, mod_visible, mod_live, mod_args from numflash.mods; None, None,
     None, () without)
-    c2 = log2(e): the kernel scales and modifies the scores itself. ``drop`` ... drop_factor:
-    the forward's dropout (tiled.dropout_arguments). Runs tasks task_first,
+    c2 = log2(e): the kernel scales and modifies the scores itself. ``dropout``: the forward's
+    (tiled.dropout_arguments; None without). Runs tasks task_first,
     task_first + task_step, ... (0, 1: all; tiled.run_tasks spreads them over threads).
     """
     splits, B, H, Nq, d = dq_parts.shape
@@ -186,7 +188,7 @@ def tiled_backward(q, k, v, do, lse2, delta, dq_parts, dk, dv, c2, scale, causal
         t_v = np.empty((block_k, dvd), dt)
         t_q = np.empty((block_q, d), dt)
         g_buf = np.empty(block_q * block_k if mod is not None else 0, dt)
-        z_buf = np.empty(block_q * block_k if drop else 0, dt)
+        z_buf = np.empty(block_q * block_k if dropout is not None else 0, dt)
         # Round-robin key blocks: under a causal mask later blocks have less work, so dealing
         # them out keeps the splits even.
         for jb in range(split, nkb, splits):
@@ -194,8 +196,8 @@ def tiled_backward(q, k, v, do, lse2, delta, dq_parts, dk, dv, c2, scale, causal
             _key_block_gradients(q, k, v, do, lse2, delta, dq_parts[split], dk, dv, b, hk, group,
                                  j0, min(block_k, Nk - j0), c2, scale, causal, causal_offset,
                                  block_q, lut, kj, vj, qi, doi, s_buf, dp_buf, dk_acc, dv_acc,
-                                 t_k, t_v, t_q, g_buf, z_buf, drop, seed_lo, seed_hi, threshold,
-                                 drop_factor, mod, mod_visible, mod_live, mod_args)
+                                 t_k, t_v, t_q, g_buf, z_buf, dropout, mod, mod_visible,
+                                 mod_live, mod_args)
 
 
 _MOD_KERNELS = {}
@@ -239,12 +241,16 @@ def run(problem, config, device=None):
     dvo = p.dv if p.dv.dtype == compute else np.empty(p.dv.shape, compute)
     args = (q, k, v, do, lse2, delta, dq_parts, dk, dvo, compute(p.scale * LOG2E),
             compute(p.scale), p.causal, p.causal_offset, config["block_q"], config["block_k"],
-            lut) + dropout_arguments(p, compute)
+            lut, dropout_arguments(p, compute))
     chunk = numba.set_parallel_chunksize(1)
     try:
         with _SingleThreadedBlas(), compile_errors(p.mods):
-            if p.mods is None:
-                tiled_backward(*args, None, None, None, (), 0, 1)
+            no_mods = (None, None, None, ())
+            if p.mods is None and p.dropout is None:
+                tiled_backward(*args, *no_mods, 0, 1)
+            elif p.mods is None:  # numba's parallel loops take no tuple: run_tasks' threads
+                run_tasks(_backward_with_mods(), args + no_mods,
+                          B * k.shape[1] * config["splits"])
             else:  # scores are scaled and modified in the kernel
                 _, apply_backward, visible, live = p.mods.compiled()
                 args = args[:9] + (compute(LOG2E),) + args[10:] + (apply_backward, visible,

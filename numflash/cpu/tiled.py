@@ -222,13 +222,13 @@ def _online_softmax(s, c2, p, m, l, alpha, zero):
 
 @njit(fastmath=FASTMATH, cache=True)
 def _attend_block(q, k, v, out, lse, b, h, hk, i0, rows, kend, causal, causal_offset, block_k, c2,
-                  lut, scale, drop, seed_lo, seed_hi, threshold, drop_factor, mod, mod_visible,
-                  mod_live, mod_args):
+                  lut, scale, dropout, mod, mod_visible, mod_live, mod_args):
     """Rows i0:i0+rows of out[b, h] and lse[b, h] from keys 0:kend of key/value head hk: one
     parallel task. ``mod`` (None, or numflash.mods' compiled apply_forward) turns each tile of
     raw scores into modified scaled scores; the caller then passes c2 = log2(e). A tile that
-    ``mod_live`` says a block mask empties is skipped (it would add nothing). ``drop``: P is
-    dropped (numflash.dropout) after the row sums take it, before P V."""
+    ``mod_live`` says a block mask empties is skipped (it would add nothing). ``dropout``
+    (None, or dropout_arguments' tuple): P is dropped (numflash.dropout) after the row sums
+    take it, before P V."""
     d = q.shape[3]
     dv = v.shape[3]
     dt = out.dtype
@@ -262,8 +262,8 @@ def _attend_block(q, k, v, out, lse, b, h, hk, i0, rows, kend, causal, causal_of
         if mod is not None:  # compiled away without a modification
             mod(s, b, h, i0, j0, scale, mod_args)
         _online_softmax(s, c2, p, m, l, alpha, zero)
-        if drop:
-            apply_dropout(p, b, h, i0, j0, seed_lo, seed_hi, threshold, drop_factor)
+        if dropout is not None:  # compiled away without dropout
+            apply_dropout(p, b, h, i0, j0, *dropout)
         if all_finite(vj[:cols]):
             np.dot(p, vj[:cols], pv)
         else:  # a non-finite v reaches only the rows that see its key, never through a 0 weight
@@ -272,7 +272,8 @@ def _attend_block(q, k, v, out, lse, b, h, hk, i0, rows, kend, causal, causal_of
                 for c in range(visible_keys(i0 + r, j0, cols, causal, causal_offset)):
                     if mod is not None and not mod_visible(b, h, i0 + r, j0 + c, mod_args):
                         continue
-                    if drop and not _keep(seed_lo, seed_hi, threshold, b, h, i0 + r, j0 + c):
+                    if dropout is not None and not _keep(dropout[0], dropout[1], dropout[2], b,
+                                                         h, i0 + r, j0 + c):
                         continue
                     for x in range(pv.shape[1]):
                         pv[r, x] += p[r, c] * vj[c, x]
@@ -296,8 +297,7 @@ def _attend_block(q, k, v, out, lse, b, h, hk, i0, rows, kend, causal, causal_of
 
 @njit(parallel=True, fastmath=FASTMATH, cache=True)
 def tiled_forward(q, k, v, out, lse, c2, causal, causal_offset, block_q, block_k, lut, scale,
-                  drop, seed_lo, seed_hi, threshold, drop_factor, mod, mod_visible, mod_live,
-                  mod_args, task_first, task_step):
+                  dropout, mod, mod_visible, mod_live, mod_args, task_first, task_step):
     """out[b, h] = softmax(scale q k^T [causal mask]) v; lse[b, h] = log of each row's denominator.
 
     q, k, v: (B, H, N, d) arrays of any strides (float32, float64, or float16 bits as uint16);
@@ -305,9 +305,8 @@ def tiled_forward(q, k, v, out, lse, c2, causal, causal_offset, block_q, block_k
     c2 = softmax_scale * log2(e) in the compute dtype: exp(scale * s) = exp2(c2 * s); with a
     modification (mod, mod_visible, mod_live, mod_args from numflash.mods; None, None, None, ()
     without) the
-    scores are scaled and modified first and c2 = log2(e). ``drop``, seed_lo, seed_hi, threshold
-    (uint64) and drop_factor: the call's dropout (numflash.dropout.Dropout.arguments; drop
-    False: none). Runs tasks task_first, task_first +
+    scores are scaled and modified first and c2 = log2(e). ``dropout``: None, or the call's
+    (seed_lo, seed_hi, threshold, factor) (dropout_arguments). Runs tasks task_first, task_first +
     task_step, ... (0, 1: all of them; see run_tasks for the modification path's threads).
     Call with the BLAS single-threaded (see run()).
     """
@@ -330,8 +329,7 @@ def tiled_forward(q, k, v, out, lse, c2, causal, causal_offset, block_q, block_k
         if causal:
             kend = min(Nk, max(0, i0 + rows + causal_offset))
         _attend_block(q, k, v, out, lse, b, h, h // group, i0, rows, kend, causal, causal_offset,
-                      block_k, c2, lut, scale, drop, seed_lo, seed_hi, threshold, drop_factor,
-                      mod, mod_visible, mod_live, mod_args)
+                      block_k, c2, lut, scale, dropout, mod, mod_visible, mod_live, mod_args)
 
 
 def uncached(dispatcher, **rebind):
@@ -434,11 +432,12 @@ class _SingleThreadedBlas:
 
 
 def dropout_arguments(problem, compute):
-    """The kernels' (drop, seed_lo, seed_hi, threshold, drop_factor) of a problem."""
+    """The kernels' ``dropout`` argument of a problem: None (numba compiles the dropout away),
+    or (seed_lo, seed_hi, threshold, factor)."""
     if problem.dropout is None:
-        return False, np.uint64(0), np.uint64(0), np.uint64(0), compute(1)
+        return None
     lo, hi, threshold, factor = problem.dropout.arguments()
-    return True, np.uint64(lo), np.uint64(hi), np.uint64(threshold), compute(factor)
+    return np.uint64(lo), np.uint64(hi), np.uint64(threshold), compute(factor)
 
 
 def config(problem, device):
@@ -463,14 +462,17 @@ def run(problem, config, device=None):
     out = p.out if p.out.dtype == compute else np.empty(p.out.shape, compute)
     lse = p.empty_lse()
     args = (q, k, v, out, lse, compute(p.scale * LOG2E), p.causal, p.causal_offset,
-            config["block_q"], config["block_k"], lut, compute(p.scale)) + \
-        dropout_arguments(p, compute)
+            config["block_q"], config["block_k"], lut, compute(p.scale),
+            dropout_arguments(p, compute))
     no_mods = (None, None, None, ())
     chunk = numba.set_parallel_chunksize(1)  # returns the previous value
     try:
         with _SingleThreadedBlas(), compile_errors(p.mods):
-            if p.mods is None:
+            if p.mods is None and p.dropout is None:
                 tiled_forward(*args, *no_mods, 0, 1)
+            elif p.mods is None:  # numba's parallel loops take no tuple: run_tasks' threads
+                B, H, Nq = p.q.shape[:3]
+                run_tasks(_forward_with_mods(), args + no_mods, B * H * -(-Nq // config["block_q"]))
             else:  # scores are scaled and modified in the kernel, then exp2(log2(e) x)
                 apply_forward, _, visible, live = p.mods.compiled()
                 args = args[:5] + (compute(LOG2E),) + args[6:] + (apply_forward, visible, live,
