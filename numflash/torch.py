@@ -527,7 +527,7 @@ def merge_partials(outs, lses):
     return _tensor(out, outs[0]), _tensor(lse, outs[0])
 
 
-def _sdpa_refusals(attn_mask, dropout_p, enable_gqa, query, key):
+def _sdpa_refusals(attn_mask, enable_gqa, query, key):
     if attn_mask is not None and query.dim() > 4:
         raise NotImplementedError("numflash.torch.scaled_dot_product_attention: attn_mask with "
                                   "more than 4-D inputs is not supported; fold the leading "
@@ -561,7 +561,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
                             _scale(scale, query.shape[3]), "bhsd", "auto", "auto", "auto",
                             False)[0]
     _check_tensors(query=query, key=key, value=value)
-    _sdpa_refusals(attn_mask, dropout_p, enable_gqa, query, key)
+    _sdpa_refusals(attn_mask, enable_gqa, query, key)
     for name, t in (("query", query), ("key", key), ("value", value)):
         if t.dim() < 2:
             raise ValueError(f"{name} must have at least 2 dimensions (..., L, E); got shape "
