@@ -48,6 +48,17 @@ def _array(rng, shape, dtype, magnitude, strided):
     return a
 
 
+def _drawn_inputs(p):
+    """(the problem's generator, q, k, v) of a drawn problem, in its layout and strides."""
+    rng = np.random.default_rng(p["seed"])
+    B, H, Nq, Nk, d, dv = p["B"], p["H"], p["Nq"], p["Nk"], p["d"], p["dv"]
+    shapes = [(B, Nq, H, d), (B, Nk, H, d), (B, Nk, H, dv)] if p["layout"] == "bshd" else \
+             [(B, H, Nq, d), (B, H, Nk, d), (B, H, Nk, dv)]
+    q, k, v = (_array(rng, s, p["dtype"], p["magnitude"] if i < 2 else 1.0, p["strided"])
+               for i, s in enumerate(shapes))
+    return rng, q, k, v
+
+
 EXPLORE = os.environ.get("NUMFLASH_PROPERTY_EXPLORE", "") not in ("", "0")
 
 
@@ -55,13 +66,9 @@ EXPLORE = os.environ.get("NUMFLASH_PROPERTY_EXPLORE", "") not in ("", "0")
           suppress_health_check=[HealthCheck.too_slow])
 @given(problems())
 def test_random_problems_are_accurate(p):
-    rng = np.random.default_rng(p["seed"])
-    B, H, Nq, Nk, d, dv = p["B"], p["H"], p["Nq"], p["Nk"], p["d"], p["dv"]
+    rng, q, k, v = _drawn_inputs(p)
+    B, H, Nq, Nk, dv = p["B"], p["H"], p["Nq"], p["Nk"], p["dv"]
     bshd = p["layout"] == "bshd"
-    shapes = [(B, Nq, H, d), (B, Nk, H, d), (B, Nk, H, dv)] if bshd else \
-             [(B, H, Nq, d), (B, H, Nk, d), (B, H, Nk, dv)]
-    q, k, v = (_array(rng, s, p["dtype"], p["magnitude"] if i < 2 else 1.0, p["strided"])
-               for i, s in enumerate(shapes))
     kw = dict(causal=p["causal"], softmax_scale=p["scale"], layout=p["layout"])
 
     o, lse = numflash.attention(q, k, v, return_lse=True, **kw)
@@ -129,14 +136,8 @@ def test_random_problems_with_dropout_are_accurate_forward_and_backward(p, steps
     kernel's dK error was 5.8e-6 without dropout and 5.1e-6 with it, naive float32's 6.0e-6 and
     1.2e-6; at Nk = 1 naive float32 gets P = exp(0) = 1 exactly where a FlashAttention-2
     backward recomputes P from the float32 lse (3.5e-6 dV error against a 3.4e-6 bound)."""
-    rng = np.random.default_rng(p["seed"])
-    B, H, Nq, Nk, d, dv = p["B"], p["H"], p["Nq"], p["Nk"], p["d"], p["dv"]
-    bshd = p["layout"] == "bshd"
-    shapes = [(B, Nq, H, d), (B, Nk, H, d), (B, Nk, H, dv)] if bshd else \
-             [(B, H, Nq, d), (B, H, Nk, d), (B, H, Nk, dv)]
-    q, k, v = (_array(rng, s, p["dtype"], p["magnitude"] if i < 2 else 1.0, p["strided"])
-               for i, s in enumerate(shapes))
-    do = rng.standard_normal(shapes[0][:3] + (dv,)).astype(p["dtype"])
+    rng, q, k, v = _drawn_inputs(p)
+    do = rng.standard_normal(q.shape[:3] + (p["dv"],)).astype(p["dtype"])
     kw = dict(causal=p["causal"], softmax_scale=p["scale"], layout=p["layout"],
               dropout_p=steps / 256, dropout_seed=dropout_seed)
     o, lse = numflash.attention(q, k, v, return_lse=True, **kw)
