@@ -4,6 +4,7 @@ It materializes the full Nq x Nk score matrix, so it is only for checking result
 """
 import numpy as np
 
+from . import dropout as _dropout
 from .inputs import lse_dtype, normalize
 
 
@@ -21,7 +22,8 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, layout="bhsd", retur
                   return_lse=return_lse, out=out)
     o, lse = naive(p.host(p.q), p.host(p.k), p.host(p.v), scale=p.scale, causal=p.causal,
                    causal_offset=p.causal_offset, dtype=np.float64,
-                   mods=mods_of(p, mod_options), dropout=build_dropout(dropout_p, dropout_seed))
+                   mods=mods_of(p, mod_options),
+                   dropout=_dropout.build(dropout_p, dropout_seed))
     if out is not None:
         p.write_out(o)
         o = out
@@ -191,15 +193,10 @@ def naive_backward(do, q, k, v, *, scale, causal=False, causal_offset=0, dtype=n
     return dq.astype(dtype), dk.astype(dtype), dv.astype(dtype)
 
 
-def build_dropout(dropout_p, dropout_seed):
-    from .dropout import build
-    return build(dropout_p, dropout_seed)
-
-
 def _dropout_factors(dropout, shape, query_positions, dtype):
     """Z: 0 where the mask drops a pair, 1 / (1 - p) where it keeps it."""
-    from .dropout import keep_mask
-    return np.where(keep_mask(dropout, shape, query_positions), dtype(dropout.scale), dtype(0))
+    return np.where(_dropout.keep_mask(dropout, shape, query_positions), dtype(dropout.scale),
+                    dtype(0))
 
 
 def _shared_heads(q, kv):
@@ -231,5 +228,5 @@ def attention_backward(do, q, k, v, o=None, lse=None, *, causal=False, softmax_s
     grads = naive_backward(p.host(d4), p.host(p.q), p.host(p.k), p.host(p.v), scale=p.scale,
                            causal=p.causal, causal_offset=p.causal_offset,
                            mods=mods_of(p, mod_options),
-                           dropout=build_dropout(dropout_p, dropout_seed))
+                           dropout=_dropout.build(dropout_p, dropout_seed))
     return tuple(g if layout == "bhsd" else g.transpose(0, 2, 1, 3) for g in grads)

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from . import dropout as _dropout
 from . import reference
 from .inputs import lse_dtype, normalize
 
@@ -60,7 +61,7 @@ def check(out, q, k, v, *, lse=None, causal=False, softmax_scale=None, layout="b
     """
     p = normalize(q, k, v, causal=causal, softmax_scale=softmax_scale, layout=layout)
     mods = reference.mods_of(p, mod_options)
-    dropout = reference.build_dropout(dropout_p, dropout_seed)
+    dropout = _dropout.build(dropout_p, dropout_seed)
     qs = p.q if rows is None else p.q[:, :, rows]
     qh, kh, vh = (_to_host(a).astype(np.float64) for a in (qs, p.k, p.v))
     ref, ref_lse = reference.naive(qh, kh, vh, scale=p.scale, causal=p.causal,
@@ -134,7 +135,7 @@ def check_backward(grads, do, q, k, v, *, causal=False, softmax_scale=None, layo
     raw = [_to_host(a) for a in (bhsd(do), p.q, p.k, p.v)]
     opts = dict(scale=p.scale, causal=p.causal, causal_offset=p.causal_offset,
                 mods=reference.mods_of(p, mod_options),
-                dropout=reference.build_dropout(dropout_p, dropout_seed))
+                dropout=_dropout.build(dropout_p, dropout_seed))
     ref = reference.naive_backward(*(a.astype(np.float64) for a in raw), **opts)
     work = np.float32 if dt.name in ("float16", "bfloat16") else dt.type
     o_low, _ = reference.naive(*raw[1:], dtype=work, **opts)
