@@ -20,6 +20,20 @@ def _with_mods(problem, options, dropout_p=0.0, dropout_seed=None):
     return problem
 
 
+def _with_bias_grad(problem, return_bias_grad):
+    """Ask the backward for attn_bias's gradient: problem.dbias, an array of the bias's shape
+    and dtype on the inputs' side, which the kernel writes."""
+    if not return_bias_grad:
+        return problem
+    mods = problem.mods
+    if mods is None or mods.bias is None:
+        raise ValueError("return_bias_grad=True needs an attn_bias: pass the bias the forward "
+                         "added (its gradient has the bias's shape)")
+    _, shape, dtype = mods.bias
+    problem.dbias = problem.xp.empty(shape, dtype)
+    return problem
+
+
 def _mod_options(score_mod, mask_mod, mod_args, score_mod_grad, window_size, softcap,
                  alibi_slopes, attn_bias, attn_mask, block_mask):
     """The modification options that were given (not left at their defaults)."""
@@ -144,7 +158,7 @@ def attention_backward(do, q, k, v, o, lse, *, causal=False, softmax_scale=None,
                        dq=None, dk=None, dv=None, grad_dtype=None, score_mod=None, mask_mod=None,
                        mod_args=(), score_mod_grad=None, window_size=None, softcap=None,
                        alibi_slopes=None, attn_bias=None, attn_mask=None, block_mask=None,
-                       dropout_p=0.0, dropout_seed=None):
+                       dropout_p=0.0, dropout_seed=None, return_bias_grad=False):
     """Gradients (dq, dk, dv) of :func:`attention` for the output gradient ``do``, in O(N) memory.
 
     ``o`` and ``lse`` are what ``attention(q, k, v, ..., return_lse=True)`` returned for the same
@@ -167,9 +181,14 @@ def attention_backward(do, q, k, v, o, lse, *, causal=False, softmax_scale=None,
     Returns (dq, dk, dv) with the array kind and layout of q, k, v, in ``grad_dtype``. A row
     that sees no key contributes nothing: its dq is zero. :func:`explain` with ``backward=True`` names the
     kernel that would run. Modifications: those the forward had; a score_mod needs its
-    derivative (``score_mod_grad``; the built-ins carry theirs). No gradient flows to mod_args,
-    attn_bias or alibi_slopes yet. Dropout: the forward's ``dropout_p`` and ``dropout_seed``
-    (its mask is regenerated, not stored).
+    derivative (``score_mod_grad``; the built-ins carry theirs). Dropout: the forward's
+    ``dropout_p`` and ``dropout_seed`` (its mask is regenerated, not stored).
+
+    return_bias_grad: also return attn_bias's gradient, ``(dq, dk, dv, dbias)``: each pair's
+        dS (through the score_mods after the bias) summed over the dims the bias broadcasts
+        along, in the bias's shape and dtype (a (B, 1, 1, Nk) or (1, H, Nq, Nk) bias gets a
+        gradient of that shape, never an expanded one). No gradient flows to mod_args or
+        alibi_slopes.
     """
     mod_options = _mod_options(score_mod, mask_mod, mod_args, score_mod_grad, window_size,
                                softcap, alibi_slopes, attn_bias, attn_mask, block_mask)
@@ -181,11 +200,11 @@ def attention_backward(do, q, k, v, o, lse, *, causal=False, softmax_scale=None,
                                          precision=precision, deterministic=deterministic,
                                          dq=dq, dk=dk, dv=dv, grad_dtype=grad_dtype,
                                          dropout_p=dropout_p, dropout_seed=dropout_seed,
-                                         **mod_options)
-    problem = _with_mods(normalize_backward(
+                                         return_bias_grad=return_bias_grad, **mod_options)
+    problem = _with_bias_grad(_with_mods(normalize_backward(
         do, q, k, v, o, lse, causal=causal, softmax_scale=softmax_scale, layout=layout,
         precision=precision, deterministic=deterministic, dq=dq, dk=dk, dv=dv,
-        grad_dtype=grad_dtype), mod_options, dropout_p, dropout_seed)
+        grad_dtype=grad_dtype), mod_options, dropout_p, dropout_seed), return_bias_grad)
     if problem.mods is not None and not problem.mods.has_grad:
         raise ValueError(f"the backward needs the derivative of every score_mod: "
                          f"{', '.join(problem.mods.missing_grad())} has none; pass "
@@ -193,12 +212,13 @@ def attention_backward(do, q, k, v, o, lse, *, causal=False, softmax_scale=None,
                          f"d score_mod / d score")
     plan = _plan.choose(problem, backend, algorithm)
     B, H, Nq, Nk = problem.shape[:4]
-    if Nq == 0 or Nk == 0:  # no query sees a key: every gradient is zero
-        for g in (problem.dq, problem.dk, problem.dv):
-            g[...] = 0
-    elif B * H:
+    if Nq == 0 or Nk == 0 or not B * H:  # no query sees a key: every gradient is zero
+        for g in (problem.dq, problem.dk, problem.dv, problem.dbias):
+            if g is not None:
+                g[...] = 0
+    else:
         plan.run(problem)
-    return problem.result
+    return problem.result if problem.dbias is None else problem.result + (problem.dbias,)
 
 
 def _is_torch(x):
@@ -212,7 +232,7 @@ def explain(q, k, v, *, causal=False, softmax_scale=None, layout="bhsd", backend
             deterministic=False, grad_dtype=None, score_mod=None, mask_mod=None, mod_args=(),
             score_mod_grad=None, window_size=None, softcap=None, alibi_slopes=None,
             attn_bias=None, attn_mask=None, block_mask=None, num_splits=None, dropout_p=0.0,
-            dropout_seed=None):
+            dropout_seed=None, return_bias_grad=False):
     """The :class:`numflash.plan.Plan` that :func:`attention` would run for these arguments
     (with ``backward=True``: that :func:`attention_backward` would run for these q, k, v, and
     ``deterministic`` and ``grad_dtype`` as it takes them).
@@ -242,6 +262,8 @@ def explain(q, k, v, *, causal=False, softmax_scale=None, layout="bhsd", backend
     if backward:
         problem.direction, problem.deterministic = "backward", bool(deterministic)
         problem.grad_dtype = check_grad_dtype(grad_dtype, problem.dtype)
-    elif grad_dtype is not None:
-        raise ValueError("grad_dtype is a backward option: pass backward=True with it")
+        _with_bias_grad(problem, return_bias_grad)
+    elif grad_dtype is not None or return_bias_grad:
+        raise ValueError(f"{'grad_dtype' if grad_dtype is not None else 'return_bias_grad'} "
+                         f"is a backward option: pass backward=True with it")
     return _plan.choose(problem, backend, algorithm)

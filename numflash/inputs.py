@@ -101,6 +101,8 @@ class Problem:
     kvcache: object = None  # numflash.kvcache.KVCache: per-entry key counts and pages, or None
     varlen: object = None   # numflash.varlen.Packed: packed sequences run in one launch, or None
     dropout: object = None  # numflash.dropout.Dropout: p and seed of attention dropout, or None
+    dbias: object = None    # the backward's attn_bias gradient (bias's shape and dtype), written
+    #                         by kernels that declare bias_grad; None when not asked for
 
     @property
     def shape(self):

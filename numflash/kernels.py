@@ -37,6 +37,7 @@ class Operator:
     kvcache: bool = False             # reads a KV cache in one launch (attention_with_kvcache)
     varlen: bool = False              # runs packed sequences in one launch (attention_varlen)
     dropout: bool = False             # attention dropout (dropout_p > 0, numflash.dropout)
+    bias_grad: bool = False           # the backward returns attn_bias's gradient
     summary: str = ""
 
     @property
@@ -57,6 +58,9 @@ class Operator:
         if getattr(problem, "dropout", None) is not None and not self.dropout:
             return (f"{self.name} has no dropout ({problem.dropout}); the CPU path (cpu.tiled) "
                     f"and cuda.mma (CuPy arrays, compute capability >= 8.0) take it")
+        if getattr(problem, "dbias", None) is not None and not self.bias_grad:
+            return (f"{self.name} does not compute attn_bias's gradient; the CPU path (cpu.tiled) "
+                    f"and cuda.mma (CuPy arrays, compute capability >= 8.0) do")
         if getattr(problem, "kvcache", None) is not None and not self.kvcache:
             return (f"{self.name} does not read a KV cache in one launch; cuda.mma's forward "
                     f"does (CuPy arrays, compute capability >= 8.0), and "
@@ -168,7 +172,7 @@ FORWARD = (
 BACKWARD = (
     Operator("cpu.tiled", "cpu", "block", _cpu_backward,
              dtypes=("float16", "float32", "float64"), direction="backward", mods="all",
-             dropout=True,
+             dropout=True, bias_grad=True,
              summary="numba.njit FlashAttention-2 backward: parallel over (batch, head, key-block "
                      "split), P recomputed from lse tile by tile, dQ per split summed in a "
                      "fixed order (always deterministic)"),
@@ -176,11 +180,13 @@ BACKWARD = (
              dtypes=("float16", "bfloat16", "float32", "float64"), max_head_dim=256,
              direction="backward", min_cc=(8, 0), min_cc_why="mma.sync bf16 / f64, cp.async",
              runs_in_simulator=False, tf32=True, mods="all", varlen=True, dropout=True,
+             bias_grad=True,
              summary="FlashAttention-2 backward on tensor cores (mma.sync m16n8k16, ldmatrix, "
                      "cp.async double buffering; float32 as 3xTF32 on m16n8k8 tf32, float64 "
                      "on float64 mma.sync): a query pass (dQ) and a key pass (dK, dV, GQA "
                      "groups summed in registers), P recomputed from lse, no atomics (always "
-                     "deterministic); head dims past 128 (float64: 64) split the gradients' "
+                     "deterministic; a broadcast attn_bias's gradient is summed by atomic "
+                     "adds); head dims past 128 (float64: 64) split the gradients' "
                      "columns over the grid; sliding windows skip the tiles outside them, "
                      "other modifications and their derivatives are applied score by score"),
     Operator("cuda.row", "cuda", "row", _cuda_row_backward,

@@ -123,7 +123,7 @@ class Mods:
     :func:`window_key_range`): a kernel can skip the key tiles outside it instead of masking them.
     """
 
-    def __init__(self, masks, scores, names, kinds, window=None, block=None):
+    def __init__(self, masks, scores, names, kinds, window=None, block=None, bias=None):
         self.masks = tuple(masks)      # ((fn, args), ...)
         self.scores = tuple(scores)    # ((fn, grad or None, args), ...)
         self.names = tuple(names)
@@ -135,6 +135,9 @@ class Mods:
         # a block mask's numflash.block_mask.BlockArrays, or None; its mask_mod is the
         # last of ``masks``, which kernels that know the blocks evaluate in PARTIAL ones only
         self.block = block
+        # attn_bias's (position among ``scores``, shape as the caller gave it, dtype), or None:
+        # where its gradient is taken (see :meth:`grad`) and what it is summed back to
+        self.bias = bias
 
     @property
     def args(self):
@@ -166,16 +169,22 @@ class Mods:
     def visible(self, b, h, i, j):
         return all(f(b, h, i, j, *a) for f, a in self.masks)
 
+    # (each step a NumPy float64: a Python float plus a float32 array element, such as a
+    # softcap's result plus a float32 attn_bias, is float32 under NumPy 2's promotion rules)
     def score(self, x, b, h, i, j):
         for f, _, a in self.scores:
-            x = f(x, b, h, i, j, *a)
+            x = np.float64(f(x, b, h, i, j, *a))
         return x
 
-    def grad(self, x, b, h, i, j):
+    def grad(self, x, b, h, i, j, after=-1):
+        """d(composed score) / d(the value after score_mod number ``after``; -1: the scaled
+        score itself). With ``after`` = the bias's position it is what attn_bias's gradient
+        needs: the derivative of the score_mods that follow the bias."""
         g = 1.0
-        for f, df, a in self.scores:
-            g *= df(x, b, h, i, j, *a)
-            x = f(x, b, h, i, j, *a)
+        for n, (f, df, a) in enumerate(self.scores):
+            if n > after:
+                g *= np.float64(df(x, b, h, i, j, *a))
+            x = np.float64(f(x, b, h, i, j, *a))
         return g
 
     # -- compiled, for the kernels --
@@ -238,7 +247,8 @@ def _compile(mods):
 
     apply_forward(s, b, h, i0, j0, scale, args): s <- the modified scaled scores, -inf where a
         mask says no (a -inf already there, the causal mask's, stays);
-    apply_backward(s, g, ...): the same, and g <- d(modified)/d(scaled score) (0 where masked);
+    apply_backward(s, g, gb, ...): the same, and g <- d(modified)/d(scaled score) (0 where
+        masked), gb <- d(modified)/d(the value after attn_bias is added) (1 without a bias);
     visible(b, h, i, j, args): whether the masks let the pair take part;
     live(b, h, i0, rows, j0, cols, args): False when a block mask marks every block the tile
         touches EMPTY (the tile is skipped), True otherwise (always, without a block mask).
@@ -254,22 +264,26 @@ def _compile(mods):
         cond.append(f"m{n}(b, h, i, j, *args[{n}])")
     lines_vis.append("    return " + (" and ".join(cond) if cond else "True"))
     score_lines, grad_lines = [], []
+    bias_at = mods.bias[0] if mods.bias is not None else len(mods.scores)
     for n, (f, g, _) in enumerate(mods.scores):
         env[f"s{n}"] = _jit(f, "score_mod")
         a = f"*args[{n_masks + n}]"
         if g is not None:
             env[f"g{n}"] = _jit(g, "score_mod_grad")
-            grad_lines.append(f"                gr *= g{n}(x, b, h, i, j, {a})")
+            grad_lines.append(f"                d = g{n}(x, b, h, i, j, {a})")
+            grad_lines.append("                gr *= d")
+            if n > bias_at:  # the bias's gradient takes the score_mods after it
+                grad_lines.append("                gbv *= d")
         grad_lines.append(f"                x = s{n}(x, b, h, i, j, {a})")
         score_lines.append(f"                x = s{n}(x, b, h, i, j, {a})")
 
     def apply_source(name, grad):
         """One tile loop for both directions: the backward's also keeps the derivative."""
-        lines = [f"def {name}(s, {'g, ' if grad else ''}b, h, i0, j0, scale, args):",
+        lines = [f"def {name}(s, {'g, gb, ' if grad else ''}b, h, i0, j0, scale, args):",
                  "    for r in range(s.shape[0]):",
                  "        i = i0 + r",
                  "        for c in range(s.shape[1]):"]
-        lines += ["            g[r, c] = 0"] if grad else []
+        lines += ["            g[r, c] = 0", "            gb[r, c] = 0"] if grad else []
         lines += ["            if s[r, c] == -np.inf:",
                   "                continue",
                   "            j = j0 + c",
@@ -277,9 +291,10 @@ def _compile(mods):
                   "                s[r, c] = -np.inf",
                   "            else:",
                   "                x = s[r, c] * scale"]
-        lines += ["                gr = 1.0"] + grad_lines if grad else score_lines
+        lines += ["                gr = 1.0", "                gbv = 1.0"] + grad_lines if grad \
+            else score_lines
         lines += ["                s[r, c] = x"]
-        lines += ["                g[r, c] = gr"] if grad else []
+        lines += ["                g[r, c] = gr", "                gb[r, c] = gbv"] if grad else []
         return "\n".join(lines) + "\n"
 
     if mods.block is None:
@@ -408,10 +423,14 @@ def build(problem_shape, kind, causal_offset, *, device_id=None, score_mod=None,
                                                   int(causal_offset))))
         names.append("alibi_slopes")
         kinds.append("alibi_slopes")
+    bias_at = None
     if attn_bias is not None:
         bias = _array("attn_bias", attn_bias, kind, device_id)
         if bias.dtype.kind != "f":
             raise TypeError(f"attn_bias must be a float array; got {bias.dtype}")
+        bias_at = (len(scores), tuple(bias.shape), bias.dtype)
+        if kind == "numpy" and bias.dtype == np.float16:  # numba's CPU arrays have no float16
+            bias = bias.astype(np.float32)
         scores.append((_bias_score, _unit_grad,
                        (_broadcast("attn_bias", bias, full, "(B, H, Nq, Nk)"),)))
         names.append("attn_bias")
@@ -431,7 +450,28 @@ def build(problem_shape, kind, causal_offset, *, device_id=None, score_mod=None,
         raise ValueError("mod_args were given without a score_mod or mask_mod to read them")
     if not masks and not scores:
         return None
-    return Mods(masks, scores, names, kinds, window, block)
+    return Mods(masks, scores, names, kinds, window, block, bias_at)
+
+
+def bias_grad_accumulator(xp, bias_shape, full, dtype):
+    """(acc, view) for attn_bias's gradient: ``acc`` zeros of the bias's shape with its
+    missing leading dims as 1, ``view`` a writable broadcast of it to ``full`` = (B, H, Nq, Nk)
+    (stride 0 where the bias broadcasts). A kernel adds each pair's dS into view[b, h, i, j]:
+    the sums over broadcast dims happen in place, never in an expanded array. Kernels make sure
+    that no two threads add into one element at once (or add atomically)."""
+    shape4 = (1,) * (4 - len(bias_shape)) + tuple(bias_shape)
+    acc = xp.zeros(shape4, dtype)
+    strides = tuple(0 if n == 1 and f != 1 else s for n, f, s in zip(shape4, full, acc.strides))
+    return acc, xp.lib.stride_tricks.as_strided(acc, shape=full, strides=strides)
+
+
+def sum_to_shape(g, shape):
+    """A (B, H, Nq, Nk) gradient summed over the dims a ``shape`` array broadcasts along, in
+    that shape (numpy broadcasting: missing leading dims, dims of size 1)."""
+    lead = g.ndim - len(shape)
+    axes = tuple(range(lead)) + tuple(lead + n for n, size in enumerate(shape)
+                                      if size == 1 and g.shape[lead + n] != 1)
+    return g.sum(axis=axes, keepdims=True).reshape(shape) if axes else g.reshape(shape)
 
 
 def _user_args(mod_args, kind, device_id):

@@ -28,6 +28,7 @@ class Plan:
     dtype: str = ""  # the inputs' dtype name (which compiled variants the config launches)
     notes: list = field(default_factory=list)  # the kernel's schedule in words (split-KV)
     dropout: bool = False  # the kernel drops P (numflash.dropout)
+    bias_grad: bool = False  # the backward also returns attn_bias's gradient
 
     @property
     def operator(self):
@@ -83,6 +84,10 @@ class Plan:
                              ", the forward's mask regenerated, never stored"
                              if self.direction == "backward" else "; nothing of size Nq x Nk "
                              "is stored"))
+        if self.bias_grad:
+            lines.append("  attn_bias gradient: each pair's dS (through the score_mods after the "
+                         "bias) summed into an array of the bias's shape in the kernel, nothing "
+                         "of size Nq x Nk beyond the bias's own")
         lines += [f"  {note}" for note in self.notes]
         for name, why in self.rejected.items():
             lines.append(f"  not {name}: {why}")
@@ -153,6 +158,9 @@ def choose(problem, backend="auto", algorithm="auto"):
            None if getattr(problem, "varlen", None) is None else (problem.varlen.key(),
                                                                   problem.causal),
            getattr(problem, "dropout", None) is not None,  # its p and seed are run-time values
+           # attn_bias's gradient: kernels arrange their tasks by the dims it broadcasts along
+           None if getattr(problem, "dbias", None) is None else (
+               problem.dbias.shape, getattr(problem, "deterministic", False)),
            problem.kind, problem.dtype,
            problem.shape, simulator_enabled(),
            tuple(a.strides for a in arrays),  # configs may depend on layout (mma's vector path)
@@ -233,5 +241,6 @@ def _choose(problem, backend, algorithm, device=None):
                 config=config, rejected=rejected, direction=direction,
                 mods="" if mods is None else str(mods), dtype=problem.dtype_name,
                 notes=notes(problem, config, device) if notes else [],
-                dropout=getattr(problem, "dropout", None) is not None)
+                dropout=getattr(problem, "dropout", None) is not None,
+                bias_grad=getattr(problem, "dbias", None) is not None)
 

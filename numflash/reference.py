@@ -57,11 +57,13 @@ def _on_host(mod_options):
 
 def _apply_mods(s, visible, mods, rows, want_grad):
     """The scores after the modifications, pair by pair in plain Python (float64): a pair a mask
-    refuses becomes -inf and not visible; score_mods apply in order. Also the derivative of the
-    composed score_mod at each visible pair, when asked."""
+    refuses becomes -inf and not visible; score_mods apply in order. Also, when asked, the
+    derivative of the composed score_mod at each visible pair, and (with an attn_bias) that of
+    the score_mods after the bias (Mods.grad's ``after``), stacked: (2, B, H, Nq, Nk)."""
     s = np.array(s, copy=True)
     vis = np.array(np.broadcast_to(visible, s.shape), copy=True)
-    grad = np.zeros(s.shape) if want_grad else None
+    grad = np.zeros((2,) + s.shape) if want_grad else None
+    bias_at = -1 if mods.bias is None else mods.bias[0]
     for b, h, i, j in zip(*np.nonzero(vis)):
         pos = int(rows[i])
         if not mods.visible(b, h, pos, j):
@@ -71,7 +73,7 @@ def _apply_mods(s, visible, mods, rows, want_grad):
         # array element (a float16 attn_bias) in float16
         x = np.float64(s[b, h, i, j])
         if want_grad:
-            grad[b, h, i, j] = mods.grad(x, b, h, pos, j)
+            grad[:, b, h, i, j] = mods.grad(x, b, h, pos, j), mods.grad(x, b, h, pos, j, bias_at)
         s[b, h, i, j] = mods.score(x, b, h, pos, j)
     return s, vis, grad
 
@@ -81,7 +83,8 @@ def _scores(q, k, *, scale, causal, causal_offset, dtype, query_positions, mods=
     """(scale * q k^T in ``dtype`` with masked-out positions at -inf, the (Nq, Nk) mask of the
     pairs that see each other, (B, H, Nq, Nk) with modifications). A pair is masked by the masks
     alone: a -inf score that the data make (an inf in q or k) is still a visible pair. With
-    ``want_grad`` a third value: the score_mods' derivative (None without modifications)."""
+    ``want_grad`` a third value: the score_mods' derivatives (_apply_mods'; None without
+    modifications)."""
     with np.errstate(invalid="ignore", over="ignore"):
         s = np.matmul(q, np.swapaxes(k, -1, -2)) * dtype(scale)
     nq, nk = q.shape[-2], k.shape[-2]
@@ -149,8 +152,10 @@ def naive(q, k, v, *, scale, causal=False, causal_offset=0, dtype=np.float64, qu
 
 
 def naive_backward(do, q, k, v, *, scale, causal=False, causal_offset=0, dtype=np.float64, o=None,
-                   mods=None, stored=None, dropout=None):
-    """Gradients (dq, dk, dv) of naive attention for the output gradient ``do``, in ``dtype``.
+                   mods=None, stored=None, dropout=None, bias_grad=False):
+    """Gradients (dq, dk, dv) of naive attention for the output gradient ``do``, in ``dtype``;
+    with ``bias_grad`` also that of the attn_bias among ``mods`` (dS through the score_mods
+    after the bias, summed over the dims it broadcasts along, in its shape).
 
     The textbook backward: P = softmax(S), dV = P^T dO, dP = dO V^T, D = rowsum(dO * O),
     dS = P * (dP - D), dQ = scale dS K, dK = scale dS^T Q. ``o``: the forward output as it was
@@ -183,14 +188,23 @@ def naive_backward(do, q, k, v, *, scale, causal=False, causal_offset=0, dtype=n
     with np.errstate(invalid="ignore"):
         dp = keep(np.where(vis_z, np.matmul(do, np.swapaxes(v, -1, -2)), 0) * z)
         delta = (do * o).sum(axis=-1, keepdims=True)
-        ds = p * (dp - delta) * dtype(scale)
+        ds_softmax = p * (dp - delta)  # d loss / d(the modified score)
+        ds = ds_softmax * dtype(scale)
         if grad is not None:  # the chain rule through the score_mods
-            ds = ds * grad.astype(dtype)
+            ds = ds * grad[0].astype(dtype)
         ds = keep(np.where(vis, ds, 0))
     dq = _visible_matmul(ds, k, vis)
     dk = _visible_matmul(np.swapaxes(ds, -1, -2), q, vis_t)
     dk, dv = _group_sum(dk, kv_heads), _group_sum(dv, kv_heads)
-    return dq.astype(dtype), dk.astype(dtype), dv.astype(dtype)
+    grads = (dq.astype(dtype), dk.astype(dtype), dv.astype(dtype))
+    if not bias_grad:
+        return grads
+    if mods is None or mods.bias is None:
+        raise ValueError("bias_grad needs an attn_bias among the modifications")
+    with np.errstate(invalid="ignore"):
+        dbias = keep(np.where(vis, ds_softmax * grad[1].astype(dtype), 0))
+    from .mods import sum_to_shape
+    return grads + (sum_to_shape(dbias, mods.bias[1]).astype(dtype),)
 
 
 def _dropout_factors(dropout, shape, query_positions, dtype):
@@ -216,10 +230,11 @@ def _group_sum(g, kv_heads):
 def attention_backward(do, q, k, v, o=None, lse=None, *, causal=False, softmax_scale=None,
                        layout="bhsd", backend="auto", algorithm="auto", precision="auto",
                        deterministic=False, dq=None, dk=None, dv=None, dropout_p=0.0,
-                       dropout_seed=None, **mod_options):
+                       dropout_seed=None, return_bias_grad=False, **mod_options):
     """Float64 naive gradients with the signature of :func:`numflash.attention_backward`.
 
-    Returns float64 NumPy (dq, dk, dv) in ``layout``. ``o`` and ``lse`` may be omitted (the
+    Returns float64 NumPy (dq, dk, dv) in ``layout`` (and attn_bias's gradient, in its shape,
+    with ``return_bias_grad``). ``o`` and ``lse`` may be omitted (the
     reference recomputes them); ``backend``, ``algorithm``, ``precision``, ``deterministic``
     and the output arrays are accepted for signature compatibility and ignored.
     """
@@ -228,5 +243,7 @@ def attention_backward(do, q, k, v, o=None, lse=None, *, causal=False, softmax_s
     grads = naive_backward(p.host(d4), p.host(p.q), p.host(p.k), p.host(p.v), scale=p.scale,
                            causal=p.causal, causal_offset=p.causal_offset,
                            mods=mods_of(p, mod_options),
-                           dropout=_dropout.build(dropout_p, dropout_seed))
-    return tuple(g if layout == "bhsd" else g.transpose(0, 2, 1, 3) for g in grads)
+                           dropout=_dropout.build(dropout_p, dropout_seed),
+                           bias_grad=return_bias_grad)
+    return tuple(g if layout == "bhsd" else g.transpose(0, 2, 1, 3) for g in grads[:3]) + \
+        grads[3:]

@@ -122,7 +122,8 @@ class GradientReport:
 
 def check_backward(grads, do, q, k, v, *, causal=False, softmax_scale=None, layout="bhsd",
                    dropout_p=0.0, dropout_seed=None, **mod_options):
-    """Compare gradients (dq, dk, dv) for output gradient ``do`` with the float64 reference.
+    """Compare gradients (dq, dk, dv) for output gradient ``do`` with the float64 reference;
+    a fourth, ``dbias``, is attn_bias's gradient (in the bias's shape).
 
     The naive backward in the same dtype reads its own forward output rounded to that dtype, as a
     kernel reads the stored o (D = rowsum(dO * O) depends on it). For float16 / bfloat16 it runs
@@ -135,16 +136,17 @@ def check_backward(grads, do, q, k, v, *, causal=False, softmax_scale=None, layo
     raw = [_to_host(a) for a in (bhsd(do), p.q, p.k, p.v)]
     opts = dict(scale=p.scale, causal=p.causal, causal_offset=p.causal_offset,
                 mods=reference.mods_of(p, mod_options),
-                dropout=_dropout.build(dropout_p, dropout_seed))
+                dropout=_dropout.build(dropout_p, dropout_seed), bias_grad=len(grads) == 4)
     ref = reference.naive_backward(*(a.astype(np.float64) for a in raw), **opts)
     work = np.float32 if dt.name in ("float16", "bfloat16") else dt.type
-    o_low, _ = reference.naive(*raw[1:], dtype=work, **opts)
+    o_low, _ = reference.naive(*raw[1:], dtype=work, **{k: v for k, v in opts.items()
+                                                          if k != "bias_grad"})
     stored = dt if dt.name in ("float16", "bfloat16") else None
     naive = reference.naive_backward(*raw, dtype=work, o=o_low.astype(dt), stored=stored, **opts)
-    names = ("dq", "dk", "dv")
+    names = ("dq", "dk", "dv", "dbias")
     errors, naive_errors, bounds, rel, finite = {}, {}, {}, {}, True
     for name, g, r, n in zip(names, grads, ref, naive):
-        g = bhsd(_to_host(g)).astype(np.float64)
+        g = (bhsd(_to_host(g)) if name != "dbias" else _to_host(g)).astype(np.float64)
         if g.shape != r.shape:
             raise ValueError(f"{name} has shape {g.shape}, expected {r.shape} (bhsd order)")
         finite = finite and bool(np.isfinite(g).all())

@@ -214,19 +214,20 @@ def _forward_into(out, q, k, v, causal, scale, layout, backend, algorithm, preci
 
 
 def _backward_impl(do, q, k, v, o, lse, causal, scale, layout, backend, algorithm, precision,
-                   deterministic, grads=None, mods=None, grad_dtype=None):
-    """(dq, dk, dv): into ``grads`` when given (checked by numflash), else new tensors."""
+                   deterministic, grads=None, mods=None, grad_dtype=None, bias_grad=False):
+    """(dq, dk, dv): into ``grads`` when given (checked by numflash), else new tensors; with
+    ``bias_grad``, attn_bias's gradient (a new tensor) fourth."""
     _check_tensors(do=do, q=q, k=k, v=v, o=o, lse=lse)
     if grads is None:
         grads = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v)]
     with _on_torch_stream(q):
         arrays = _views(do, q, k, v, o, lse, *grads)
-        _api.attention_backward(*arrays[:6], causal=_CAUSAL_ARG[causal], softmax_scale=scale,
-                                layout=layout, backend=backend, algorithm=algorithm,
-                                precision=precision, deterministic=deterministic,
-                                dq=arrays[6], dk=arrays[7], dv=arrays[8], grad_dtype=grad_dtype,
-                                **_mod_arrays(mods))
-    return tuple(grads)
+        result = _api.attention_backward(
+            *arrays[:6], causal=_CAUSAL_ARG[causal], softmax_scale=scale, layout=layout,
+            backend=backend, algorithm=algorithm, precision=precision,
+            deterministic=deterministic, dq=arrays[6], dk=arrays[7], dv=arrays[8],
+            grad_dtype=grad_dtype, return_bias_grad=bias_grad, **_mod_arrays(mods))
+    return tuple(grads) + ((_tensor(result[3], q),) if bias_grad else ())
 
 
 # ---- score and mask modifications (numflash.mods) ----
@@ -236,8 +237,9 @@ _MOD_TENSORS = ("alibi_slopes", "attn_bias", "attn_mask")
 
 def _mod_arrays(mods):
     """The modification options with their tensors as NumPy / CuPy views (no copy). A tensor
-    that requires grad is refused: numflash does not compute gradients for them yet, and
-    leaving them out silently would train a bias that never moves."""
+    that requires grad is refused (numflash computes no gradient for it, and leaving it out
+    silently would train a tensor that never moves), except attn_bias, which :func:`attention`
+    passes to autograd as an input (_trainable_bias)."""
     if not mods:
         return {}
     out = dict(mods)
@@ -262,19 +264,30 @@ def _dropout_options(dropout_p, dropout_seed):
 
 def _mod_tensor(name, t):
     if t.requires_grad and torch.is_grad_enabled():
-        raise NotImplementedError(f"{name} requires grad, but numflash computes no gradient for "
-                                  f"modification tensors yet (only for q, k and v): detach it, "
-                                  f"or use torch's attention for a trained bias")
+        raise NotImplementedError(f"{name} requires grad, but numflash computes gradients for q, "
+                                  f"k, v and attn_bias only: detach it, or express it as an "
+                                  f"attn_bias (a trained bias table gathered into a (1, H, Nq, "
+                                  f"Nk) tensor trains through torch's autograd)")
     return _views(t)[0]
 
 
+def _trainable_bias(mods):
+    """(attn_bias when it requires grad (autograd's input), else None; the options with it
+    detached: a view of the same memory, read in place)."""
+    bias = mods.get("attn_bias")
+    if not (isinstance(bias, torch.Tensor) and bias.requires_grad and torch.is_grad_enabled()):
+        return None, mods
+    return bias, dict(mods, attn_bias=bias.detach())
+
+
 class _ModsFunction(torch.autograd.Function):
-    """Attention with modifications on torch tensors, differentiable in q, k and v: the same
-    forward and backward bodies as the operators, with the modification options passed through.
-    Eager only for now (not a torch operator: torch.compile breaks the graph here)."""
+    """Attention with modifications on torch tensors, differentiable in q, k and v (and in
+    ``bias``, a trainable attn_bias, when given): the same forward and backward bodies as the
+    operators, with the modification options passed through. Eager only for now (not a torch
+    operator: torch.compile breaks the graph here)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, causal, scale, layout, backend, algorithm, precision,
+    def forward(ctx, q, k, v, bias, causal, scale, layout, backend, algorithm, precision,
                 deterministic, mods):
         _check_tensors(q=q, k=k, v=v)
         out = torch.empty(_out_shape(q, v, layout), dtype=q.dtype, device=q.device)
@@ -288,8 +301,10 @@ class _ModsFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, d_out, d_lse):
-        grads = _gradients(lambda *a: _backward_impl(*a, mods=ctx.mods), ctx, d_out)
-        return grads + (None,)
+        bias_grad = ctx.needs_input_grad[3]
+        grads = _gradients(lambda *a: _backward_impl(*a, mods=ctx.mods, bias_grad=bias_grad),
+                           ctx, d_out)
+        return grads[:3] + (grads[3] if bias_grad else None,) + (None,) * 8
 
 
 # ---- the operators ----
@@ -345,8 +360,8 @@ def _gradients(backward, ctx, d_out):
     q, k, v, out, lse = ctx.saved_tensors
     if d_out is None:
         d_out = torch.zeros_like(out)
-    dq, dk, dv = backward(d_out, q, k, v, out, lse, *ctx.options)
-    return dq, dk, dv, None, None, None, None, None, None, None
+    grads = backward(d_out, q, k, v, out, lse, *ctx.options)
+    return tuple(grads) + (None,) * 7
 
 
 def _op_backward(ctx, d_out, d_lse):
@@ -424,8 +439,10 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, layout="bhsd", backe
     attn_mask, score_mod, mask_mod, mod_args, score_mod_grad; see :func:`numflash.attention`),
     tensors allowed. They run where numflash runs them (the CPU path and, on CUDA tensors, the
     tensor-core kernels take them all, forward and backward; cuda.block / cuda.row refuse them,
-    naming them) and are differentiable in q, k and v, not in the modification
-    tensors (one that requires grad is refused), and not through torch.compile yet.
+    naming them) and are differentiable in q, k and v, and in ``attn_bias`` when it requires
+    grad (its gradient has its shape: a broadcast bias gets the sum over the dims it broadcasts
+    along; the CPU path computes it), not in the other modification tensors (one that requires
+    grad is refused), and not through torch.compile yet.
 
     ``dropout_p``: attention dropout (numflash.dropout), differentiable as above; without a
     ``dropout_seed`` the seed is drawn from torch's default generator (so ``torch.manual_seed``
@@ -451,8 +468,9 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, layout="bhsd", backe
                                mods)
         return (out, lse) if return_lse else out
     if mods:  # their tensors as arrays now, while grad mode still says whether they train
-        o, lse = _ModsFunction.apply(q, k, v, name, scale, layout, backend, algorithm, precision,
-                                     bool(deterministic), _mod_arrays(mods))
+        bias, mods = _trainable_bias(mods)
+        o, lse = _ModsFunction.apply(q, k, v, bias, name, scale, layout, backend, algorithm,
+                                     precision, bool(deterministic), _mod_arrays(mods))
         return (o, lse) if return_lse else o
     o, lse = _run_forward(q, k, v, name, scale, layout, backend, algorithm, precision,
                           bool(deterministic))
@@ -462,8 +480,9 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, layout="bhsd", backe
 def attention_backward(do, q, k, v, o, lse, *, causal=False, softmax_scale=None, layout="bhsd",
                        backend="auto", algorithm="auto", precision="auto", deterministic=False,
                        dq=None, dk=None, dv=None, grad_dtype=None, dropout_p=0.0,
-                       dropout_seed=None, **mods):
-    """:func:`numflash.attention_backward` for torch tensors: returns (dq, dk, dv) tensors.
+                       dropout_seed=None, return_bias_grad=False, **mods):
+    """:func:`numflash.attention_backward` for torch tensors: returns (dq, dk, dv) tensors
+    (and attn_bias's gradient with ``return_bias_grad``).
     ``mods``: the modification options the forward ran with (see :func:`attention`), and its
     dropout_p and dropout_seed; ``grad_dtype``: None (q's dtype) or torch.float32 for 16-bit
     inputs."""
@@ -473,7 +492,8 @@ def attention_backward(do, q, k, v, o, lse, *, causal=False, softmax_scale=None,
         mods.update(dropout_p=dropout_p, dropout_seed=dropout_seed)
     options = (_causal_name(causal), _scale(softmax_scale, q.shape[-1] if q.dim() == 4 else 0),
                layout, backend, algorithm, precision, bool(deterministic))
-    if dq is None and dk is None and dv is None and not mods and grad_dtype is None:
+    if dq is None and dk is None and dv is None and not mods and grad_dtype is None \
+            and not return_bias_grad:
         return _attention_backward_op(do, q, k, v, o, lse, *options)
     if grad_dtype is not None:
         # checked by name before a tensor is made in it; numflash checks the given ones
@@ -483,7 +503,7 @@ def attention_backward(do, q, k, v, o, lse, *, causal=False, softmax_scale=None,
              for g, t in ((dq, q), (dk, k), (dv, v))]
     _check_tensors(q=q, dq=grads[0], dk=grads[1], dv=grads[2])
     return _backward_impl(do, q, k, v, o, lse, *options, grads=grads, mods=mods,
-                          grad_dtype=grad_dtype)
+                          grad_dtype=grad_dtype, bias_grad=return_bias_grad)
 
 
 def attention_probabilities(q, k, *, causal=False, softmax_scale=None, layout="bhsd"):
@@ -549,8 +569,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     ``attn_mask``: a boolean mask (True = take part) or a float bias added to the scaled scores,
     broadcastable to (N, H, L, S), as in torch; it runs as a numflash modification
     (numflash.mods; read in place, on the tensor cores for CUDA tensors), where a row that the
-    mask leaves empty gives zeros (torch gives NaN), and it gets no
-    gradient (one that requires grad is refused). ``dropout_p > 0`` drops attention
+    mask leaves empty gives zeros (torch gives NaN); a float one that requires grad gets its
+    gradient (a trained bias), where the backward kernel computes it. ``dropout_p > 0`` drops attention
     probabilities as torch does (numflash.dropout's mask, its seed drawn from torch's default
     generator; pass 0.0 in evaluation, as with torch).
     """

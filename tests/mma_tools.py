@@ -164,6 +164,7 @@ class Emu:
     def __init__(self, NT, grid, shared_bytes, word=np.uint32):
         self.NT, self.grid, self.shared_bytes, self.word = NT, grid, shared_bytes, word
         self.tls = threading.local()
+        self.atomic_lock = threading.Lock()
 
     # ---- the fake cuda module
     @property
@@ -190,6 +191,19 @@ class Emu:
 
     def syncthreads(self):
         self.bar.wait()
+
+    @property
+    def atomic(self):
+        emu = self
+
+        class A:
+            @staticmethod
+            def add(array, index, value):
+                with emu.atomic_lock:
+                    old = array[index]
+                    array[index] = old + value
+                return old
+        return A
 
     def _exchange(self, value):
         w = self.tls.tid // 32
@@ -435,7 +449,7 @@ def _dropout_arguments(dropout):
 
 def run_backward_kernels(q, k, v, do, o, lse, DT, causal=False, causal_offset=0, scale=None,
                          tiles=None, window=None, mods=None, chunks=0, varlen=None, grad32=False,
-                         dropout=None):
+                         dropout=None, bias_grad=None):
     """Run cuda.mma's generated backward source of kind DT (both passes) under the emulator;
     q, k, v, do, o in the kind's dtype (16-bit as float16 or ml_dtypes.bfloat16), lse as
     attention returns it. ``tiles``: {"queries": (NW, BC), "keys": (NW, BC[, SUB])}. Returns dq,
@@ -444,7 +458,9 @@ def run_backward_kernels(q, k, v, do, o, lse, DT, causal=False, causal_offset=0,
     ``mods``: a numflash.mods.Mods (its window, and the MODS variant for the rest); ``chunks``:
     the CHUNKS variant's column slices (grid z); ``varlen``: (cu_q, cu_k, bottom_right) for the
     VARLEN variant (the arrays then hold the packed rows, batch 1); ``dropout``: a
-    numflash.dropout.Dropout (the DROP variant)."""
+    numflash.dropout.Dropout (the DROP variant); ``bias_grad``: "f32" or "f64", the key pass's
+    DBIAS variant with that accumulator (``mods`` has an attn_bias): attn_bias's gradient, in
+    its shape, is returned fourth."""
     token, window, extra = _mods_setup(mods, window)
     extra += _dropout_arguments(dropout)
     if varlen is not None:   # after the window's arguments, before the mods'
@@ -466,7 +482,8 @@ def run_backward_kernels(q, k, v, do, o, lse, DT, causal=False, causal_offset=0,
         cfg = MmaConfig(D, DV, NW, BC, 0, DT, 1, MMA=form, SUB=sub[0] if sub else 0,
                         WINDOW=int(window is not None), MODS=token, CHUNKS=chunks,
                         VARLEN=int(varlen is not None), GRAD32=int(grad32),
-                        DROP=int(dropout is not None))
+                        DROP=int(dropout is not None),
+                        DBIAS=bias_grad if kernel == "keys" and bias_grad else "")
         src = backward.SOURCES[kernel](cfg)
         rows = Nq if kernel == "queries" else Nk
         count = B
@@ -476,6 +493,9 @@ def run_backward_kernels(q, k, v, do, o, lse, DT, causal=False, causal_offset=0,
         emu = Emu(cfg.NT, grid + ((chunks,) if chunks else ()),
                   backward.shared_bytes(cfg, kernel), word)
         ns = with_dropout(with_mods(emulator_namespace(emu, DT), token, DT), cfg)
+        if cfg.DBIAS:
+            from numflash.cuda.mma import mods as kernel_mods
+            ns.update(kernel_mods.bias_namespace(token, real))
         exec(compile(src, f"<{DT} backward {kernel} emu>", "exec"), ns)
         outs = [grads["dq"]] if kernel == "queries" else [grads["dk"], grads["dv"]]
         inputs = (q, k, v, do, o) if kernel == "queries" else (q, k, v, do)
@@ -483,8 +503,16 @@ def run_backward_kernels(q, k, v, do, o, lse, DT, causal=False, causal_offset=0,
         args += [g if grad32 else as_kernel_array(g, DT) for g in outs]
         args += [scale * math.log2(math.e), scale, int(causal), int(causal_offset)]
         args += extra
+        if cfg.DBIAS:
+            from numflash.mods import bias_grad_accumulator
+            acc, view = bias_grad_accumulator(
+                np, mods.bias[1], (B, H, Nq, Nk),
+                np.float64 if bias_grad == "f64" else np.float32)
+            args.append(view)
         with np.errstate(all="ignore"):
             emu.run(ns[backward.KERNEL_NAMES[kernel]], tuple(args))
+    if bias_grad:
+        return grads["dq"], grads["dk"], grads["dv"], acc.reshape(mods.bias[1])
     return grads["dq"], grads["dk"], grads["dv"]
 
 

@@ -17,7 +17,7 @@ import numba
 import numpy as np
 from numba import njit, prange
 
-from ..mods import compile_errors
+from ..mods import bias_grad_accumulator, compile_errors
 from .tiled import FASTMATH, LOG2E, _exp2, _load_block, _SingleThreadedBlas, all_finite, \
     apply_dropout, dropout_arguments, half_table, run_tasks, uncached, visible_keys
 
@@ -53,14 +53,16 @@ def _masked_products(p, ds, qr, dor, kc, t_v, t_k, t_q, b, h, i0, j0, cols, caus
 @njit(fastmath=FASTMATH, cache=True)
 def _key_block_gradients(q, k, v, do, lse2, delta, dq_acc, dk, dv, b, hk, group, j0, cols, c2,
                          scale, causal, causal_offset, block_q, lut, kj, vj, qi, doi, s_buf,
-                         dp_buf, dk_acc, dv_acc, t_k, t_v, t_q, g_buf, z_buf, dropout, mod,
-                         mod_visible, mod_live, mod_args):
+                         dp_buf, dk_acc, dv_acc, t_k, t_v, t_q, g_buf, gb_buf, z_buf, dropout,
+                         dbias, mod, mod_visible, mod_live, mod_args):
     """dK and dV for keys j0:j0+cols of key/value head (b, hk), summed over the `group` query
     heads that read it (grouped-query attention), and their dQ contributions into dq_acc.
 
     ``mod`` (None, or numflash.mods' compiled apply_backward): each tile of raw scores becomes
     the modified scaled scores (then c2 = log2(e)) and g_buf the score_mod's derivative, which
-    dS picks up by the chain rule. Query blocks that ``mod_live`` says a block mask empties
+    dS picks up by the chain rule; gb_buf that of the score_mods after attn_bias. ``dbias``
+    (None, or mods.bias_grad_accumulator's (B, H, Nq, Nk) view): each pair's
+    P (dP - D) * gb is added to dbias[b, h, i, j]. Query blocks that ``mod_live`` says a block mask empties
     for these keys are skipped. ``dropout`` (None, or tiled.dropout_arguments' tuple): its
     factors Z (numflash.dropout) go to z_buf, and P Z takes P's place in dV, Z dP dP's in
     dS."""
@@ -91,10 +93,12 @@ def _key_block_gradients(q, k, v, do, lse2, delta, dq_acc, dk, dv, b, hk, group,
         dp = dp_buf[:rows * cols].reshape((rows, cols))
         np.dot(qr, kc.T, s)
         np.dot(dor, vc.T, dp)
-        g = s  # the score_mod's derivative, with a modification (a stand-in without)
+        g = s  # the score_mod's derivatives, with a modification (stand-ins without)
+        gb = s
         if mod is not None:  # compiled away without a modification
             g = g_buf[:rows * cols].reshape((rows, cols))
-            mod(s, g, b, h, i0, j0, scale, mod_args)
+            gb = gb_buf[:rows * cols].reshape((rows, cols))
+            mod(s, g, gb, b, h, i0, j0, scale, mod_args)
         z = s  # dropout's factors (a stand-in without)
         if dropout is not None:  # compiled away without dropout
             z = z_buf[:rows * cols].reshape((rows, cols))
@@ -118,7 +122,10 @@ def _key_block_gradients(q, k, v, do, lse2, delta, dq_acc, dk, dv, b, hk, group,
                 if mod is None:
                     dp[r, c] = p * (dp[r, c] - dr) * scale
                 elif mod_visible(b, h, i, j0 + c, mod_args):  # chain rule through score_mod
-                    dp[r, c] = p * (dp[r, c] - dr) * scale * g[r, c]
+                    ds = p * (dp[r, c] - dr)  # d loss / d(the modified score)
+                    dp[r, c] = ds * scale * g[r, c]
+                    if dbias is not None:
+                        dbias[b, h, i, j0 + c] += ds * gb[r, c]
                 else:  # masked by a mask_mod: nothing flows (not even 0 * NaN)
                     s[r, c] = zero
                     dp[r, c] = zero
@@ -151,8 +158,8 @@ def _key_block_gradients(q, k, v, do, lse2, delta, dq_acc, dk, dv, b, hk, group,
 
 @njit(parallel=True, fastmath=FASTMATH, cache=True)
 def tiled_backward(q, k, v, do, lse2, delta, dq_parts, dk, dv, c2, scale, causal, causal_offset,
-                   block_q, block_k, lut, dropout, mod, mod_visible, mod_live, mod_args,
-                   task_first, task_step):
+                   block_q, block_k, lut, dropout, dbias, share_b, share_h, mod, mod_visible,
+                   mod_live, mod_args, task_first, task_step):
     """dk, dv (compute dtype) and dq_parts[split] (zeroed; summed by the caller) for every head.
 
     q, k, v, do: (B, H, N, .) of any strides (float32, float64, or float16 bits as uint16);
@@ -160,7 +167,10 @@ def tiled_backward(q, k, v, do, lse2, delta, dq_parts, dk, dv, c2, scale, causal
     With a modification (mod, mod_visible, mod_live, mod_args from numflash.mods; None, None,
     None, () without)
     c2 = log2(e): the kernel scales and modifies the scores itself. ``dropout``: the forward's
-    (tiled.dropout_arguments; None without). Runs tasks task_first,
+    (tiled.dropout_arguments; None without). ``dbias``: attn_bias's gradient accumulator (see
+    _key_block_gradients; None without); a bias shared by every batch entry (``share_b``) or
+    head (``share_h``) makes each task walk all of them, so that no two tasks add into one
+    element. Runs tasks task_first,
     task_first + task_step, ... (0, 1: all; tiled.run_tasks spreads them over threads).
     """
     splits, B, H, Nq, d = dq_parts.shape
@@ -170,12 +180,12 @@ def tiled_backward(q, k, v, do, lse2, delta, dq_parts, dk, dv, c2, scale, causal
     dvd = v.shape[3]
     nkb = (Nk + block_k - 1) // block_k
     dt = dk.dtype
-    for n in prange((B * Hk * splits - task_first + task_step - 1) // task_step):
+    tasks_b = 1 if share_b else B
+    tasks_h = 1 if share_h else Hk
+    for n in prange((tasks_b * tasks_h * splits - task_first + task_step - 1) // task_step):
         task = task_first + n * task_step
         bh = task // splits
         split = task % splits
-        b = bh // Hk
-        hk = bh % Hk
         kj = np.empty((block_k, d), dt)
         vj = np.empty((block_k, dvd), dt)
         qi = np.empty((block_q, d), dt)
@@ -188,16 +198,20 @@ def tiled_backward(q, k, v, do, lse2, delta, dq_parts, dk, dv, c2, scale, causal
         t_v = np.empty((block_k, dvd), dt)
         t_q = np.empty((block_q, d), dt)
         g_buf = np.empty(block_q * block_k if mod is not None else 0, dt)
+        gb_buf = np.empty(block_q * block_k if mod is not None else 0, dt)
         z_buf = np.empty(block_q * block_k if dropout is not None else 0, dt)
-        # Round-robin key blocks: under a causal mask later blocks have less work, so dealing
-        # them out keeps the splits even.
-        for jb in range(split, nkb, splits):
-            j0 = jb * block_k
-            _key_block_gradients(q, k, v, do, lse2, delta, dq_parts[split], dk, dv, b, hk, group,
-                                 j0, min(block_k, Nk - j0), c2, scale, causal, causal_offset,
-                                 block_q, lut, kj, vj, qi, doi, s_buf, dp_buf, dk_acc, dv_acc,
-                                 t_k, t_v, t_q, g_buf, z_buf, dropout, mod, mod_visible,
-                                 mod_live, mod_args)
+        for shared in range((B if share_b else 1) * (Hk if share_h else 1)):
+            b = shared // (Hk if share_h else 1) if share_b else bh // tasks_h
+            hk = shared % Hk if share_h else bh % tasks_h
+            # Round-robin key blocks: under a causal mask later blocks have less work, so
+            # dealing them out keeps the splits even.
+            for jb in range(split, nkb, splits):
+                j0 = jb * block_k
+                _key_block_gradients(q, k, v, do, lse2, delta, dq_parts[split], dk, dv, b, hk,
+                                     group, j0, min(block_k, Nk - j0), c2, scale, causal,
+                                     causal_offset, block_q, lut, kj, vj, qi, doi, s_buf, dp_buf,
+                                     dk_acc, dv_acc, t_k, t_v, t_q, g_buf, gb_buf, z_buf,
+                                     dropout, dbias, mod, mod_visible, mod_live, mod_args)
 
 
 _MOD_KERNELS = {}
@@ -212,16 +226,33 @@ def _backward_with_mods():
     return _MOD_KERNELS["backward"]
 
 
+def _bias_sharing(problem):
+    """(share_b, share_h, share_j): whether attn_bias's gradient (when asked for) broadcasts
+    along the batch, the heads or the keys, i.e. whether tasks that own different batch
+    entries, heads or key blocks would add into one of its elements."""
+    if problem.dbias is None:
+        return False, False, False
+    full = problem.shape[:4]
+    shape4 = (1,) * (4 - problem.dbias.ndim) + tuple(problem.dbias.shape)
+    b, h, _, j = (n == 1 and f > 1 for n, f in zip(shape4, full))
+    return b, h, j
+
+
 def config(problem, device):
     B, H, Nq, Nk, d, dv = problem.shape
-    heads = problem.k.shape[1]  # tasks own key/value heads
+    share_b, share_h, share_j = _bias_sharing(problem)
+    # tasks own key/value heads (all of them, or all batch entries, where a bias's gradient is
+    # shared along that dim)
+    heads = 1 if share_h else problem.k.shape[1]
+    batch = 1 if share_b else B
     threads = numba.get_num_threads()
     block_k = BLOCK_K
-    while block_k > MIN_BLOCK_K and B * heads * -(-Nk // block_k) < 4 * threads:
+    while block_k > MIN_BLOCK_K and batch * heads * -(-Nk // block_k) < 4 * threads:
         block_k //= 2
     nkb = -(-Nk // block_k)
-    splits = max(1, min(nkb, -(-4 * threads // max(1, B * heads))))
-    return {"block_q": BLOCK_Q, "block_k": block_k, "splits": splits}
+    splits = 1 if share_j else max(1, min(nkb, -(-4 * threads // max(1, batch * heads))))
+    return {"block_q": BLOCK_Q, "block_k": block_k, "splits": splits, "share_b": share_b,
+            "share_h": share_h}
 
 
 def run(problem, config, device=None):
@@ -239,9 +270,15 @@ def run(problem, config, device=None):
     dq_parts = np.zeros((config["splits"], B, H, Nq, d), compute)
     dk = p.dk if p.dk.dtype == compute else np.empty(p.dk.shape, compute)
     dvo = p.dv if p.dv.dtype == compute else np.empty(p.dv.shape, compute)
+    dbias = acc = None
+    if p.dbias is not None:
+        # float64 sums: a bias shared along many pairs sums as many dS terms, which cancel
+        acc, dbias = bias_grad_accumulator(np, p.dbias.shape, (B, H, Nq, Nk), np.float64)
     args = (q, k, v, do, lse2, delta, dq_parts, dk, dvo, compute(p.scale * LOG2E),
             compute(p.scale), p.causal, p.causal_offset, config["block_q"], config["block_k"],
-            lut, dropout_arguments(p, compute))
+            lut, dropout_arguments(p, compute), dbias, config["share_b"], config["share_h"])
+    tasks = ((1 if config["share_b"] else B) * (1 if config["share_h"] else k.shape[1]) *
+             config["splits"])
     chunk = numba.set_parallel_chunksize(1)
     try:
         with _SingleThreadedBlas(), compile_errors(p.mods):
@@ -249,13 +286,12 @@ def run(problem, config, device=None):
             if p.mods is None and p.dropout is None:
                 tiled_backward(*args, *no_mods, 0, 1)
             elif p.mods is None:  # numba's parallel loops take no tuple: run_tasks' threads
-                run_tasks(_backward_with_mods(), args + no_mods,
-                          B * k.shape[1] * config["splits"])
+                run_tasks(_backward_with_mods(), args + no_mods, tasks)
             else:  # scores are scaled and modified in the kernel
                 _, apply_backward, visible, live = p.mods.compiled()
                 args = args[:9] + (compute(LOG2E),) + args[10:] + (apply_backward, visible,
                                                                   live, p.mods.args)
-                run_tasks(_backward_with_mods(), args, B * k.shape[1] * config["splits"])
+                run_tasks(_backward_with_mods(), args, tasks)
     finally:
         numba.set_parallel_chunksize(chunk)
     dq = dq_parts[0]
@@ -266,3 +302,5 @@ def run(problem, config, device=None):
         p.dk[...] = dk
     if dvo is not p.dv:
         p.dv[...] = dvo
+    if acc is not None:
+        p.dbias[...] = acc.reshape(p.dbias.shape)

@@ -299,7 +299,7 @@ def key_pass_source(cfg):
     s(f"def {KERNEL_NAMES['keys']}({ARGUMENTS['keys']}{SCALARS}"
       f"{', window_left, window_right' if window else ''}"
       f"{VARLEN_ARGUMENTS if cfg.VARLEN else ''}{mods.parameters(cfg.MODS)}"
-      f"{dropout.parameters(cfg)}):")
+      f"{dropout.parameters(cfg)}{', dbias' if cfg.DBIAS else ''}):")
     with s.block():
         emit_thread_indices(s, ops.float)
         s("bh = U(cuda.blockIdx.y)", "b = bh // U(Hkv)", "hk = bh % U(Hkv)",
@@ -463,13 +463,17 @@ def _key_pass_elementwise(s, ops, cfg, NN, kb, lse_off, delta_off, do_off, OW, V
 
     def modified(n, r, c):
         name = f"s_{n}_{r}"
+        query, key = f"qcol + {8 * n + c}", "kr0" if r < 2 else "kr1"
         if cfg.MODS:
-            mods.emit_apply_grad(s, cfg.MODS, name, "gm", f"qcol + {8 * n + c}",
-                                 "kr0" if r < 2 else "kr1")
+            mods.emit_apply_grad(s, cfg.MODS, name, "gm", query, key,
+                                 bias_grad="gbias" if cfg.DBIAS else None)
         s(f"{name} = ex2({name} * scale_log2 - lse2)")
         if cfg.DROP:   # Z dP^T first; P^T Z for dV once dS^T has read P^T
             dropout.emit_transposed(s, n, r, c, f"dp_{n}_{r}", paired=SUB % 16 == 0)
-        s(f"dp_{n}_{r} = {_ds(name, f'dp_{n}_{r}', 'dlt', 'gm' if cfg.MODS else None)}")
+        if cfg.DBIAS:
+            _emit_bias_grad(s, cfg, name, f"dp_{n}_{r}", query, key)
+        else:
+            s(f"dp_{n}_{r} = {_ds(name, f'dp_{n}_{r}', 'dlt', 'gm' if cfg.MODS else None)}")
         if cfg.DROP:
             dropout.emit_transposed(s, n, r, c, name, paired=SUB % 16 == 0, draw=False)
 
@@ -477,6 +481,19 @@ def _key_pass_elementwise(s, ops, cfg, NN, kb, lse_off, delta_off, do_off, OW, V
                modified)
     ops.accumulate_pv(s, _slice(cfg, kb, "v"), do_off, NVN, SUB // ops.k_step, p="s",
                       acc="dv", name="dot", W=OW, rescaled=False)
+
+
+def _emit_bias_grad(s, cfg, p, dp, query, key):
+    """Emit, for a DBIAS key pass, dS^T through the modifications into ``dp`` and the bias's
+    share, P (dP - delta) * gbias, atomically added into dbias[b, h, query, key] (a view
+    broadcast like the bias: pairs that share an element sum there). Zeros are not added (the
+    accumulator starts at zero; masked and padding pairs have P = 0); with column slices
+    (CHUNKS) only slice 0 adds, as every slice recomputes the same dS."""
+    s(f"dsb = {_ds(p, dp, 'dlt')}", f"{dp} = dsb * gm")
+    s("if dsb != ZERO" + (" and cuda.blockIdx.z == 0:" if cfg.CHUNKS else ":"))
+    with s.block():
+        s(f"cuda.atomic.add(dbias, (b, h, U({query}), U({key})), "
+          f"{'float64' if cfg.DBIAS == 'f64' else 'float32'}(dsb * gbias))")
 
 
 SOURCES = {"queries": query_pass_source, "keys": key_pass_source}
@@ -514,7 +531,8 @@ def _identity(kernel, **config):
     from .forward import source_identity
     cfg = MmaConfig(**config)
     return source_identity(SOURCES[kernel](cfg), (_namespace,) + (
-        mods.identity_functions(cfg.MODS) if cfg.MODS else ()) + dropout.identity_functions(cfg))
+        mods.identity_functions(cfg.MODS, bool(cfg.DBIAS)) if cfg.MODS else ()) +
+        dropout.identity_functions(cfg))
 
 
 def _cacheable(**config):

@@ -11,7 +11,7 @@ import dataclasses
 import math
 
 from ...device import Unsupported
-from ...mods import compile_errors
+from ...mods import bias_grad_accumulator, compile_errors
 from .backward import make_key_kernel, make_query_kernel, shared_bytes
 from . import dropout, mods
 from .config import (check_block_tiles, check_packed, dropped, modifications, padded_dims,
@@ -148,6 +148,9 @@ def config(problem, device):
                                        DROP=int(drop))
            for kernel, c in tiles(D, DV, device.smem_per_block_optin, window,
                                   bool(token) or drop, DT, device.cc).items()}
+    bias_acc = bias_accumulator(problem)
+    if bias_acc:
+        cfg["keys"] = dataclasses.replace(cfg["keys"], DBIAS=bias_acc)
     check_block_tiles(problem, ((cfg["queries"].BR, cfg["queries"].BC, "backward's query pass"),
                                 (cfg["keys"].BC, cfg["keys"].BR, "backward's key pass")))
     for kernel, c in cfg.items():
@@ -159,12 +162,36 @@ def config(problem, device):
     return cfg
 
 
-def signature(dtype, kernel, window=False, token="", varlen=False, grad32=False, drop=False):
+def bias_accumulator(problem):
+    """The float type ("f32" / "f64") of the key pass's attn_bias gradient accumulator, "" when
+    the gradient is not asked for; raises Unsupported where cuda.mma cannot compute it. A full
+    (B, H, Nq, Nk) bias gets one add an element (float32, exact: 0 + x); a broadcast one sums
+    many pairs an element, in float64, by atomic adds whose order varies from run to run."""
+    if getattr(problem, "dbias", None) is None:
+        return ""
+    if getattr(problem, "varlen", None) is not None:
+        raise Unsupported(f"{NAME}'s backward does not compute attn_bias's gradient for packed "
+                          f"sequences; the CPU path does (one call per sequence)")
+    B, H, Nq, Nk = problem.shape[:4]
+    shape4 = (1,) * (4 - problem.dbias.ndim) + tuple(problem.dbias.shape)
+    broadcast = any(n == 1 and f > 1 for n, f in zip(shape4, (B, H, Nq, Nk)))
+    if broadcast and getattr(problem, "deterministic", False):
+        raise Unsupported(f"{NAME}'s backward sums a broadcast attn_bias's gradient (shape "
+                          f"{tuple(problem.dbias.shape)}) with atomic adds, in an order that "
+                          f"varies: deterministic=True takes a full (B, H, Nq, Nk) bias here, "
+                          f"or any bias on the CPU path")
+    return "f64" if broadcast or problem.dtype_name == "float64" else "f32"
+
+
+def signature(dtype, kernel, window=False, token="", varlen=False, grad32=False, drop=False,
+              bias_acc=""):
     """Argument types of the "queries" or "keys" kernel: q, k, v, dO (and O for the query pass)
     (16-bit inputs as their bits), lse and delta (float32; float64 for float64), dQ or dK, dV
     (like q; float32 with ``grad32``), the exp2 and natural scales, causal, causal_offset (and
     with a window its left and right sizes, packed sequences' cu_q and cu_k, with
-    modifications their arguments: mods.argument_types)."""
+    modifications their arguments: mods.argument_types, with dropout its arguments, and with
+    ``bias_acc`` the key pass's attn_bias gradient accumulator, a 4-d array of that float
+    type)."""
     from numba import types
     from ...inputs import lse_dtype
     from ..launch import array_type
@@ -177,7 +204,8 @@ def signature(dtype, kernel, window=False, token="", varlen=False, grad32=False,
     return (*inputs, rows, rows, *grads, types.float64, types.float64, types.int64,
             types.int64) + ((types.int64, types.int64) if window else ()) + \
         ((array_type("int32", 1),) * 2 if varlen else ()) + mods.argument_types(token) + \
-        dropout.argument_types(drop)
+        dropout.argument_types(drop) + \
+        ((array_type({"f32": "float32", "f64": "float64"}[bias_acc]),) if bias_acc else ())
 
 
 def compiled_kernels(cfg, dtype):
@@ -191,11 +219,11 @@ def compiled_kernels(cfg, dtype):
 
 def _signature(dtype, kernel, c):
     return signature(dtype, kernel, c.WINDOW, c.MODS, bool(c.VARLEN), bool(c.GRAD32),
-                     bool(c.DROP))
+                     bool(c.DROP), c.DBIAS)
 
 
 def run(problem, cfg, device):
-    """Fill problem.dq, dk, dv for a normalized CuPy problem."""
+    """Fill problem.dq, dk, dv (and dbias when asked for) for a normalized CuPy problem."""
     import cupy
     p = problem
     B, H, Nq, Nk, d, dv = p.shape
@@ -205,6 +233,12 @@ def run(problem, cfg, device):
     with cupy.cuda.Device(p.q.device.id):     # on the arrays' GPU, not the current one
         # rowsum(dO * O), in the lse's precision: the query pass writes it
         delta = cupy.empty((B, H, Nq), p.lse.dtype)
+        bias_args = ()
+        if cfg["keys"].DBIAS:
+            acc, view = bias_grad_accumulator(cupy, p.dbias.shape, (B, H, Nq, Nk),
+                                              {"f32": "float32", "f64": "float64"}[
+                                                  cfg["keys"].DBIAS])
+            bias_args = (view,)
     lse = p.lse
     qc, kc = cfg["queries"], cfg["keys"]
     scalars = (float(p.scale * math.log2(math.e)), float(p.scale), int(p.causal),
@@ -228,13 +262,21 @@ def run(problem, cfg, device):
         queries(query_grid + slices, (qc.NT,), shared_bytes(qc, "queries"),
                 inputs + (bits(p.o), lse, delta, grad(p.dq)) + scalars, device)
         keys(key_grid + slices, (kc.NT,), shared_bytes(kc, "keys"),
-             inputs + (lse, delta, grad(p.dk), grad(p.dv)) + scalars, device)
+             inputs + (lse, delta, grad(p.dk), grad(p.dv)) + scalars + bias_args, device)
+    if bias_args:
+        p.dbias[...] = acc.reshape(p.dbias.shape)
 
 
 def notes(problem, cfg, device):
     """What explain adds about a backward config: float32 gradients, packed sequences, the column
     slices of a wide head dim."""
     lines = []
+    if cfg["keys"].DBIAS:
+        lines.append("attn_bias gradient: the key pass adds each pair's dS into a " + (
+            "float64 accumulator of the bias's shape by atomic adds (a broadcast bias sums "
+            "many pairs an element, in an order that varies from run to run)"
+            if cfg["keys"].DBIAS == "f64" and problem.dtype_name != "float64" else
+            "accumulator of the bias's shape (atomic adds; a full bias gets one an element)"))
     if cfg["queries"].GRAD32:
         lines.append("grad_dtype float32: dQ, dK and dV stored as accumulated in float32, not "
                      "rounded to the inputs' 16 bits")

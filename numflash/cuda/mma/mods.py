@@ -246,19 +246,25 @@ def _applies(name, guard, i, j):
     return f"if {name} != NEG_INF" + (f" and {guard.format(i=i, j=j)}:" if guard else ":")
 
 
-def emit_apply_grad(s, token, name, grad, i, j, guard=""):
+def emit_apply_grad(s, token, name, grad, i, j, guard="", bias_grad=None):
     """Emit the backward's form for one score register: ``name`` <- the modified score (-inf
     where refused) and ``grad`` <- its derivative in the scaled score (0 where refused; left as
     it is where the row fails ``guard``, as in :func:`emit_apply`; a block mask's FULL tiles
-    skip its mask_mod)."""
+    skip its mask_mod). With ``bias_grad`` (a register name) also the derivative of the score
+    mods after attn_bias, for the bias's gradient (:func:`bias_grad_source`)."""
     comp = composition(token)
+    outputs = f"{grad}, {bias_grad}" if bias_grad else grad
+    suffix = "_grad_bias" if bias_grad else "_grad"
 
     def apply(fn):
-        s(f"{grad} = ZERO", _applies(name, guard, i, j))
+        s(f"{grad} = ZERO", *([f"{bias_grad} = ZERO"] if bias_grad else []),
+          _applies(name, guard, i, j))
         with s.block():
-            s(f"{name}, {grad} = {fn}({name} * mod_scale, bi, hi, {i}, {j}, {comp.locals})")
-    _emit_by_tile(s, comp, apply, "_grad", lambda: s(f"{name} = {name} * mod_scale",
-                                                      f"{grad} = ONE"))
+            s(f"{name}, {outputs} = {fn}({name} * mod_scale, bi, hi, {i}, {j}, {comp.locals})")
+    _emit_by_tile(s, comp, apply, suffix, lambda: s(f"{name} = {name} * mod_scale",
+                                                     f"{grad} = ONE",
+                                                     *([f"{bias_grad} = ONE"] if bias_grad
+                                                       else [])))
 
 
 def composition_source(token, real):
@@ -272,9 +278,24 @@ def composition_source(token, real):
     return text
 
 
-def _functions_source(comp, real, name, with_block_mask):
+def bias_grad_source(token, real):
+    """Python source of mod_score_grad_bias (and mod_score_dense_grad_bias with a block mask and
+    other modifications): mod_score_grad's (score, derivative) and the derivative of the score
+    mods after attn_bias (the bias's gradient is dS times it), for the key pass of a DBIAS
+    variant."""
+    comp = composition(token)
+    at = next(m for m, (f, _, _) in enumerate(comp.scores) if f is user_mods._bias_score)
+    text = _functions_source(comp, real, "mod_score", True, bias_at=at)
+    if comp.sparse and comp.dense:
+        text += _functions_source(comp, real, "mod_score_dense", False, bias_at=at)
+    return text
+
+
+def _functions_source(comp, real, name, with_block_mask, bias_at=None):
     """Source of ``name`` and ``name``_grad (the latter when every score mod has its
-    derivative), each taking every argument of the composition."""
+    derivative), each taking every argument of the composition; with ``bias_at`` (attn_bias's
+    position among the score mods) only ``name``_grad_bias, which also returns the derivative
+    of the score mods after it."""
     params = ", ".join(f"a{k}" for k in range(len(comp.specs)))
     head = "x, b, h, i, j" + (f", {params}" if params else "")
 
@@ -288,20 +309,27 @@ def _functions_source(comp, real, name, with_block_mask):
         masks += [(f"bm{m}", firsts[-1], nargs) for m, (_, nargs) in enumerate(comp.sparse)]
     score, grad = Source(), Source()
     score(f"def {name}({head}):")
-    grad(f"def {name}_grad({head}):")
+    grad(f"def {name}_grad{'_bias' if bias_at is not None else ''}({head}):")
+    refused = "NEG_INF, ZERO" + (", ZERO" if bias_at is not None else "")
     with score.block(), grad.block():
         for fn, first, nargs in masks:
             call = f"{fn}(b, h, i, j{args(first, nargs)})"
             score(f"if not {call}:", "    return NEG_INF")
-            grad(f"if not {call}:", "    return NEG_INF, ZERO")
+            grad(f"if not {call}:", f"    return {refused}")
         grad("gr = ONE")
+        if bias_at is not None:
+            grad("gb = ONE")
         for m, (_, _, nargs) in enumerate(comp.scores):
             a = args(firsts[len(comp.masks) + m], nargs)
             grad(f"gr = gr * {real}(g{m}(x, b, h, i, j{a}))")
+            if bias_at is not None and m > bias_at:
+                grad(f"gb = gb * {real}(g{m}(x, b, h, i, j{a}))")
             for src in (score, grad):
                 src(f"x = {real}(s{m}(x, b, h, i, j{a}))")
         score("return x")
-        grad("return x, gr")
+        grad("return x, gr" + (", gb" if bias_at is not None else ""))
+    if bias_at is not None:
+        return grad.text()
     return score.text() + (grad.text() if _has_grad(comp) else "")
 
 
@@ -309,12 +337,9 @@ def _has_grad(comp):
     return all(g is not None for _, g, _ in comp.scores)
 
 
-def namespace(token, real, device_jit=None):
-    """{"mod_score": ..., "mod_score_grad": ...} for a kernel's namespace: the composition
-    compiled as device functions by ``device_jit`` (numba.cuda.jit(device=True)), or plain
-    Python (None: the CPU warp emulator of the tests). ``real``: np.float32 / np.float64."""
-    comp = composition(token)
-
+def _environment(comp, real, device_jit):
+    """The names a composition's generated source reads, and the function that compiles each
+    (device functions, or plain Python for the CPU warp emulator)."""
     def fn(f):
         f = getattr(f, "py_func", f)  # an njit dispatcher: its Python function
         return device_jit(f) if device_jit else f
@@ -328,6 +353,23 @@ def namespace(token, real, device_jit=None):
         env[f"s{m}"] = fn(f)
         if g is not None:
             env[f"g{m}"] = fn(g)
+    return env, fn
+
+
+def bias_namespace(token, real, device_jit=None):
+    """{"mod_score_grad_bias": ...} (and the dense form) for a DBIAS key pass's namespace, as
+    :func:`namespace` makes the others."""
+    env, fn = _environment(composition(token), real, device_jit)
+    exec(bias_grad_source(token, real.__name__), env)  # noqa: S102 - names generated here
+    return {name: fn(env[name]) for name in ("mod_score_grad_bias", "mod_score_dense_grad_bias")
+            if name in env}
+
+
+def namespace(token, real, device_jit=None):
+    """{"mod_score": ..., "mod_score_grad": ...} for a kernel's namespace: the composition
+    compiled as device functions by ``device_jit`` (numba.cuda.jit(device=True)), or plain
+    Python (None: the CPU warp emulator of the tests). ``real``: np.float32 / np.float64."""
+    env, fn = _environment(composition(token), real, device_jit)
     exec(composition_source(token, real.__name__), env)  # noqa: S102 - names generated here
     return {name: fn(env[name]) for name in ("mod_score", "mod_score_grad", "mod_score_dense",
                                              "mod_score_dense_grad") if name in env}
@@ -340,10 +382,12 @@ def _real_type(real, device_jit):
     return getattr(numba, real.__name__)
 
 
-def identity_functions(token):
+def identity_functions(token, bias_grad=False):
     """The functions whose source decides a MODS variant's code besides its generated kernel
-    source: this module's composition and the modification functions themselves."""
-    return (composition_source, namespace, emit_locals,
+    source: this module's composition and the modification functions themselves (with
+    ``bias_grad``, a DBIAS key pass's, also the bias derivative's)."""
+    return (composition_source, _functions_source, namespace, _environment, emit_locals,
+            *((bias_grad_source, bias_namespace) if bias_grad else ()),
             *(getattr(f, "py_func", f) for f in composition(token).functions))
 
 

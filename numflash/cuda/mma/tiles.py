@@ -44,11 +44,14 @@ class MmaConfig(TileConfig):
     bottom-right per sequence), and lse / delta are (1, heads, total query rows). GRAD32: the
     16-bit backward writes dQ, dK, dV in float32 as accumulated (attention_backward's
     grad_dtype), not rounded to 16 bits. DROP: attention dropout (dropout.py), its seed,
-    threshold and scale run-time arguments.
+    threshold and scale run-time arguments. DBIAS: the backward's key pass also adds each
+    pair's dS (through the score mods after attn_bias) into attn_bias's gradient, an
+    accumulator of that float type ("f32" or "f64") broadcast like the bias (atomic adds).
 
     The fields D, DV, BR (derived), BC, NT (derived), HOLDQ and DT follow cuda.config's naming
     scheme shared with the SIMT kernels; the mapping (cuda.config.TileConfig) leaves out MMA,
-    DBG, WINDOW, SUB, MODS, SPLIT, KVLEN, PAGE, CHUNKS, VARLEN, GRAD32 and DROP while unset.
+    DBG, WINDOW, SUB, MODS, SPLIT, KVLEN, PAGE, CHUNKS, VARLEN, GRAD32, DROP and DBIAS while
+    unset.
     """
     D: int
     DV: int
@@ -69,6 +72,7 @@ class MmaConfig(TileConfig):
     VARLEN: int = 0
     GRAD32: int = 0
     DROP: int = 0
+    DBIAS: str = ""
 
     @property
     def BR(self):
