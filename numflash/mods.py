@@ -453,14 +453,20 @@ def build(problem_shape, kind, causal_offset, *, device_id=None, score_mod=None,
     return Mods(masks, scores, names, kinds, window, block, bias_at)
 
 
-def bias_grad_accumulator(xp, bias_shape, full, dtype):
-    """(acc, view) for attn_bias's gradient: ``acc`` zeros of the bias's shape with its
-    missing leading dims as 1, ``view`` a writable broadcast of it to ``full`` = (B, H, Nq, Nk)
-    (stride 0 where the bias broadcasts). A kernel adds each pair's dS into view[b, h, i, j]:
-    the sums over broadcast dims happen in place, never in an expanded array. Kernels make sure
-    that no two threads add into one element at once (or add atomically)."""
-    shape4 = (1,) * (4 - len(bias_shape)) + tuple(bias_shape)
-    acc = xp.zeros(shape4, dtype)
+def bias_grad_accumulator(xp, out, full, dtype):
+    """(acc, view) for attn_bias's gradient ``out`` (the bias's shape): ``acc`` zeros of that
+    shape with missing leading dims as 1, in ``dtype`` (``out`` itself, zeroed, when it has
+    that dtype and is contiguous), ``view`` a writable broadcast of it to ``full`` = (B, H, Nq,
+    Nk) (stride 0 where the bias broadcasts). A kernel adds each pair's dS into view[b, h, i,
+    j]: the sums over broadcast dims happen in place, never in an expanded array. Kernels make
+    sure that no two threads add into one element at once (or add atomically); the caller
+    copies ``acc`` into ``out`` when it is not ``out``."""
+    shape4 = (1,) * (4 - out.ndim) + tuple(out.shape)
+    if out.dtype == dtype and out.flags.c_contiguous:
+        out.fill(0)
+        acc = out.reshape(shape4)
+    else:
+        acc = xp.zeros(shape4, dtype)
     strides = tuple(0 if n == 1 and f != 1 else s for n, f, s in zip(shape4, full, acc.strides))
     return acc, xp.lib.stride_tricks.as_strided(acc, shape=full, strides=strides)
 

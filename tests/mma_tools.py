@@ -458,9 +458,9 @@ def run_backward_kernels(q, k, v, do, o, lse, DT, causal=False, causal_offset=0,
     ``mods``: a numflash.mods.Mods (its window, and the MODS variant for the rest); ``chunks``:
     the CHUNKS variant's column slices (grid z); ``varlen``: (cu_q, cu_k, bottom_right) for the
     VARLEN variant (the arrays then hold the packed rows, batch 1); ``dropout``: a
-    numflash.dropout.Dropout (the DROP variant); ``bias_grad``: "f32" or "f64", the key pass's
-    DBIAS variant with that accumulator (``mods`` has an attn_bias): attn_bias's gradient, in
-    its shape, is returned fourth."""
+    numflash.dropout.Dropout (the DROP variant); ``bias_grad``: the key pass's DBIAS mode
+    (backward.BIAS_MODES; ``mods`` has an attn_bias): attn_bias's gradient, in its shape, is
+    returned fourth."""
     token, window, extra = _mods_setup(mods, window)
     extra += _dropout_arguments(dropout)
     if varlen is not None:   # after the window's arguments, before the mods'
@@ -505,9 +505,9 @@ def run_backward_kernels(q, k, v, do, o, lse, DT, causal=False, causal_offset=0,
         args += extra
         if cfg.DBIAS:
             from numflash.mods import bias_grad_accumulator
-            acc, view = bias_grad_accumulator(
-                np, mods.bias[1], (B, H, Nq, Nk),
-                np.float64 if bias_grad == "f64" else np.float32)
+            acc_dtype = np.dtype(backward.bias_accumulator_type(bias_grad, DT))
+            acc, view = bias_grad_accumulator(np, np.empty(mods.bias[1], acc_dtype),
+                                              (B, H, Nq, Nk), acc_dtype)
             args.append(view)
         with np.errstate(all="ignore"):
             emu.run(ns[backward.KERNEL_NAMES[kernel]], tuple(args))

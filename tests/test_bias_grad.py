@@ -168,12 +168,20 @@ def test_mma_bias_gradient_source_under_the_warp_emulator_fast(rng):
     _emulated(rng, "f64", (1, 2, 17, 20), True, "f64", Nq=17, Nk=20)
 
 
+def test_mma_bias_gradient_rows_mode_under_the_warp_emulator_fast(rng):
+    """DBIAS "rows": a key-padding bias (B, 1, 1, Nk), each key's column summed in registers
+    over every head of a group (grouped heads) and query tile, added once a head."""
+    _emulated(rng, "f64", (2, 1, 1, 20), "bottom_right", "rows", Nq=17, Nk=20)
+
+
 @pytest.mark.extended
 @pytest.mark.parametrize("DT, shape, causal, acc, mod_opts", [
-    ("f16", (2, 2, 33, 45), False, "f32", dict(softcap=4.0, score_mod=_scaled,
+    ("f16", (2, 2, 33, 45), False, "store", dict(softcap=4.0, score_mod=_scaled,
                                                score_mod_grad=_scaled_grad)),
-    ("bf16", (2, 1, 1, 45), "bottom_right", "f64", None),
-    ("3xtf32", (1, 2, 1, 45), "bottom_right", "f64", dict(softcap=4.0)),
+    ("bf16", (2, 1, 1, 45), "bottom_right", "rows", None),
+    ("f16", (2, 2, 33, 1), False, "f64", dict(softcap=4.0)),
+    ("f16", (1, 2, 33, 45), True, "f32", None),
+    ("3xtf32", (1, 2, 1, 45), "bottom_right", "rows", dict(softcap=4.0)),
     ("f64", (2, 2, 33, 45), True, "f64", dict(score_mod=_scaled, score_mod_grad=_scaled_grad)),
 ])
 def test_mma_bias_gradient_source_under_the_warp_emulator(rng, DT, shape, causal, acc,
@@ -182,7 +190,9 @@ def test_mma_bias_gradient_source_under_the_warp_emulator(rng, DT, shape, causal
 
 
 def test_mma_config_carries_dbias_on_the_key_pass_only(rng):
-    """A full bias gets a float32 accumulator (one add an element), a broadcast one float64;
+    """A full bias gets float32 stores (one write an element), one broadcast along the heads
+    float32 atomic adds (H an element), one shared by the queries float64 column sums in
+    registers, one shared by the keys float64 atomic adds (up to Nk an element);
     deterministic=True refuses a broadcast bias (atomic order) and packed sequences refuse it;
     without the gradient the configs are those of before (DBIAS left out of the mapping)."""
     from numba import types
@@ -193,15 +203,18 @@ def test_mma_config_carries_dbias_on_the_key_pass_only(rng):
     dev = _gpu((9, 0))
     p = _Problem("float16", 64)
     p.varlen = None
-    for shape, acc in (((1, 2, 64, 64), "f32"), ((1, 1, 1, 64), "f64")):
+    for shape, acc in (((1, 2, 64, 64), "store"), ((1, 1, 64, 64), "f32"),
+                       ((1, 1, 1, 64), "rows"), ((1, 2, 64, 1), "f64")):
         p.mods = _mods.build(p.shape, "numpy", 0, attn_bias=np.zeros(shape, np.float32))
         p.dbias = np.zeros(shape, np.float32)
         p.deterministic = False
         cfg = gradients.config(p, dev)
         assert cfg["keys"].DBIAS == acc and "DBIAS" not in dict(cfg["queries"])
         assert gradients._signature("float16", "keys", cfg["keys"])[-1] == \
-            types.Array(types.float64 if acc == "f64" else types.float32, 4, "A")
+            types.Array(types.float64 if acc in ("f64", "rows") else types.float32, 4, "A")
+        assert cfg["keys"].DBIAS == acc
         assert "attn_bias gradient" in " ".join(gradients.notes(p, cfg, dev))
+    p.dbias = np.zeros((1, 1, 64, 64), np.float32)
     p.deterministic = True
     with pytest.raises(Unsupported, match="deterministic=True takes a full"):
         gradients.config(p, dev)
@@ -210,6 +223,50 @@ def test_mma_config_carries_dbias_on_the_key_pass_only(rng):
         gradients.bias_accumulator(p)
     p.varlen, p.dbias = None, None
     assert "DBIAS" not in dict(gradients.config(p, dev)["keys"])
+
+
+@pytest.mark.extended
+def test_mma_dbias_key_passes_compile_with_no_spills():
+    """The DBIAS key passes at d64 (sm_90 float16 summing a key-padding bias's columns in
+    registers, "rows"; sm_80 bfloat16 with float32 atomic adds, "f32"): no spill, stack or
+    local memory, and the adds are atomics of the accumulator's type."""
+    import json
+    import os
+    import subprocess
+    import sys
+    import textwrap
+    code = textwrap.dedent("""
+        import dataclasses, json
+        import numpy as np
+        from numflash import mods
+        from numflash.cuda import launch
+        from numflash.cuda.mma import gradients, mods as kernel_mods
+        rows = []
+        for cc, DT, dtype, acc, shape, smem in (
+                ((9, 0), "f16", "float16", "rows", (2, 1, 1, 64), 227 * 1024),
+                ((8, 0), "bf16", "bfloat16", "f32", (1, 2, 64, 64), 163 * 1024)):
+            built = mods.build((2, 2, 64, 64, 64, 64), "numpy", 0,
+                               attn_bias=np.zeros(shape, np.float32))
+            token = kernel_mods.token_for(built)
+            cfg = {k: dataclasses.replace(c, MODS=token) for k, c in
+                   gradients.tiles(64, 64, smem, False, mods=True, DT=DT, cc=cc).items()}
+            cfg["keys"] = dataclasses.replace(cfg["keys"], DBIAS=acc)
+            kernel, sig = gradients.compiled_kernels(cfg, dtype)[1]
+            cubin, entry, ptx, res = launch.compile_to_cubin(kernel.pyfunc, sig, cc)
+            rows.append([DT, res.get("registers", 0),
+                         res.get("spill_store_bytes", 0) + res.get("spill_load_bytes", 0),
+                         res.get("stack_bytes", 0), ptx.count("ld.local") + ptx.count("st.local"),
+                         ptx.count("atom.add.f64" if acc == "rows" else "atom.add.f32")])
+        print(json.dumps(rows))
+    """)
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0")
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=1500)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = json.loads(run.stdout.strip().splitlines()[-1])
+    assert len(rows) == 2, rows
+    for DT, regs, spills, stack, local, atomics in rows:
+        assert 0 < regs <= 255 and spills == stack == local == 0 and atomics > 0, rows
 
 
 # ------------------------------------------------------------------------------ torch
@@ -254,7 +311,7 @@ def test_torch_attention_backward_returns_the_bias_gradient(rng):
 GPU_CASES = [  # (dtype, bias shape, B, H, Hk, Nq, Nk, d, causal)
     ("float16", (1, 4, 300, 257), 1, 4, 4, 300, 257, 64, True),
     ("bfloat16", (2, 1, 1, 333), 2, 4, 2, 200, 333, 128, "bottom_right"),
-    ("float32", (1, 2, 200, 300), 1, 2, 2, 200, 300, 64, False),
+    ("float32", (1, 2, 200, 300), 2, 2, 2, 200, 300, 64, False),
     ("float64", (2, 1, 200, 1), 2, 2, 1, 200, 150, 64, True),
 ]
 

@@ -273,7 +273,7 @@ def run(problem, config, device=None):
     dbias = acc = None
     if p.dbias is not None:
         # float64 sums: a bias shared along many pairs sums as many dS terms, which cancel
-        acc, dbias = bias_grad_accumulator(np, p.dbias.shape, (B, H, Nq, Nk), np.float64)
+        acc, dbias = bias_grad_accumulator(np, p.dbias, (B, H, Nq, Nk), np.float64)
     args = (q, k, v, do, lse2, delta, dq_parts, dk, dvo, compute(p.scale * LOG2E),
             compute(p.scale), p.causal, p.causal_offset, config["block_q"], config["block_k"],
             lut, dropout_arguments(p, compute), dbias, config["share_b"], config["share_h"])
@@ -302,5 +302,5 @@ def run(problem, config, device=None):
         p.dk[...] = dk
     if dvo is not p.dv:
         p.dv[...] = dvo
-    if acc is not None:
+    if acc is not None and not np.may_share_memory(acc, p.dbias):
         p.dbias[...] = acc.reshape(p.dbias.shape)

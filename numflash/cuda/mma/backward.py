@@ -365,6 +365,8 @@ def key_pass_source(cfg):
             if mods.sparse(cfg.MODS):   # the query blocks listed for this key block column
                 s("bm_col = I(j0k) // bm_bk", "bm_list = bm_q_blocks[b, h, bm_col]")
                 sparse = ("bm_list", "bm_q_count[b, h, bm_col]", "bm_bq")
+            if cfg.DBIAS == "rows":
+                s("bsum0 = float64(0)", "bsum1 = float64(0)")
             with tile_loop(s, stage_queries, cfg.BC, tile_words, 1, tiles_off, QW, True,
                            start="q_first", end="q_end" if window else "Nq",
                            sparse=sparse) as (q_off, do_off, kb):
@@ -381,6 +383,8 @@ def key_pass_source(cfg):
                         _key_pass_products(s, ops, cfg, SUB, kb, q_off + sub * SUB * QW,
                                            do_off + sub * SUB * OW, q_off + lse_rel + sub * SUB,
                                            q_off + delta_rel + sub * SUB, KW, VW, QW, OW)
+            if cfg.DBIAS == "rows":
+                _flush_bias_rows(s, cfg)
         _store_rows(s, ops, cfg, ("kr0", "kr1"), "Nk",
                     [("dk", ND, "scale", "dkh", "d_u", "c0k"),
                      ("dv", NVN, "ONE", "dvh", "dv_u", "c0v")])
@@ -483,17 +487,53 @@ def _key_pass_elementwise(s, ops, cfg, NN, kb, lse_off, delta_off, do_off, OW, V
                       acc="dv", name="dot", W=OW, rescaled=False)
 
 
+#: DBIAS modes: "store" (a full bias: one write an element), "f32" / "f64" (a broadcast one:
+#: atomic adds of that type), "rows" (a bias shared by the queries: each thread sums its two
+#: keys' column in float64 registers over the head's query tiles, then the four lanes holding a
+#: key add their sum atomically, once a head)
+BIAS_MODES = ("store", "f32", "f64", "rows")
+
+
+def bias_accumulator_type(mode, DT):
+    """The accumulator's float type name for a DBIAS mode and operand kind."""
+    return "float64" if DT == "f64" or mode in ("f64", "rows") else "float32"
+
+
 def _emit_bias_grad(s, cfg, p, dp, query, key):
     """Emit, for a DBIAS key pass, dS^T through the modifications into ``dp`` and the bias's
     share, P (dP - delta) * gbias, atomically added into dbias[b, h, query, key] (a view
-    broadcast like the bias: pairs that share an element sum there). Zeros are not added (the
+    broadcast like the bias: pairs that share an element sum there; a full bias's element has
+    one pair, so DBIAS "store" writes it). Zeros are not added (the
     accumulator starts at zero; masked and padding pairs have P = 0); with column slices
     (CHUNKS) only slice 0 adds, as every slice recomputes the same dS."""
     s(f"dsb = {_ds(p, dp, 'dlt')}", f"{dp} = dsb * gm")
+    value = f"{bias_accumulator_type(cfg.DBIAS, cfg.DT)}(dsb * gbias)"
+    if cfg.DBIAS == "rows":   # summed over the queries here, added once a head (_flush_bias_rows)
+        s(f"bsum{0 if key == 'kr0' else 1} += {value}")
+        return
     s("if dsb != ZERO" + (" and cuda.blockIdx.z == 0:" if cfg.CHUNKS else ":"))
     with s.block():
-        s(f"cuda.atomic.add(dbias, (b, h, U({query}), U({key})), "
-          f"{'float64' if cfg.DBIAS == 'f64' else 'float32'}(dsb * gbias))")
+        at = f"(b, h, U({query}), U({key}))"
+        if cfg.DBIAS == "store":   # a full bias: this thread is the element's only writer
+            s(f"dbias[{at}] = {value}")
+        else:
+            s(f"cuda.atomic.add(dbias, {at}, {value})")
+
+
+def _flush_bias_rows(s, cfg):
+    """Emit, for DBIAS "rows" after a head's query tiles, the sum of each key's column over the
+    four lanes (t) that hold it, added by lane t = 0 into dbias[b, h, 0, key] (slice 0 only
+    with CHUNKS); the sums restart for the next head."""
+    for n in (0, 1):
+        s(f"bsum{n} += cuda.shfl_xor_sync(FULL, bsum{n}, 1)",
+          f"bsum{n} += cuda.shfl_xor_sync(FULL, bsum{n}, 2)")
+    s("if t == 0" + (" and cuda.blockIdx.z == 0:" if cfg.CHUNKS else ":"))
+    with s.block():
+        for n in (0, 1):
+            s(f"if bsum{n} != 0 and kr{n} < Nk:")
+            with s.block():
+                s(f"cuda.atomic.add(dbias, (b, h, U(0), U(kr{n})), bsum{n})")
+    s("bsum0 = float64(0)", "bsum1 = float64(0)")
 
 
 SOURCES = {"queries": query_pass_source, "keys": key_pass_source}

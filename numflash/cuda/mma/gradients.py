@@ -12,7 +12,7 @@ import math
 
 from ...device import Unsupported
 from ...mods import bias_grad_accumulator, compile_errors
-from .backward import make_key_kernel, make_query_kernel, shared_bytes
+from .backward import bias_accumulator_type, make_key_kernel, make_query_kernel, shared_bytes
 from . import dropout, mods
 from .config import (check_block_tiles, check_packed, dropped, modifications, padded_dims,
                      vector_ok)
@@ -163,10 +163,13 @@ def config(problem, device):
 
 
 def bias_accumulator(problem):
-    """The float type ("f32" / "f64") of the key pass's attn_bias gradient accumulator, "" when
-    the gradient is not asked for; raises Unsupported where cuda.mma cannot compute it. A full
-    (B, H, Nq, Nk) bias gets one add an element (float32, exact: 0 + x); a broadcast one sums
-    many pairs an element, in float64, by atomic adds whose order varies from run to run."""
+    """The key pass's DBIAS mode (backward.BIAS_MODES), "" when attn_bias's gradient is not
+    asked for; raises Unsupported where cuda.mma cannot compute it. A full (B, H, Nq, Nk) bias
+    gets one write an element ("store"); one broadcast along the batch or the heads sums at
+    most B x H pairs an element, as naive attention's gradient would, in float32 ("f32";
+    float64 for float64 inputs); one shared by the queries (a key-padding bias) sums its
+    column in registers ("rows"); one shared by the keys up to Nk pairs an element in float64
+    ("f64"). A broadcast bias's sums end in atomic adds whose order varies from run to run."""
     if getattr(problem, "dbias", None) is None:
         return ""
     if getattr(problem, "varlen", None) is not None:
@@ -180,7 +183,12 @@ def bias_accumulator(problem):
                           f"{tuple(problem.dbias.shape)}) with atomic adds, in an order that "
                           f"varies: deterministic=True takes a full (B, H, Nq, Nk) bias here, "
                           f"or any bias on the CPU path")
-    return "f64" if broadcast or problem.dtype_name == "float64" else "f32"
+    if shape4[2] == 1 and Nq > 1:
+        return "rows"
+    if shape4[3] == 1 and Nk > 1:
+        return "f64"
+    return ("f32" if broadcast else "store") if problem.dtype_name != "float64" else (
+        "f64" if broadcast else "store")
 
 
 def signature(dtype, kernel, window=False, token="", varlen=False, grad32=False, drop=False,
@@ -205,7 +213,8 @@ def signature(dtype, kernel, window=False, token="", varlen=False, grad32=False,
             types.int64) + ((types.int64, types.int64) if window else ()) + \
         ((array_type("int32", 1),) * 2 if varlen else ()) + mods.argument_types(token) + \
         dropout.argument_types(drop) + \
-        ((array_type({"f32": "float32", "f64": "float64"}[bias_acc]),) if bias_acc else ())
+        ((array_type(bias_accumulator_type(bias_acc, KINDS.get(str(dtype)))),)
+         if bias_acc else ())
 
 
 def compiled_kernels(cfg, dtype):
@@ -235,9 +244,8 @@ def run(problem, cfg, device):
         delta = cupy.empty((B, H, Nq), p.lse.dtype)
         bias_args = ()
         if cfg["keys"].DBIAS:
-            acc, view = bias_grad_accumulator(cupy, p.dbias.shape, (B, H, Nq, Nk),
-                                              {"f32": "float32", "f64": "float64"}[
-                                                  cfg["keys"].DBIAS])
+            acc, view = bias_grad_accumulator(cupy, p.dbias, (B, H, Nq, Nk), cupy.dtype(
+                bias_accumulator_type(cfg["keys"].DBIAS, cfg["keys"].DT)))
             bias_args = (view,)
     lse = p.lse
     qc, kc = cfg["queries"], cfg["keys"]
@@ -263,7 +271,7 @@ def run(problem, cfg, device):
                 inputs + (bits(p.o), lse, delta, grad(p.dq)) + scalars, device)
         keys(key_grid + slices, (kc.NT,), shared_bytes(kc, "keys"),
              inputs + (lse, delta, grad(p.dk), grad(p.dv)) + scalars + bias_args, device)
-    if bias_args:
+    if bias_args and acc.data.ptr != p.dbias.data.ptr:
         p.dbias[...] = acc.reshape(p.dbias.shape)
 
 
@@ -272,11 +280,16 @@ def notes(problem, cfg, device):
     slices of a wide head dim."""
     lines = []
     if cfg["keys"].DBIAS:
-        lines.append("attn_bias gradient: the key pass adds each pair's dS into a " + (
-            "float64 accumulator of the bias's shape by atomic adds (a broadcast bias sums "
-            "many pairs an element, in an order that varies from run to run)"
-            if cfg["keys"].DBIAS == "f64" and problem.dtype_name != "float64" else
-            "accumulator of the bias's shape (atomic adds; a full bias gets one an element)"))
+        mode = cfg["keys"].DBIAS
+        acc = bias_accumulator_type(mode, cfg["keys"].DT)
+        lines.append("attn_bias gradient: " + {
+            "store": f"the key pass writes each pair's dS into a {acc} array of the bias's shape",
+            "rows": "the key pass sums each key's column of dS over the queries in float64 "
+                    "registers, then adds it atomically, once a head and block",
+        }.get(mode, f"the key pass adds each pair's dS into a {acc} accumulator of the bias's "
+                    f"shape by atomic adds") + (
+            "" if mode == "store" else " (a broadcast bias's sums, in an order that varies "
+                                       "from run to run)"))
     if cfg["queries"].GRAD32:
         lines.append("grad_dtype float32: dQ, dK and dV stored as accumulated in float32, not "
                      "rounded to the inputs' 16 bits")

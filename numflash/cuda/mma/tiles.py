@@ -46,7 +46,8 @@ class MmaConfig(TileConfig):
     grad_dtype), not rounded to 16 bits. DROP: attention dropout (dropout.py), its seed,
     threshold and scale run-time arguments. DBIAS: the backward's key pass also adds each
     pair's dS (through the score mods after attn_bias) into attn_bias's gradient, an
-    accumulator of that float type ("f32" or "f64") broadcast like the bias (atomic adds).
+    accumulator broadcast like the bias: "store" (float32, a full bias: one write an element),
+    "f32" or "f64" (atomic adds of that float type).
 
     The fields D, DV, BR (derived), BC, NT (derived), HOLDQ and DT follow cuda.config's naming
     scheme shared with the SIMT kernels; the mapping (cuda.config.TileConfig) leaves out MMA,
