@@ -3,7 +3,8 @@
 mask through numflash.torch's SDPA against torch's own SDPA (which runs such a mask on its
 memory-efficient kernel), in the same run.
 
-    python bench/bias_grad.py [--d 64] [--quick] [--kernels]    (a CUDA GPU; torch for the second table)
+    python bench/bias_grad.py [--d 64] [--quick] [--kernels] [--padding-only]
+                                            (a CUDA GPU; torch for the second table)
 
 float16, B2 H16 N4096 (N2048 with --quick). Bias shapes: (B, H, N, N) (one add an element,
 float32), (1, H, N, N) (shared by the batch: relative-position biases) and (B, 1, 1, N) (a key
@@ -17,7 +18,7 @@ import numpy as np
 from numflash.bench.timing import CudaEventTimer
 
 
-def kernels(d, quick=False):
+def kernels(d, quick=False, padding_only=False):
     import cupy
     import numflash
     timer = CudaEventTimer("cupy")
@@ -28,7 +29,7 @@ def kernels(d, quick=False):
     rng = np.random.default_rng(0)
     q, k, v, do = (cupy.asarray(rng.standard_normal((B, H, N, d)).astype(np.float16))
                    for _ in range(4))
-    for shape in ((B, H, N, N), (1, H, N, N), (B, 1, 1, N)):
+    for shape in ((B, H, N, N), (1, H, N, N), (B, 1, 1, N))[2 if padding_only else 0:]:
         bias = cupy.asarray(rng.standard_normal(shape).astype(np.float32))
         for causal in (False, True):
             opts = dict(causal=causal, attn_bias=bias)
@@ -80,6 +81,6 @@ def training_step(d, quick=False):
 if __name__ == "__main__":
     args = sys.argv[1:]
     d = int(args[args.index("--d") + 1]) if "--d" in args else 64
-    kernels(d, quick="--quick" in args)
+    kernels(d, quick="--quick" in args, padding_only="--padding-only" in args)
     if "--kernels" not in args:
         training_step(d, quick="--quick" in args)

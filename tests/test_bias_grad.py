@@ -209,10 +209,10 @@ def test_mma_config_carries_dbias_on_the_key_pass_only(rng):
         p.dbias = np.zeros(shape, np.float32)
         p.deterministic = False
         cfg = gradients.config(p, dev)
-        assert cfg["keys"].DBIAS == acc and "DBIAS" not in dict(cfg["queries"])
+        assert cfg["keys"].DBIAS == acc and cfg["keys"].SUB == (16 if acc == "rows" else 32) and "DBIAS" not in dict(cfg["queries"])
         assert gradients._signature("float16", "keys", cfg["keys"])[-1] == \
             types.Array(types.float64 if acc in ("f64", "rows") else types.float32, 4, "A")
-        assert cfg["keys"].DBIAS == acc
+        assert cfg["keys"].DBIAS == acc and cfg["keys"].SUB == (16 if acc == "rows" else 32)
         assert "attn_bias gradient" in " ".join(gradients.notes(p, cfg, dev))
     p.dbias = np.zeros((1, 1, 64, 64), np.float32)
     p.deterministic = True
@@ -250,7 +250,7 @@ def test_mma_dbias_key_passes_compile_with_no_spills():
             token = kernel_mods.token_for(built)
             cfg = {k: dataclasses.replace(c, MODS=token) for k, c in
                    gradients.tiles(64, 64, smem, False, mods=True, DT=DT, cc=cc).items()}
-            cfg["keys"] = dataclasses.replace(cfg["keys"], DBIAS=acc)
+            cfg["keys"] = gradients.with_bias_grad(cfg["keys"], acc)
             kernel, sig = gradients.compiled_kernels(cfg, dtype)[1]
             cubin, entry, ptx, res = launch.compile_to_cubin(kernel.pyfunc, sig, cc)
             rows.append([DT, res.get("registers", 0),

@@ -366,7 +366,7 @@ def key_pass_source(cfg):
                 s("bm_col = I(j0k) // bm_bk", "bm_list = bm_q_blocks[b, h, bm_col]")
                 sparse = ("bm_list", "bm_q_count[b, h, bm_col]", "bm_bq")
             if cfg.DBIAS == "rows":
-                s("bsum0 = float64(0)", "bsum1 = float64(0)")
+                s(f"bsum0 = {_row_sum_type(cfg.DT)}(0)", f"bsum1 = {_row_sum_type(cfg.DT)}(0)")
             with tile_loop(s, stage_queries, cfg.BC, tile_words, 1, tiles_off, QW, True,
                            start="q_first", end="q_end" if window else "Nq",
                            sparse=sparse) as (q_off, do_off, kb):
@@ -489,14 +489,21 @@ def _key_pass_elementwise(s, ops, cfg, NN, kb, lse_off, delta_off, do_off, OW, V
 
 #: DBIAS modes: "store" (a full bias: one write an element), "f32" / "f64" (a broadcast one:
 #: atomic adds of that type), "rows" (a bias shared by the queries: each thread sums its two
-#: keys' column in float64 registers over the head's query tiles, then the four lanes holding a
-#: key add their sum atomically, once a head)
+#: keys' column in registers over the head's query tiles, then the four lanes holding a key add
+#: their sum atomically into float64, once a head)
 BIAS_MODES = ("store", "f32", "f64", "rows")
 
 
 def bias_accumulator_type(mode, DT):
     """The accumulator's float type name for a DBIAS mode and operand kind."""
     return "float64" if DT == "f64" or mode in ("f64", "rows") else "float32"
+
+
+def _row_sum_type(DT):
+    """The registers' type of DBIAS "rows": float32 for 16-bit kinds (two float64 sums pushed
+    the sm_90 float16 d64 key pass to 8 bytes of spill; the rule's 16-bit baseline stores dS in
+    16 bits), float64 for float32 and float64 inputs."""
+    return "float32" if DT in ("f16", "bf16") else "float64"
 
 
 def _emit_bias_grad(s, cfg, p, dp, query, key):
@@ -507,10 +514,10 @@ def _emit_bias_grad(s, cfg, p, dp, query, key):
     accumulator starts at zero; masked and padding pairs have P = 0); with column slices
     (CHUNKS) only slice 0 adds, as every slice recomputes the same dS."""
     s(f"dsb = {_ds(p, dp, 'dlt')}", f"{dp} = dsb * gm")
-    value = f"{bias_accumulator_type(cfg.DBIAS, cfg.DT)}(dsb * gbias)"
     if cfg.DBIAS == "rows":   # summed over the queries here, added once a head (_flush_bias_rows)
-        s(f"bsum{0 if key == 'kr0' else 1} += {value}")
+        s(f"bsum{0 if key == 'kr0' else 1} += {_row_sum_type(cfg.DT)}(dsb * gbias)")
         return
+    value = f"{bias_accumulator_type(cfg.DBIAS, cfg.DT)}(dsb * gbias)"
     s("if dsb != ZERO" + (" and cuda.blockIdx.z == 0:" if cfg.CHUNKS else ":"))
     with s.block():
         at = f"(b, h, U({query}), U({key}))"
@@ -532,8 +539,8 @@ def _flush_bias_rows(s, cfg):
         for n in (0, 1):
             s(f"if bsum{n} != 0 and kr{n} < Nk:")
             with s.block():
-                s(f"cuda.atomic.add(dbias, (b, h, U(0), U(kr{n})), bsum{n})")
-    s("bsum0 = float64(0)", "bsum1 = float64(0)")
+                s(f"cuda.atomic.add(dbias, (b, h, U(0), U(kr{n})), float64(bsum{n}))")
+    s(f"bsum0 = {_row_sum_type(cfg.DT)}(0)", f"bsum1 = {_row_sum_type(cfg.DT)}(0)")
 
 
 SOURCES = {"queries": query_pass_source, "keys": key_pass_source}

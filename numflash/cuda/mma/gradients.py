@@ -148,9 +148,9 @@ def config(problem, device):
                                        DROP=int(drop))
            for kernel, c in tiles(D, DV, device.smem_per_block_optin, window,
                                   bool(token) or drop, DT, device.cc).items()}
-    bias_acc = bias_accumulator(problem)
-    if bias_acc:
-        cfg["keys"] = dataclasses.replace(cfg["keys"], DBIAS=bias_acc)
+    bias_mode = bias_accumulator(problem)
+    if bias_mode:
+        cfg["keys"] = with_bias_grad(cfg["keys"], bias_mode)
     check_block_tiles(problem, ((cfg["queries"].BR, cfg["queries"].BC, "backward's query pass"),
                                 (cfg["keys"].BC, cfg["keys"].BR, "backward's key pass")))
     for kernel, c in cfg.items():
@@ -160,6 +160,19 @@ def config(problem, device):
                               f"memory for d={d}, dv={dv}, more than the "
                               f"{device.smem_per_block_optin} a block may use on {device.name}")
     return cfg
+
+
+#: DBIAS "rows" keeps two more sums a thread: the 16-bit d64 key pass then takes its staged
+#: queries 16 at a time (ptxas, sm_90 f16, session 21: SUB 32 spilled 8-16 bytes, (4, 64, 32)
+#: 16; (4, 128, 16) 230 registers, none)
+ROWS_SUB = 16
+
+
+def with_bias_grad(keys, mode):
+    """The key pass's config ``keys`` with attn_bias's gradient in DBIAS ``mode``."""
+    sub = min(keys.SUB, ROWS_SUB) if mode == "rows" and keys.DT in ("f16", "bf16") and \
+        keys.SUB else keys.SUB
+    return dataclasses.replace(keys, DBIAS=mode, SUB=sub)
 
 
 def bias_accumulator(problem):
@@ -284,8 +297,8 @@ def notes(problem, cfg, device):
         acc = bias_accumulator_type(mode, cfg["keys"].DT)
         lines.append("attn_bias gradient: " + {
             "store": f"the key pass writes each pair's dS into a {acc} array of the bias's shape",
-            "rows": "the key pass sums each key's column of dS over the queries in float64 "
-                    "registers, then adds it atomically, once a head and block",
+            "rows": "the key pass sums each key's column of dS over the queries in registers, "
+                    "then adds it atomically (float64), once a head and block",
         }.get(mode, f"the key pass adds each pair's dS into a {acc} accumulator of the bias's "
                     f"shape by atomic adds") + (
             "" if mode == "store" else " (a broadcast bias's sums, in an order that varies "
