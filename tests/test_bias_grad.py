@@ -38,14 +38,16 @@ def _run(rng, dtype, bias_shape, B=B, H=H, Hk=H, Nq=NQ, Nk=NK, d=16, **opts):
     return grads, (do, q, k, v), opts
 
 
+LONG = pytest.mark.extended  # each case compiles its own CPU kernel (~7 s on 2 cores)
 CPU_CASES = [  # (dtype, bias shape, options)
     (np.float64, (B, H, NQ, NK), dict(causal=True)),
     (np.float64, (B, 1, 1, NK), dict(causal="bottom_right", softcap=4.0)),
     (np.float32, (1, H, NQ, NK), dict(score_mod=_scaled, score_mod_grad=_scaled_grad)),
-    (np.float32, (NQ, NK), dict(window_size=(6, 3), causal=True)),
-    (np.float32, (B, H, NQ, 1), dict(softcap=2.0, score_mod=_scaled, score_mod_grad=_scaled_grad)),
+    pytest.param(np.float32, (NQ, NK), dict(window_size=(6, 3), causal=True), marks=LONG),
+    pytest.param(np.float32, (B, H, NQ, 1), dict(softcap=2.0, score_mod=_scaled,
+                                                 score_mod_grad=_scaled_grad), marks=LONG),
     (np.float16, (1, H, 1, NK), dict(causal=True, dropout_p=0.2, dropout_seed=7)),
-    (np.float64, (1,), dict(alibi_slopes=np.linspace(0.1, 0.5, H))),
+    pytest.param(np.float64, (1,), dict(alibi_slopes=np.linspace(0.1, 0.5, H)), marks=LONG),
 ]
 
 
@@ -62,8 +64,9 @@ def test_cpu_bias_gradient_meets_the_rule_in_the_bias_shape(rng, dtype, shape, o
     assert set(rep.errors) == {"dq", "dk", "dv", "dbias"}
 
 
-@pytest.mark.parametrize("Nq, Nk, d, Hk, causal", [(1, 97, 59, 3, True), (97, 1, 1, 1, False),
-                                                   (1025, 33, 8, 1, "bottom_right")])
+@pytest.mark.parametrize("Nq, Nk, d, Hk, causal", [
+    (1, 97, 59, 3, True), pytest.param(97, 1, 1, 1, False, marks=LONG),
+    pytest.param(1025, 33, 8, 1, "bottom_right", marks=LONG)])
 def test_cpu_bias_gradient_at_odd_sizes_and_grouped_heads(rng, Nq, Nk, d, Hk, causal):
     grads, tensors, opts = _run(rng, np.float32, (1, H, Nq, Nk), B=1, Hk=Hk, Nq=Nq, Nk=Nk, d=d,
                                 causal=causal)
@@ -271,7 +274,9 @@ def test_mma_dbias_key_passes_compile_with_no_spills():
 
 # ------------------------------------------------------------------------------ torch
 
-@pytest.mark.parametrize("shape", [(2, 3, 33, 40), (1, 3, 1, 40), (40,), (2, 1, 33, 1)])
+@pytest.mark.parametrize("shape", [(1, 3, 1, 40), (2, 1, 33, 1),
+                                   pytest.param((2, 3, 33, 40), marks=LONG),
+                                   pytest.param((40,), marks=LONG)])
 def test_torch_trains_a_float_attn_mask_as_torch_does(shape):
     """SDPA's float attn_mask that requires grad: numflash's gradient of the mask equals
     torch's own autograd through its SDPA (float64, CPU), and q's too."""
