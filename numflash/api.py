@@ -239,7 +239,8 @@ def explain(q, k, v, *, causal=False, softmax_scale=None, layout="bhsd", backend
 
     ``str(plan)`` names the kernel and its tile config and, for every kernel not chosen, why.
     Raises the same errors as :func:`attention` would (``dropout_seed`` may be left out: the
-    plan does not depend on it).
+    plan does not depend on it). With ``backward=True``, ``return_bias_grad=True`` plans for
+    attn_bias's gradient too (the kernels that compute it, and how).
     """
     mod_options = _mod_options(score_mod, mask_mod, mod_args, score_mod_grad, window_size,
                                softcap, alibi_slopes, attn_bias, attn_mask, block_mask)

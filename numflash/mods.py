@@ -7,7 +7,9 @@ A modification is a plain Python function that numba can compile:
   (softmax_scale * q.k) before the softmax; its derivative with respect to ``score``, with the same
   signature, is ``score_mod_grad`` (the backward needs it; without it the backward refuses).
 
-``h`` is the query head; q_idx and kv_idx are positions in q and k. The built-in options of
+``h`` is the query head; q_idx and kv_idx are positions in q and k. The backward returns
+attn_bias's gradient on request (``return_bias_grad``; :func:`bias_grad_accumulator`), none for
+mod_args. The built-in options of
 :func:`numflash.attention` (``window_size``, ``softcap``, ``alibi_slopes``, ``attn_bias``,
 ``attn_mask``) are such functions with their own arguments, and :func:`document_mask` /
 :func:`prefix_lm_mask` build mask_mods for packed documents and prefix-LM. All the modifications of

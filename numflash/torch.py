@@ -570,8 +570,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     broadcastable to (N, H, L, S), as in torch; it runs as a numflash modification
     (numflash.mods; read in place, on the tensor cores for CUDA tensors), where a row that the
     mask leaves empty gives zeros (torch gives NaN); a float one that requires grad gets its
-    gradient (a trained bias), where the backward kernel computes it. ``dropout_p > 0`` drops attention
-    probabilities as torch does (numflash.dropout's mask, its seed drawn from torch's default
+    gradient (a trained bias), where the backward kernel computes it. ``dropout_p > 0`` drops
+    attention probabilities as torch does (numflash.dropout's mask, its seed drawn from torch's default
     generator; pass 0.0 in evaluation, as with torch).
     """
     if (attn_mask is None and not dropout_p and type(query) is torch.Tensor and query.dim() == 4

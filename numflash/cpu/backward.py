@@ -61,8 +61,8 @@ def _key_block_gradients(q, k, v, do, lse2, delta, dq_acc, dk, dv, b, hk, group,
     ``mod`` (None, or numflash.mods' compiled apply_backward): each tile of raw scores becomes
     the modified scaled scores (then c2 = log2(e)) and g_buf the score_mod's derivative, which
     dS picks up by the chain rule; gb_buf that of the score_mods after attn_bias. ``dbias``
-    (None, or mods.bias_grad_accumulator's (B, H, Nq, Nk) view): each pair's
-    P (dP - D) * gb is added to dbias[b, h, i, j]. Query blocks that ``mod_live`` says a block mask empties
+    (None, or mods.bias_grad_accumulator's (B, H, Nq, Nk) view): each pair's P (dP - D) * gb
+    is added to dbias[b, h, i, j]. Query blocks that ``mod_live`` says a block mask empties
     for these keys are skipped. ``dropout`` (None, or tiled.dropout_arguments' tuple): its
     factors Z (numflash.dropout) go to z_buf, and P Z takes P's place in dV, Z dP dP's in
     dS."""
