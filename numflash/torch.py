@@ -107,6 +107,26 @@ def _current_stream(index):
     return raw(index) if raw is not None else torch.cuda.current_stream(index).cuda_stream
 
 
+class _StreamHandle:
+    """A raw stream handle in the CUDA stream protocol (``__cuda_stream__``: (version, handle))."""
+    __slots__ = ("handle",)
+
+    def __init__(self, handle):
+        self.handle = handle
+
+    def __cuda_stream__(self):
+        return 0, self.handle
+
+
+def _external_stream(cupy, handle, device_id):
+    """A CuPy stream object for torch's stream ``handle``: Stream.from_external where CuPy has
+    it (CuPy 14 deprecates ExternalStream), ExternalStream before."""
+    from_external = getattr(cupy.cuda.Stream, "from_external", None)
+    if from_external is not None:
+        return from_external(_StreamHandle(handle))
+    return cupy.cuda.ExternalStream(handle, device_id)
+
+
 class _on_torch_stream:
     """Inside: CuPy's current device and stream are the tensor's device and torch's current
     stream there, so numflash's launches are ordered with the model's other work (no sync)."""
@@ -121,7 +141,7 @@ class _on_torch_stream:
         self.device = cupy.cuda.Device(self.t.device.index)
         self.device.__enter__()
         handle = _current_stream(self.t.device.index)
-        self.stream = cupy.cuda.ExternalStream(handle, self.t.device.index)
+        self.stream = _external_stream(cupy, handle, self.t.device.index)
         self.stream.__enter__()
         return handle
 

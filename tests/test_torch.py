@@ -472,6 +472,24 @@ def test_cuda_launches_on_torchs_current_stream():
 
 
 @pytest.mark.gpu
+def test_cuda_calls_use_no_deprecated_cupy_stream_api():
+    """CuPy 14 deprecates cupy.cuda.ExternalStream; numflash wraps torch's stream through
+    Stream.from_external where CuPy has it, and the result is the same."""
+    import warnings
+    q, k, v = tensors((1, 2, 64, 32), (1, 2, 64, 32), device="cuda")
+    want = nt.attention(q, k, v)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        side = torch.cuda.Stream()
+        with torch.cuda.stream(side):
+            got = nt.attention(q, k, v, causal=True)
+            got2 = nt.attention(q, k, v)
+        side.synchronize()
+    torch.testing.assert_close(got2, want, rtol=0, atol=0)
+    assert not torch.equal(got, want)
+
+
+@pytest.mark.gpu
 def test_cuda_replay_reads_the_tensors_without_a_copy():
     q, k, v = tensors((1, 2, 64, 32), (1, 2, 64, 32), device="cuda")
     nt.attention(q, k, v)  # records
