@@ -10,8 +10,11 @@ whose device is not known here, and GPU data would be staged through the host by
 (numflash's CPU path).
 
 Gradients use numflash's backward (:func:`numflash.attention_backward`), so ``jax.grad`` and
-``jax.vjp`` of :func:`attention` run in O(N) memory, eagerly and under ``jax.jit``.
+``jax.vjp`` of :func:`attention` run in O(N) memory, eagerly and under ``jax.jit``. The built-in
+modifications (a window, softcap, ALiBi, a bias, with its gradient, and a boolean mask) and
+attention dropout run too; their arrays travel as inputs of the call (traced under ``jax.jit``).
 """
+import dataclasses
 import functools
 import math
 
@@ -61,47 +64,135 @@ def _shapes(q, v, layout):
             jax.ShapeDtypeStruct((q.shape[b], q.shape[h], q.shape[n]), lse_dtype(q.dtype)))
 
 
-def _forward(q, k, v, causal, scale, layout):
-    def host(q, k, v):
+def _forward(q, k, v, extras, static):
+    causal, scale, layout, options = static
+
+    def host(q, k, v, *extra):
         return _api.attention(q, k, v, causal=causal, softmax_scale=scale, layout=layout,
-                              return_lse=True, backend="cpu")
-    return _run(host, _shapes(q, v, layout), q, k, v)
+                              return_lse=True, backend="cpu", **_host_options(options, extra))
+    return _run(host, _shapes(q, v, layout), q, k, v, *extras)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _attention(q, k, v, causal, scale, layout):
-    return _forward(q, k, v, causal, scale, layout)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _attention(q, k, v, extras, static):
+    return _forward(q, k, v, extras, static)
 
 
-def _attention_fwd(q, k, v, causal, scale, layout):
-    out, lse = _forward(q, k, v, causal, scale, layout)
-    return (out, lse), (q, k, v, out, lse)
+def _attention_fwd(q, k, v, extras, static):
+    out, lse = _forward(q, k, v, extras, static)
+    return (out, lse), (q, k, v, extras, out, lse)
 
 
-def _attention_bwd(causal, scale, layout, residuals, cotangents):
-    q, k, v, out, lse = residuals
+def _attention_bwd(static, residuals, cotangents):
+    causal, scale, layout, options = static
+    q, k, v, extras, out, lse = residuals
     d_out = cotangents[0]  # the lse's cotangent is ignored: it is not differentiable
+    bias_grad = "attn_bias" in options.arrays
 
-    def host(do, q, k, v, o, lse):
+    def host(do, q, k, v, o, lse, *extra):
         return _api.attention_backward(np.ascontiguousarray(do), q, k, v, o, lse, causal=causal,
-                                       softmax_scale=scale, layout=layout, backend="cpu")
+                                       softmax_scale=scale, layout=layout, backend="cpu",
+                                       return_bias_grad=bias_grad,
+                                       **_host_options(options, extra))
     shapes = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (q, k, v))
-    return _run(host, shapes, d_out.astype(q.dtype), q, k, v, out, lse)
+    if bias_grad:
+        bias = extras[options.arrays.index("attn_bias")]
+        shapes += (jax.ShapeDtypeStruct(bias.shape, bias.dtype),)
+    grads = _run(host, shapes, d_out.astype(q.dtype), q, k, v, out, lse, *extras)
+    # no gradient reaches the other arrays: ALiBi slopes, a boolean mask, dropout's seed words
+    d_extras = tuple(grads[3] if name == "attn_bias" else _zero_cotangent(a)
+                     for name, a in zip(options.arrays, extras))
+    return tuple(grads[:3]) + (d_extras,)
+
+
+def _zero_cotangent(a):
+    if jnp.issubdtype(a.dtype, jnp.inexact):
+        return jnp.zeros(a.shape, a.dtype)
+    return np.zeros(a.shape, jax.dtypes.float0)   # integer and boolean inputs
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
-def attention(q, k, v, *, causal=False, softmax_scale=None, layout="bhsd", return_lse=False):
+@dataclasses.dataclass(frozen=True)
+class _Options:
+    """A call's modification and dropout options, split for jax.custom_vjp: ``arrays`` names the
+    array-valued ones, passed as traced inputs (their values in ``extras``); ``scalars`` holds
+    the rest as a hashable tuple of (name, value)."""
+    arrays: tuple
+    scalars: tuple
+
+
+def _host_options(options, extra):
+    """numflash's keyword options on the host: the scalars, the arrays as NumPy views, and
+    dropout's seed from its two 32-bit words."""
+    kwargs = dict(options.scalars)
+    for name, a in zip(options.arrays, extra):
+        if name == "dropout_seed":
+            words = np.asarray(a).astype(np.uint64)
+            kwargs[name] = int(words[0] | (words[1] << np.uint64(32)))
+        else:
+            kwargs[name] = np.asarray(a)
+    return kwargs
+
+
+def _seed_words(seed):
+    """dropout_seed as two uint32 words (low, high): a Python int, or a jax / NumPy integer array
+    of shape () or (2,) (a traced one under jax.jit: a new seed each step needs no recompile)."""
+    if isinstance(seed, (int, np.integer)) and not isinstance(seed, bool):
+        if not 0 <= int(seed) < 2 ** 64:
+            raise ValueError(f"dropout_seed must be in [0, 2**64); got {seed}")
+        return jnp.asarray([int(seed) & 0xFFFFFFFF, int(seed) >> 32], jnp.uint32)
+    if isinstance(seed, (jax.Array, np.ndarray)) and jnp.issubdtype(seed.dtype, jnp.integer) \
+            and seed.shape in ((), (2,)):
+        seed = seed.astype(jnp.uint32)
+        return jnp.stack([seed, jnp.zeros((), jnp.uint32)]) if seed.shape == () else seed
+    raise TypeError(f"dropout_seed must be an int, or an integer jax array of shape () or (2,) "
+                    f"(two 32-bit words, low first, as jax.random.bits(key, (2,), jnp.uint32) "
+                    f"gives); got {type(seed).__name__}")
+
+
+def attention(q, k, v, *, causal=False, softmax_scale=None, layout="bhsd", return_lse=False,
+              window_size=None, softcap=None, alibi_slopes=None, attn_bias=None, attn_mask=None,
+              dropout_p=0.0, dropout_seed=None):
     """:func:`numflash.attention` for jax arrays (CPU), differentiable (``jax.grad``,
     ``jax.vjp``) and usable under ``jax.jit`` and ``jax.vmap``. Options mean what they mean
-    there; the lse is not differentiable. Returns jax arrays."""
+    there; the lse is not differentiable. Returns jax arrays.
+
+    Modifications: ``window_size``, ``softcap``, ``alibi_slopes``, ``attn_bias`` (differentiable:
+    ``jax.grad`` with respect to it gives its gradient in its shape, summed over the dims it
+    broadcasts along) and ``attn_mask`` (boolean, True = take part), jax or NumPy arrays.
+    User score_mod / mask_mod functions are not taken here (numflash.attention takes them).
+    ``dropout_p`` with ``dropout_seed``: an int, or an integer jax array of shape () or (2,)
+    (low and high 32-bit words; under ``jax.jit`` pass it as an argument, e.g.
+    ``jax.random.bits(key, (2,), jnp.uint32)``, so each step draws a new mask without a
+    recompile); the backward regenerates the same mask."""
     _check(q=q, k=k, v=v)
+    arrays = {name: a for name, a in (("alibi_slopes", alibi_slopes), ("attn_bias", attn_bias),
+                                      ("attn_mask", attn_mask)) if a is not None}
+    _check(**arrays)
+    if dropout_p:
+        if dropout_seed is None:
+            raise ValueError("dropout_p > 0 needs a dropout_seed (an int, or an integer jax "
+                             "array such as jax.random.bits(key, (2,), jnp.uint32))")
+        arrays["dropout_seed"] = _seed_words(dropout_seed)
+    elif dropout_seed is not None:
+        raise ValueError("dropout_seed was given without dropout_p")
+    scalars = tuple((name, value) for name, value in (
+        ("window_size", None if window_size is None else tuple(int(w) for w in window_size)),
+        ("softcap", softcap), ("dropout_p", float(dropout_p) if dropout_p else None))
+        if value is not None)
     # Every check numflash makes, now (under jit the call runs later, inside a callback): on
     # zero-stride stand-ins with the arrays' shapes and dtypes, which hold no memory.
-    stand_ins = [np.broadcast_to(np.zeros((), np.dtype(a.dtype)), a.shape) for a in (q, k, v)]
-    _api.explain(*stand_ins, causal=causal, softmax_scale=softmax_scale, layout=layout,
-                 backend="cpu")
+    def stand_in(a):
+        return np.broadcast_to(np.zeros((), np.dtype(a.dtype)), a.shape)
+    checked = {name: stand_in(a) for name, a in arrays.items() if name != "dropout_seed"}
+    if dropout_p:
+        checked["dropout_seed"] = 0
+    _api.explain(*(stand_in(a) for a in (q, k, v)), causal=causal, softmax_scale=softmax_scale,
+                 layout=layout, backend="cpu", **dict(scalars), **checked)
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
-    out, lse = _attention(q, k, v, causal or False, float(scale), layout)
+    options = _Options(tuple(arrays), scalars)
+    out, lse = _attention(q, k, v, tuple(arrays.values()),
+                          (causal or False, float(scale), layout, options))
     return (out, lse) if return_lse else out

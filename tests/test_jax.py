@@ -6,6 +6,7 @@ import pytest
 jax = pytest.importorskip("jax", reason="jax is optional: pip install jax")
 import jax.numpy as jnp  # noqa: E402
 
+import numflash  # noqa: E402
 import numflash.jax as nj  # noqa: E402
 from numflash import testing  # noqa: E402
 
@@ -66,3 +67,67 @@ def test_bad_inputs_are_refused_before_tracing(rng):
         nj.attention(*(a.astype(jnp.bfloat16) for a in (q, k, v)))
     with pytest.raises(TypeError, match="k must be a jax array"):
         nj.attention(q, [1, 2], v)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_modifications_and_the_bias_gradient(rng, jit):
+    """A window, softcap, ALiBi, a boolean mask and a (1, H, 1, Nk) bias: the output and the
+    gradients of q, k, v and the bias (jax.grad with respect to it) within the rule."""
+    q, k, v = arrays(rng, (2, 3, 21, 8), (2, 3, 26, 8), np.float64)
+    do = jnp.asarray(rng.standard_normal((2, 3, 21, 8)))
+    bias = jnp.asarray(rng.standard_normal((1, 3, 1, 26)))
+    mask = jnp.asarray(rng.random((2, 1, 21, 26)) > 0.2)
+    slopes = jnp.asarray([0.1, 0.2, 0.3])
+    opts = dict(causal="bottom_right", window_size=(9, 2), softcap=5.0)
+
+    def loss(q, k, v, bias):
+        return (nj.attention(q, k, v, attn_bias=bias, attn_mask=mask, alibi_slopes=slopes,
+                             **opts) * do).sum()
+    grad = jax.grad(loss, argnums=(0, 1, 2, 3))
+    if jit:
+        grad = jax.jit(grad)
+    grads = [np.asarray(g) for g in grad(q, k, v, bias)]
+    assert grads[3].shape == (1, 3, 1, 26)
+    host = [np.asarray(a) for a in (q, k, v)]
+    mods = dict(attn_bias=np.asarray(bias), attn_mask=np.asarray(mask),
+                alibi_slopes=np.asarray(slopes), **opts)
+    out = nj.attention(q, k, v, attn_bias=bias, attn_mask=mask, alibi_slopes=slopes, **opts)
+    testing.assert_accurate(np.asarray(out), *host, **mods)
+    rep = testing.assert_gradients_accurate(grads, np.asarray(do), *host, **mods)
+    assert "dbias" in rep.errors
+
+
+def test_dropout_with_an_int_seed_and_a_traced_one(rng):
+    """Dropout's mask is numflash's for the same seed: an int eagerly, two uint32 words traced
+    under jax.jit (a new seed is a new argument, not a recompile); its gradients meet the rule
+    against the reference with the same mask."""
+    q, k, v = arrays(rng, (1, 2, 17, 8), (1, 2, 23, 8), np.float64)
+    host = [np.asarray(a) for a in (q, k, v)]
+    seed = (7 << 32) | 12345
+    want = numflash.attention(*host, causal=True, dropout_p=0.25, dropout_seed=seed)
+    got = nj.attention(q, k, v, causal=True, dropout_p=0.25, dropout_seed=seed)
+    np.testing.assert_array_equal(np.asarray(got), want)
+    words = jnp.asarray([12345, 7], jnp.uint32)
+    jitted = jax.jit(lambda q, k, v, s: nj.attention(q, k, v, causal=True, dropout_p=0.25,
+                                                      dropout_seed=s))
+    np.testing.assert_array_equal(np.asarray(jitted(q, k, v, words)), want)
+    other = np.asarray(jitted(q, k, v, jnp.asarray([1, 0], jnp.uint32)))
+    assert not np.array_equal(other, want)
+    do = jnp.asarray(rng.standard_normal((1, 2, 17, 8)))
+    grads = jax.grad(lambda q, k, v: (nj.attention(q, k, v, causal=True, dropout_p=0.25,
+                                                   dropout_seed=seed) * do).sum(),
+                     argnums=(0, 1, 2))(q, k, v)
+    testing.assert_gradients_accurate([np.asarray(g) for g in grads], np.asarray(do), *host,
+                                      causal=True, dropout_p=0.25, dropout_seed=seed)
+
+
+def test_bad_modification_and_dropout_arguments_are_refused(rng):
+    q, k, v = arrays(rng, (1, 2, 5, 8), (1, 2, 5, 8), np.float32)
+    with pytest.raises(ValueError, match="needs a dropout_seed"):
+        nj.attention(q, k, v, dropout_p=0.1)
+    with pytest.raises(TypeError, match="dropout_seed must be an int"):
+        nj.attention(q, k, v, dropout_p=0.1, dropout_seed=1.5)
+    with pytest.raises(ValueError, match="attn_bias of shape"):
+        nj.attention(q, k, v, attn_bias=jnp.zeros((3, 5)))
+    with pytest.raises(TypeError, match="attn_mask must be a boolean"):
+        nj.attention(q, k, v, attn_mask=jnp.zeros((5, 5)))

@@ -56,6 +56,10 @@ def test_readme_jax_example_runs():
     ref = numflash.reference.attention(q, k, v)
     assert np.abs(np.asarray(ns["o"]) - ref).max() < 1e-5
     assert ns["g"].shape == q.shape
+    assert ns["g_bias"].shape == (1, 4, 1, 256)
+    low, high = (int(w) for w in np.asarray(ns["seed"]))
+    want = numflash.attention(q, k, v, dropout_p=0.1, dropout_seed=low | high << 32)
+    assert np.abs(np.asarray(ns["od"]) - want).max() < 1e-5
 
 
 _RING_SCRIPT = r'''
