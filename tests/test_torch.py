@@ -193,8 +193,6 @@ def test_sdpa_attn_mask_matches_torch_with_gradients(shape, mask_kind):
 @pytest.mark.parametrize("kwargs, error, match", [
     (dict(attn_mask=torch.ones(5, 5, dtype=torch.bool)), NotImplementedError,
      "more than 4-D inputs"),
-    (dict(attn_mask=torch.randn(5, 5, requires_grad=True)), NotImplementedError,
-     "attn_bias requires grad"),
     (dict(attn_mask=torch.ones(3, 5, dtype=torch.bool)), ValueError,
      r"attn_mask of shape \(3, 5\) does not broadcast"),
 ])
@@ -202,6 +200,14 @@ def test_sdpa_refuses_what_it_cannot_run(kwargs, error, match):
     q = torch.randn(1, 1, 4, 5, 8) if "more than" in match else torch.randn(1, 4, 5, 8)
     with pytest.raises(error, match=match):
         nt.scaled_dot_product_attention(q, q, q, **kwargs)
+
+
+def test_modification_tensors_other_than_the_bias_that_require_grad_are_refused():
+    """A float attn_mask / attn_bias that requires grad trains (tests/test_bias_grad.py); ALiBi
+    slopes get no gradient, so one that requires grad is refused, naming it."""
+    q = torch.randn(1, 2, 5, 8, requires_grad=True)
+    with pytest.raises(NotImplementedError, match="alibi_slopes requires grad"):
+        nt.attention(q, q, q, alibi_slopes=torch.ones(2, dtype=torch.float64, requires_grad=True))
 
 
 @pytest.mark.parametrize("entry", ["attention", "sdpa", "flash_attn_func"])
