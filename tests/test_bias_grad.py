@@ -234,11 +234,8 @@ def test_mma_dbias_key_passes_compile_with_no_spills():
     registers, "rows"; sm_80 bfloat16 with float32 atomic adds, "f32"): no spill, stack or
     local memory, and the adds are atomics of the accumulator's type."""
     import json
-    import os
-    import subprocess
-    import sys
-    import textwrap
-    code = textwrap.dedent("""
+    from test_cuda_compile import run_without_simulator
+    code = """
         import dataclasses, json
         import numpy as np
         from numflash import mods
@@ -261,12 +258,8 @@ def test_mma_dbias_key_passes_compile_with_no_spills():
                          res.get("stack_bytes", 0), ptx.count("ld.local") + ptx.count("st.local"),
                          ptx.count("atom.add.f64" if acc == "rows" else "atom.add.f32")])
         print(json.dumps(rows))
-    """)
-    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0")
-    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                         timeout=1500)
-    assert run.returncode == 0, run.stderr[-3000:]
-    rows = json.loads(run.stdout.strip().splitlines()[-1])
+    """
+    rows = json.loads(run_without_simulator(code).strip().splitlines()[-1])
     assert len(rows) == 2, rows
     for DT, regs, spills, stack, local, atomics in rows:
         assert 0 < regs <= 255 and spills == stack == local == 0 and atomics > 0, rows

@@ -315,11 +315,8 @@ def test_mma_dropout_variants_compile_with_no_spills():
     sm_80 bfloat16 d64 forward): no spill, stack or local memory; the generator is inlined
     (its multiplier appears once a round: twice 10 in the forward's tile loop)."""
     import json
-    import os
-    import subprocess
-    import sys
-    import textwrap
-    code = textwrap.dedent("""
+    from test_cuda_compile import run_without_simulator
+    code = """
         import dataclasses, json
         from numflash.cuda import launch, mma
         from numflash.cuda.mma import gradients
@@ -345,12 +342,8 @@ def test_mma_dropout_variants_compile_with_no_spills():
                              ptx.count("ld.local") + ptx.count("st.local"),
                              ptx.count("3528531795")])   # Philox's first multiplier
         print(json.dumps(rows))
-    """)
-    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0")
-    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                         timeout=1500)
-    assert run.returncode == 0, run.stderr[-3000:]
-    rows = json.loads(run.stdout.strip().splitlines()[-1])
+    """
+    rows = json.loads(run_without_simulator(code).strip().splitlines()[-1])
     assert len(rows) == 5, rows
     for name, d, regs, spills, stack, local, rounds in rows:
         assert 0 < regs <= 255 and spills == stack == local == 0, rows
