@@ -162,6 +162,8 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, layout="bhsd", retur
     Modifications: ``window_size``, ``softcap``, ``alibi_slopes``, ``attn_bias`` (differentiable:
     ``jax.grad`` with respect to it gives its gradient in its shape, summed over the dims it
     broadcasts along) and ``attn_mask`` (boolean, True = take part), jax or NumPy arrays.
+    No gradient is computed for the ALiBi slopes: ``jax.grad`` with respect to them gives zeros
+    (train a bias through ``attn_bias`` instead).
     User score_mod / mask_mod functions are not taken here (numflash.attention takes them).
     ``dropout_p`` with ``dropout_seed``: an int, or an integer jax array of shape () or (2,)
     (low and high 32-bit words; under ``jax.jit`` pass it as an argument, e.g.
