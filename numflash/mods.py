@@ -178,16 +178,20 @@ class Mods:
             x = np.float64(f(x, b, h, i, j, *a))
         return x
 
-    def grad(self, x, b, h, i, j, after=-1):
-        """d(composed score) / d(the value after score_mod number ``after``; -1: the scaled
-        score itself). With ``after`` = the bias's position it is what attn_bias's gradient
-        needs: the derivative of the score_mods that follow the bias."""
-        g = 1.0
+    def grad(self, x, b, h, i, j):
+        """(d(composed score) / d(scaled score), d(composed score) / d(the value just after
+        attn_bias is added)), in one pass over the score_mods: the second is the derivative of
+        the score_mods that follow the bias, what attn_bias's gradient needs (1 without a
+        bias), as the compiled apply_backward's g and gb."""
+        g = gb = 1.0
+        bias_at = len(self.scores) if self.bias is None else self.bias[0]
         for n, (f, df, a) in enumerate(self.scores):
-            if n > after:
-                g *= np.float64(df(x, b, h, i, j, *a))
+            d = np.float64(df(x, b, h, i, j, *a))
+            g *= d
+            if n > bias_at:
+                gb *= d
             x = np.float64(f(x, b, h, i, j, *a))
-        return g
+        return g, gb
 
     # -- compiled, for the kernels --
     def compiled(self):

@@ -58,12 +58,11 @@ def _on_host(mod_options):
 def _apply_mods(s, visible, mods, rows, want_grad):
     """The scores after the modifications, pair by pair in plain Python (float64): a pair a mask
     refuses becomes -inf and not visible; score_mods apply in order. Also, when asked, the
-    derivative of the composed score_mod at each visible pair, and (with an attn_bias) that of
-    the score_mods after the bias (Mods.grad's ``after``), stacked: (2, B, H, Nq, Nk)."""
+    derivative of the composed score_mod at each visible pair and that of the score_mods after
+    an attn_bias (Mods.grad's two values), stacked: (2, B, H, Nq, Nk)."""
     s = np.array(s, copy=True)
     vis = np.array(np.broadcast_to(visible, s.shape), copy=True)
     grad = np.zeros((2,) + s.shape) if want_grad else None
-    bias_at = -1 if mods.bias is None else mods.bias[0]
     for b, h, i, j in zip(*np.nonzero(vis)):
         pos = int(rows[i])
         if not mods.visible(b, h, pos, j):
@@ -73,7 +72,7 @@ def _apply_mods(s, visible, mods, rows, want_grad):
         # array element (a float16 attn_bias) in float16
         x = np.float64(s[b, h, i, j])
         if want_grad:
-            grad[:, b, h, i, j] = mods.grad(x, b, h, pos, j), mods.grad(x, b, h, pos, j, bias_at)
+            grad[:, b, h, i, j] = mods.grad(x, b, h, pos, j)
         s[b, h, i, j] = mods.score(x, b, h, pos, j)
     return s, vis, grad
 
