@@ -15,7 +15,7 @@ import sys
 
 import numpy as np
 
-from numflash.bench.timing import CudaEventTimer
+from numflash.bench.timing import CudaEventTimer, median_ms
 
 
 def kernels(d, quick=False, padding_only=False):
@@ -39,8 +39,7 @@ def kernels(d, quick=False, padding_only=False):
                 def call():
                     return numflash.attention_backward(do, q, k, v, o, lse,
                                                        return_bias_grad=want, **opts)
-                call()   # warm-up: compiles
-                ms[want] = statistics.median(timer(call)[1] for _ in range(10))
+                ms[want] = median_ms(call, reps=10, warmup=1, timer=timer)  # warm-up: compiles
             print(f"| {shape} | {d} | {causal} | {ms[False]:.3f} / {ms[True]:.3f} | "
                   f"{ms[True] / ms[False]:.2f} |", flush=True)
         cupy.get_default_memory_pool().free_all_blocks()

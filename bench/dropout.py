@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import numflash.torch as nt
-from numflash.bench.timing import CudaEventTimer
+from numflash.bench.timing import CudaEventTimer, median_ms
 
 
 def main(quick=False):
@@ -100,8 +100,7 @@ def kernels(quick=False):
                              "bwd": lambda: numflash.attention_backward(do, q, k, v, o, lse,
                                                                         **opts)}
                     for kind, call in calls.items():
-                        call()   # warm-up
-                        ms[kind, p] = statistics.median(timer(call)[1] for _ in range(10))
+                        ms[kind, p] = median_ms(call, reps=10, warmup=1, timer=timer)
                 print(f"| {dt.name} | {d} | {causal} | {ms['fwd', 0.0]:.3f} / "
                       f"{ms['fwd', 0.1]:.3f} | {ms['fwd', 0.1] / ms['fwd', 0.0]:.2f} | "
                       f"{ms['bwd', 0.0]:.3f} / {ms['bwd', 0.1]:.3f} | "
