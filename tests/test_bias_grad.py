@@ -223,7 +223,7 @@ def test_mma_config_carries_dbias_on_the_key_pass_only(rng):
         gradients.config(p, dev)
     p.deterministic, p.varlen = False, object()
     with pytest.raises(Unsupported, match="packed sequences"):
-        gradients.bias_accumulator(p)
+        gradients.bias_grad_mode(p)
     p.varlen, p.dbias = None, None
     assert "DBIAS" not in dict(gradients.config(p, dev)["keys"])
 

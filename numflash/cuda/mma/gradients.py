@@ -148,7 +148,7 @@ def config(problem, device):
                                        DROP=int(drop))
            for kernel, c in tiles(D, DV, device.smem_per_block_optin, window,
                                   bool(token) or drop, DT, device.cc).items()}
-    bias_mode = bias_accumulator(problem)
+    bias_mode = bias_grad_mode(problem)
     if bias_mode:
         cfg["keys"] = with_bias_grad(cfg["keys"], bias_mode)
     check_block_tiles(problem, ((cfg["queries"].BR, cfg["queries"].BC, "backward's query pass"),
@@ -175,7 +175,7 @@ def with_bias_grad(keys, mode):
     return dataclasses.replace(keys, DBIAS=mode, SUB=sub)
 
 
-def bias_accumulator(problem):
+def bias_grad_mode(problem):
     """The key pass's DBIAS mode (backward.BIAS_MODES), "" when attn_bias's gradient is not
     asked for; raises Unsupported where cuda.mma cannot compute it. A full (B, H, Nq, Nk) bias
     gets one write an element ("store"); one broadcast along the batch or the heads sums at
@@ -205,14 +205,14 @@ def bias_accumulator(problem):
 
 
 def signature(dtype, kernel, window=False, token="", varlen=False, grad32=False, drop=False,
-              bias_acc=""):
+              bias_mode=""):
     """Argument types of the "queries" or "keys" kernel: q, k, v, dO (and O for the query pass)
     (16-bit inputs as their bits), lse and delta (float32; float64 for float64), dQ or dK, dV
     (like q; float32 with ``grad32``), the exp2 and natural scales, causal, causal_offset (and
     with a window its left and right sizes, packed sequences' cu_q and cu_k, with
     modifications their arguments: mods.argument_types, with dropout its arguments, and with
-    ``bias_acc`` the key pass's attn_bias gradient accumulator, a 4-d array of that float
-    type)."""
+    ``bias_mode`` (a DBIAS mode) the key pass's attn_bias gradient accumulator, a 4-d array of
+    its float type)."""
     from numba import types
     from ...inputs import lse_dtype
     from ..launch import array_type
@@ -226,8 +226,8 @@ def signature(dtype, kernel, window=False, token="", varlen=False, grad32=False,
             types.int64) + ((types.int64, types.int64) if window else ()) + \
         ((array_type("int32", 1),) * 2 if varlen else ()) + mods.argument_types(token) + \
         dropout.argument_types(drop) + \
-        ((array_type(bias_accumulator_type(bias_acc, KINDS.get(str(dtype)))),)
-         if bias_acc else ())
+        ((array_type(bias_accumulator_type(bias_mode, KINDS.get(str(dtype)))),)
+         if bias_mode else ())
 
 
 def compiled_kernels(cfg, dtype):
