@@ -184,9 +184,11 @@ BACKWARD = (
              summary="FlashAttention-2 backward on tensor cores (mma.sync m16n8k16, ldmatrix, "
                      "cp.async double buffering; float32 as 3xTF32 on m16n8k8 tf32, float64 "
                      "on float64 mma.sync): a query pass (dQ) and a key pass (dK, dV, GQA "
-                     "groups summed in registers), P recomputed from lse, no atomics (always "
-                     "deterministic; a broadcast attn_bias's gradient is summed by atomic "
-                     "adds); head dims past 128 (float64: 64) split the gradients' "
+                     "groups summed in registers), P recomputed from lse, no atomics "
+                     "(deterministic; a broadcast attn_bias's gradient is summed by atomic "
+                     "adds); 16-bit on sm_90 without deterministic=True: the key pass adds dQ "
+                     "into a float32 accumulator and the query pass computes delta only (5 "
+                     "products, not 7); head dims past 128 (float64: 64) split the gradients' "
                      "columns over the grid; sliding windows skip the tiles outside them, "
                      "other modifications and their derivatives are applied score by score"),
     Operator("cuda.row", "cuda", "row", _cuda_row_backward,

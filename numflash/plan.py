@@ -159,8 +159,9 @@ def choose(problem, backend="auto", algorithm="auto"):
                                                                   problem.causal),
            getattr(problem, "dropout", None) is not None,  # its p and seed are run-time values
            # attn_bias's gradient: kernels arrange their tasks by the dims it broadcasts along
-           None if getattr(problem, "dbias", None) is None else (
-               problem.dbias.shape, getattr(problem, "deterministic", False)),
+           None if getattr(problem, "dbias", None) is None else problem.dbias.shape,
+           # cuda.mma's backward adds dQ atomically unless asked for repeatable gradients
+           getattr(problem, "deterministic", False),
            problem.kind, problem.dtype,
            problem.shape, simulator_enabled(),
            tuple(a.strides for a in arrays),  # configs may depend on layout (mma's vector path)

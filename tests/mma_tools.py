@@ -205,6 +205,14 @@ class Emu:
                 return old
         return A
 
+    def red_add_f32x4(self, addr, *values):
+        """ptx_reduce.red_add_f32x4: four float32 adds at (array, row, column), as one atomic."""
+        array, i, j = addr
+        assert (i * array.strides[0] + j * array.strides[1]) % 16 == 0, "red.v4 misaligned"
+        with self.atomic_lock:
+            for c, x in enumerate(values):
+                array[i, j + c] += np.float32(x)
+
     def _exchange(self, value):
         w = self.tls.tid // 32
         slots = self.wslots[w]
@@ -398,7 +406,7 @@ def emulator_namespace(emu, DT):
             "pack_f16x2": pack_f16x2, "pack_bf16x2": pack_bf16x2,
             "ldmatrix_x4": emu.ldmatrix_x4, "ldmatrix_x4_trans": emu.ldmatrix_x4_trans,
             "shared_addr": emu.shared_addr, "global_addr2": emu.global_addr2,
-            "cp_async_16": emu.cp_async_16, "cp_async_commit": emu.cp_async_commit,
+            "red_add_f32x4": emu.red_add_f32x4, "cp_async_16": emu.cp_async_16, "cp_async_commit": emu.cp_async_commit,
             "cp_async_wait_0": lambda: emu.cp_async_wait(0),
             "cp_async_wait_1": lambda: emu.cp_async_wait(1),
             "ex2": np.exp2 if f64 else (lambda x: np.float32(np.exp2(np.float32(x))))}
@@ -449,7 +457,7 @@ def _dropout_arguments(dropout):
 
 def run_backward_kernels(q, k, v, do, o, lse, DT, causal=False, causal_offset=0, scale=None,
                          tiles=None, window=None, mods=None, chunks=0, varlen=None, grad32=False,
-                         dropout=None, bias_grad=None):
+                         dropout=None, bias_grad=None, dqadd=""):
     """Run cuda.mma's generated backward source of kind DT (both passes) under the emulator;
     q, k, v, do, o in the kind's dtype (16-bit as float16 or ml_dtypes.bfloat16), lse as
     attention returns it. ``tiles``: {"queries": (NW, BC), "keys": (NW, BC[, SUB])}. Returns dq,
@@ -460,7 +468,8 @@ def run_backward_kernels(q, k, v, do, o, lse, DT, causal=False, causal_offset=0,
     VARLEN variant (the arrays then hold the packed rows, batch 1); ``dropout``: a
     numflash.dropout.Dropout (the DROP variant); ``bias_grad``: the key pass's DBIAS mode
     (backward.BIAS_MODES; ``mods`` has an attn_bias): attn_bias's gradient, in its shape, is
-    returned fourth."""
+    returned fourth. ``dqadd``: the DQADD variants (the key pass adds dQ into a float32
+    accumulator, the query pass computes delta only)."""
     token, window, extra = _mods_setup(mods, window)
     extra += _dropout_arguments(dropout)
     if varlen is not None:   # after the window's arguments, before the mods'
@@ -483,7 +492,8 @@ def run_backward_kernels(q, k, v, do, o, lse, DT, causal=False, causal_offset=0,
                         WINDOW=int(window is not None), MODS=token, CHUNKS=chunks,
                         VARLEN=int(varlen is not None), GRAD32=int(grad32),
                         DROP=int(dropout is not None),
-                        DBIAS=bias_grad if kernel == "keys" and bias_grad else "")
+                        DBIAS=bias_grad if kernel == "keys" and bias_grad else "",
+                        DQADD=dqadd)
         src = backward.SOURCES[kernel](cfg)
         rows = Nq if kernel == "queries" else Nk
         count = B
@@ -509,8 +519,13 @@ def run_backward_kernels(q, k, v, do, o, lse, DT, causal=False, causal_offset=0,
             acc, view = bias_grad_accumulator(np, np.empty(mods.bias[1], acc_dtype),
                                               (B, H, Nq, Nk), acc_dtype)
             args.append(view)
+        if dqadd and kernel == "keys":
+            dq_acc = np.zeros(q.shape[:3] + (D,), np.float32)
+            args.append(dq_acc)
         with np.errstate(all="ignore"):
             emu.run(ns[backward.KERNEL_NAMES[kernel]], tuple(args))
+    if dqadd:
+        grads["dq"][...] = dq_acc[..., :d].astype(grads["dq"].dtype)
     if bias_grad:
         return grads["dq"], grads["dk"], grads["dv"], acc.reshape(mods.bias[1])
     return grads["dq"], grads["dk"], grads["dv"]

@@ -147,6 +147,95 @@ def test_float32_gradient_stores_emulated_on_cpu(rng, DT, case):
     testing.assert_gradients_accurate(wide, do, q, k, v, causal=causal)
 
 
+@pytest.mark.parametrize("DT, case", [
+    _emulated("f16", "one-warp", fast=True),
+    _emulated("bf16", "sub-tiles"),            # two dS tiles, alternating by sub-tile
+    _emulated("f16", "gqa-batches"),           # a group's query heads add into their own rows
+    _emulated("bf16", "shipped-d128-keys"),    # 8 warps, one column pair each
+    _emulated("f16", "causal-dv"),
+])
+def test_dq_adds_emulated_on_cpu(rng, DT, case):
+    """DQADD: the key pass stores its dS^T tile, multiplies it by its K rows and adds dQ into a
+    float32 accumulator (four-float reductions after a lane swap); the query pass computes
+    delta only. dK and dV are the two-pass kernels' bit for bit (the same products in the same
+    order), dQ meets the rule."""
+    from mma_tools import run_backward_kernels
+    B, H, Hkv, Nq, Nk, d, dv, causal, tiles = EMULATED[case]
+    dtype = _kind_dtype(DT)
+    q, k, v, do = make(rng, B, H, Nq, Nk, d, dv, dtype=dtype, kv_heads=Hkv)
+    o, lse = numflash.reference.attention(q, k, v, causal=causal, return_lse=True)
+    is_causal, off = parse_causal(causal, Nq, Nk)
+    args = (q, k, v, do, o.astype(dtype), lse.astype(np.float32), DT, is_causal, off)
+    two_pass = run_backward_kernels(*args, tiles=tiles)
+    added = run_backward_kernels(*args, tiles=tiles, dqadd="red4")
+    for a, b in zip(two_pass[1:], added[1:]):
+        assert np.array_equal(a.view(np.uint16), b.view(np.uint16))
+    testing.assert_gradients_accurate(added, do, q, k, v, causal=causal)
+
+
+@pytest.mark.parametrize("option", [
+    pytest.param("window", id="window"),
+    pytest.param("mods", id="mods", marks=pytest.mark.extended),
+    pytest.param("dropout", id="dropout", marks=pytest.mark.extended),
+    pytest.param("bias-grad", id="bias-grad", marks=pytest.mark.extended),
+    pytest.param("varlen", id="varlen", marks=pytest.mark.extended),
+    pytest.param("grad32", id="grad32", marks=pytest.mark.extended),
+])
+def test_dq_adds_with_every_option_emulated_on_cpu(rng, option):
+    """DQADD composed with each option the key pass takes: a window (its per-column bounds),
+    modifications and dropout (dS from the elementwise path's dP registers), attn_bias's
+    gradient, packed sequences (the accumulator's rows are the sequence's), float32
+    gradients."""
+    from mma_tools import run_backward_kernels
+    from numflash import dropout as _dropout
+    from numflash import mods as _mods
+    B, H, Nq, Nk, d = 1, 2, 37, 45, 16
+    q, k, v, do = make(rng, B, H, Nq, Nk, d, d, dtype=np.float16)
+    causal, kwargs, opts = "bottom_right", {}, {}
+    is_causal, off = parse_causal(causal, Nq, Nk)
+    if option == "window":
+        opts = kwargs = dict(window_size=(9, 4))
+        kwargs = dict(window=(9, 4))
+    elif option in ("mods", "bias-grad"):
+        opts = dict(softcap=5.0, attn_bias=rng.standard_normal((1, H, Nq, Nk)).astype(
+            np.float32))
+        kwargs = dict(mods=_mods.build((B, H, Nq, Nk, d, d), "numpy", off, **opts))
+        if option == "bias-grad":
+            kwargs["bias_grad"] = "store"
+    elif option == "dropout":
+        drop = _dropout.build(0.2, int(rng.integers(2 ** 63)))
+        opts, kwargs = dict(dropout_p=0.2, dropout_seed=drop.seed), dict(dropout=drop)
+    elif option == "grad32":
+        kwargs = dict(grad32=True)
+    if option == "varlen":   # two sequences packed as batch 1
+        cu = np.array([0, 20, Nq])
+        cu_k = np.array([0, 25, Nk])
+        grads = []
+        for dqadd in ("", "red4"):
+            o = np.empty_like(q)
+            lse = np.empty((B, H, Nq), np.float32)
+            for s0, s1, k0, k1 in zip(cu[:-1], cu[1:], cu_k[:-1], cu_k[1:]):
+                o_s, l_s = numflash.reference.attention(q[:, :, s0:s1], k[:, :, k0:k1],
+                                                        v[:, :, k0:k1], causal=causal,
+                                                        return_lse=True)
+                o[:, :, s0:s1], lse[:, :, s0:s1] = o_s, l_s
+            grads.append(run_backward_kernels(q, k, v, do, o, lse, "f16", True, 0,
+                                              varlen=(cu, cu_k, True), dqadd=dqadd))
+        for a, b in zip(*grads):
+            assert np.allclose(a.astype(np.float32), b.astype(np.float32), rtol=2e-2,
+                               atol=2e-3)
+        for s0, s1, k0, k1 in zip(cu[:-1], cu[1:], cu_k[:-1], cu_k[1:]):
+            sl = [g[:, :, a:b] for g, (a, b) in zip(grads[1], ((s0, s1), (k0, k1), (k0, k1)))]
+            testing.assert_gradients_accurate(sl, do[:, :, s0:s1], q[:, :, s0:s1],
+                                              k[:, :, k0:k1], v[:, :, k0:k1], causal=causal)
+        return
+    o, lse = numflash.reference.attention(q, k, v, causal=causal, return_lse=True, **opts)
+    grads = run_backward_kernels(q, k, v, do, o.astype(q.dtype), lse.astype(np.float32), "f16",
+                                 is_causal, off, tiles={"keys": (2, 64, 16)}, dqadd="red4",
+                                 **kwargs)
+    testing.assert_gradients_accurate(grads, do, q, k, v, causal=causal, **opts)
+
+
 @pytest.mark.parametrize("Nq, Nk, causal, window, tiles", [
     pytest.param(70, 90, False, (5, 3), None, id="both-sides", marks=pytest.mark.extended),
     pytest.param(90, 50, "bottom_right", (20, -1), {"keys": (2, 64, 16)}, id="left-bottom_right-sub"),
@@ -295,8 +384,9 @@ QUERIES_3X_128, KEYS_3X_128 = (4, 16, 0), (4, 16, 8)   # 3xTF32 at d128: gradien
 
 
 @pytest.mark.parametrize("dtype, d, dv, device, queries, keys", [
-    (np.float16, 64, 64, HOPPER, (4, 64, 0), (4, 128, 64)),
-    (np.float16, 128, 128, HOPPER, (4, 64, 0), (8, 64, 16)),
+    # sm_90 adds dQ from the key pass (DQADD_TILES); the query pass computes delta only
+    (np.float16, 64, 64, HOPPER, (4, 64, 0), (8, 128, 64)),
+    (np.float16, 128, 128, HOPPER, (4, 64, 0), (8, 64, 32)),
     (np.float16, 96, 64, AMPERE, (4, 64, 0), (8, 64, 16)),
     (np.float16, 40, 32, AMPERE, (4, 64, 0), (4, 128, 64)),
     (np.float16, 64, 64, SM86, (4, 64, 0), (4, 128, 64)),
@@ -313,6 +403,25 @@ def test_backward_plan_takes_the_tensor_cores(rng, dtype, d, dv, device, queries
                for name, c in plan.config.items())
     text = str(plan)
     assert text.startswith("numflash backward plan: cuda.mma") and "queries=" in text
+
+
+@pytest.mark.parametrize("dtype, d, device, deterministic, want", [
+    ("float16", 64, HOPPER, False, "red4"),
+    ("bfloat16", 128, HOPPER, False, "red4"),
+    ("float16", 64, HOPPER, True, ""),     # bitwise-repeatable: the two passes
+    ("float16", 64, AMPERE, False, ""),    # red.global.add.v4.f32 is sm_90's
+    ("float16", 256, HOPPER, False, ""),   # column slices would each add dQ
+    ("float32", 64, HOPPER, False, ""),    # 3xTF32 keeps the two passes
+])
+def test_backward_plan_adds_dq_on_hopper_unless_deterministic(rng, dtype, d, device,
+                                                             deterministic, want):
+    dt = _kind_dtype("bf16") if dtype == "bfloat16" else np.dtype(dtype)
+    p = _OnDevice(_problem(rng, dt, d))
+    p.deterministic = deterministic
+    plan = _plan(p, device)
+    assert plan.kernel == "cuda.mma"
+    assert {c.DQADD for c in plan.config.values()} == {want}
+    assert ("the key pass adds dS K into a float32 accumulator" in str(plan)) == bool(want)
 
 
 @pytest.mark.parametrize("dtype, d, device, queries, keys, form", [
@@ -430,8 +539,8 @@ PRODUCT = {"f16": "mma.sync.aligned.m16n8k16.row.col.f32.f16",
 
 def _compile(cases):
     """[cc, d, dtype, pass, registers, spill bytes, stack bytes, local memory ops, product
-    instructions, ldmatrix.trans count, cubin bytes] of the planner's tiles of each case (cc, d,
-    dtype, window[, varlen[, grad32]])."""
+    instructions, ldmatrix.trans count, cubin bytes, four-float reductions] of the planner's
+    tiles of each case (cc, d, dtype, window[, varlen[, grad32[, dq adds]]])."""
     from test_cuda_compile import run_without_simulator
     out = run_without_simulator(f"""
         import dataclasses, json
@@ -448,6 +557,9 @@ def _compile(cases):
                 cfg = {{k: dataclasses.replace(c, VARLEN=1) for k, c in cfg.items()}}
             if packed[1:] and packed[1]:   # GRAD32: float32 gradients of 16-bit inputs
                 cfg = {{k: dataclasses.replace(c, GRAD32=1) for k, c in cfg.items()}}
+            if packed[2:] and packed[2]:   # DQADD: dQ added by the key pass (sm_90)
+                cfg = gradients.with_dq_adds(
+                    cfg, "red4", Device.of_arch(tuple(cc)).smem_per_block_optin)
             product = PRODUCT.get(DT) or PRODUCT[(DT, tuple(cc) >= (9, 0))]
             for (kernel, sig), name in zip(gradients.compiled_kernels(cfg, dt),
                                            ("queries", "keys")):
@@ -456,7 +568,8 @@ def _compile(cases):
                              res.get("spill_store_bytes", 0) + res.get("spill_load_bytes", 0),
                              res.get("stack_bytes", 0), ptx.count("ld.local") +
                              ptx.count("st.local"), ptx.count(product),
-                             ptx.count("ldmatrix.sync.aligned.m8n8.x4.trans"), len(cubin)])
+                             ptx.count("ldmatrix.sync.aligned.m8n8.x4.trans"), len(cubin),
+                             ptx.count("red.global.add.v4.f32")])
         print(json.dumps(rows))
     """)
     return json.loads(out.splitlines()[-1])
@@ -486,16 +599,25 @@ def _compile(cases):
     pytest.param([((9, 0), 128, "float16", False, False, True),
                   ((8, 0), 64, "bfloat16", False, False, True)], id="grad32-sm90-d128-sm80-d64",
                  marks=pytest.mark.extended),
+    # dQ added by the key pass (DQADD, sm_90's default for 16-bit); d128: DQADD_SPILLS
+    pytest.param([((9, 0), 64, "float16", False, False, False, True),
+                  ((9, 0), 64, "bfloat16", False, False, True, True)],
+                 id="dq-adds-sm90-d64-f16-bf16-grad32", marks=pytest.mark.extended),
 ])
 def test_backward_variants_compile_to_mma_with_no_spills(cases):
     """The planner's variants: each pass issues its kind's mma (and the 16-bit kinds
     ldmatrix.trans), and ptxas fits it in registers (no spill, no stack, no local memory)."""
     rows = _compile(cases)
     assert len(rows) == 2 * len(cases)
-    for cc, d, dt, name, regs, spills, stack, local, mma, trans, size in rows:
-        assert 0 < regs <= 255 and size > 0, rows
-        assert spills == stack == local == 0, rows
-        assert mma > 0 and (trans > 0 or dt in ("float32", "float64")), rows
+    for case, pair in zip(cases, (rows[i:i + 2] for i in range(0, len(rows), 2))):
+        adds = len(case) > 6 and case[6]
+        for cc, d, dt, name, regs, spills, stack, local, mma, trans, size, red in pair:
+            assert 0 < regs <= 255 and size > 0, rows
+            assert spills == stack == local == 0, rows
+            # with dQ adds the query pass computes delta alone: one small product
+            assert mma > 0 and (trans > 0 or dt in ("float32", "float64") or
+                                (adds and name == "queries")), rows
+            assert (red > 0) == (adds and name == "keys"), rows
 
 
 #: (cc, d, dtype) -> spill bytes (queries, keys) ptxas reported for the planner's word-kind
@@ -517,17 +639,27 @@ PACKED_SPILLS = {((9, 0), 128, "float16", False, True): (0, 64),
                  ((8, 0), 128, "bfloat16", False, True): (0, 64)}
 
 
+#: the 16-bit d128 key pass with dQ adds on its (8, 64, 32) tile (gradients.DQADD_TILES): dK,
+#: dV and the 32-query sub-tile's S^T and dP^T; 80 bytes spilled on this machine's nvJitLink
+#: (session 22), and still 1.22-1.32x faster than the two passes on the H100
+DQADD_SPILLS = {((9, 0), 128, "float16", False, False, False, True): (0, 80)}
+
+
 @pytest.mark.extended
-@pytest.mark.parametrize("case", [c + (False, False) for c in KNOWN_SPILLS] + list(PACKED_SPILLS),
+@pytest.mark.parametrize("case", [c + (False, False) for c in KNOWN_SPILLS] + list(PACKED_SPILLS)
+                         + list(DQADD_SPILLS),
                          ids=lambda c: f"sm{c[0][0]}{c[0][1]}-d{c[1]}-{c[2]}"
-                                       f"{'-varlen' if c[4] else ''}")
+                                       f"{'-varlen' if c[4] else ''}"
+                                       f"{'-dq-adds' if len(c) > 6 and c[6] else ''}")
 def test_word_kind_variants_compile_and_spill_no_more_than_measured(case):
-    """The float64 and 3xTF32 tiles that spill (or sit at 255 registers), and the packed d128
-    key passes: the kind's mma is issued and ptxas' spill bytes stay within what was measured
-    (a growth would show as a slower backward)."""
+    """The float64 and 3xTF32 tiles that spill (or sit at 255 registers), the packed d128 key
+    passes and the d128 key pass with dQ adds: the kind's mma is issued and ptxas' spill bytes
+    stay within what was measured (a growth would show as a slower backward)."""
     rows = _compile([case])
     allowances = KNOWN_SPILLS.get(case[:3]) if not case[4] else PACKED_SPILLS[case]
-    for (cc, d, dt, name, regs, spills, stack, local, mma, trans, size), allowed in zip(
+    if len(case) > 6 and case[6]:
+        allowances = DQADD_SPILLS[case]
+    for (cc, d, dt, name, regs, spills, stack, local, mma, trans, size, red), allowed in zip(
             rows, allowances):
         assert 0 < regs <= 255 and size > 0 and mma > 0, rows
         assert spills <= allowed, rows
@@ -570,12 +702,19 @@ def test_gpu_mma_gradients_meet_the_rule_and_repeat_bitwise(rng, case):
     q, k, v, do = make(rng, B, H, Nq, Nk, d, dv, dtype=dtype, kv_heads=Hkv, layout=layout)
     opts = dict(causal=causal, layout=layout)
     qg, kg, vg, dog = (cupy.asarray(a) for a in (q, k, v, do))
-    assert numflash.explain(qg, kg, vg, backward=True, **opts).kernel == "cuda.mma"
+    plan = numflash.explain(qg, kg, vg, backward=True, **opts)
+    assert plan.kernel == "cuda.mma"
     o, lse = numflash.attention(qg, kg, vg, return_lse=True, **opts)
-    runs = [numflash.attention_backward(dog, qg, kg, vg, o, lse, **opts) for _ in range(2)]
+    runs = [numflash.attention_backward(dog, qg, kg, vg, o, lse, deterministic=True, **opts)
+            for _ in range(2)]
     assert all(bool((a == b).all()) for a, b in zip(*runs))
     assert all(g.dtype == dtype for g in runs[0])
     testing.assert_gradients_accurate([g.get() for g in runs[0]], do, q, k, v, **opts)
+    if plan.config["keys"].DQADD:   # the default: dQ added by the key pass (16-bit, sm_90)
+        grads = numflash.attention_backward(dog, qg, kg, vg, o, lse, **opts)
+        assert all(g.dtype == dtype for g in grads)
+        assert all(bool((a == b).all()) for a, b in zip(grads[1:], runs[0][1:]))
+        testing.assert_gradients_accurate([g.get() for g in grads], do, q, k, v, **opts)
 
 
 WINDOW_GPU_CASES = [  # (H, Hkv, Nq, Nk, d, dtype, causal, window_size): sizes the float64
@@ -626,10 +765,15 @@ def test_gpu_float32_gradients_of_16bit_inputs(rng, case):
     assert plan.kernel == "cuda.mma" and plan.config["keys"].GRAD32 == 1
     assert "grad_dtype float32" in str(plan)
     o, lse = numflash.attention(qg, kg, vg, return_lse=True, causal=causal)
-    plain = numflash.attention_backward(dog, qg, kg, vg, o, lse, causal=causal)
-    wide = numflash.attention_backward(dog, qg, kg, vg, o, lse, causal=causal,
-                                       grad_dtype=np.float32)
+    plain, wide = (numflash.attention_backward(dog, qg, kg, vg, o, lse, causal=causal,
+                                               deterministic=True, grad_dtype=g)
+                   for g in (None, np.float32))
     assert all(g.dtype == np.float32 for g in wide)
     for a, b in zip(plain, wide):
         assert bool((b.astype(dtype).view(cupy.uint16) == a.view(cupy.uint16)).all())
+    testing.assert_gradients_accurate([g.get() for g in wide], do, q, k, v, causal=causal)
+    # the default (on sm_90, dQ added atomically into float32 and stored as it is)
+    wide = numflash.attention_backward(dog, qg, kg, vg, o, lse, causal=causal,
+                                       grad_dtype=np.float32)
+    assert all(g.dtype == np.float32 for g in wide)
     testing.assert_gradients_accurate([g.get() for g in wide], do, q, k, v, causal=causal)

@@ -677,7 +677,11 @@ def test_gpu_unchanged_sdpa_calls_run_numflash_after_install():
         stream.synchronize()
     finally:
         A.restore_flash_attention_impl()
-    assert torch.equal(out, ref) and all(map(torch.equal, grads, ref_grads))
+    # dK and dV bit for bit; dQ is added atomically on sm_90 (its float32 sums' order varies,
+    # so its bfloat16 rounding may differ by an ulp)
+    assert torch.equal(out, ref) and all(map(torch.equal, grads[1:], ref_grads[1:]))
+    assert (grads[0].float() - ref_grads[0].float()).abs().max().item() <= \
+        2 ** -7 * ref_grads[0].float().abs().max().item()
     assert not torch.equal(out, own)   # torch's kernel rounds differently somewhere
     with torch.no_grad(), sdpa_kernel(SDPBackend.FLASH_ATTENTION):
         again = F.scaled_dot_product_attention(q, k, v, is_causal=True)

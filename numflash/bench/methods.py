@@ -88,10 +88,23 @@ def numflash_backward_methods(cfg, sets, dos, backend_name, patterns, check):
         forwards = [numflash.attention(*s, causal=cfg.causal, backend=backend_name,
                                        return_lse=True) for s in sets]
 
-        def call(i, _alg=alg, _fw=forwards):
-            q, k, v = sets[i]
-            return numflash.attention_backward(dos[i], q, k, v, *_fw[i], causal=cfg.causal,
-                                               backend=backend_name, algorithm=_alg)
-        methods.append(Method(name, "numflash", call, check=check,
-                              info={"kernel": plan.kernel, "config": dict(plan.config)}))
+        # deterministic=True where it plans another kernel (cuda.mma's two-pass dQ beside
+        # its dQ adds): both are timed
+        repeatable = numflash.explain(*sets[0], causal=cfg.causal, backend=backend_name,
+                                      algorithm=alg, backward=True, deterministic=True)
+        variants = [(name, plan, False)]
+        if dict(repeatable.config) != dict(plan.config):
+            variants.append((f"{name}-deterministic", repeatable, True))
+        for method_name, method_plan, deterministic in variants:
+            if not selected(method_name, patterns):
+                continue
+
+            def call(i, _alg=alg, _fw=forwards, _det=deterministic):
+                q, k, v = sets[i]
+                return numflash.attention_backward(dos[i], q, k, v, *_fw[i], causal=cfg.causal,
+                                                   backend=backend_name, algorithm=_alg,
+                                                   deterministic=_det)
+            methods.append(Method(method_name, "numflash", call, check=check,
+                                  info={"kernel": method_plan.kernel,
+                                        "config": dict(method_plan.config)}))
     return methods, skipped

@@ -19,8 +19,16 @@ dV = P^T dO, dP = dO V^T, dS = P * (dP - delta), dQ = scale dS K, dK = scale dS^
 This recomputes S and dP in both passes (7 matrix products where dQ by atomic adds needs 5), in
 exchange for no float32 dQ buffer, no atomics and determinism by construction.
 
+dQ by adds (MmaConfig.DQADD, FlashAttention-2's default; ``deterministic=True`` keeps the two
+passes): the key pass also writes each warp's dS^T (16-bit, as the dK product reads it) to a
+shared tile, and after a barrier its warps split dQ's SUB x D tile = dS K over the block's keys
+(dS read with ldmatrix.trans, K like the query pass's V) and add it into a float32 dQ
+accumulator (``red.global.add.v4.f32``): 5 products. The query pass then computes delta only.
+
 A row that sees no key (lse = -inf) reads lse as +inf, so its P, and its gradients, are zero.
 """
+
+import contextlib
 
 from . import dropout, mods
 from .emit import (VARLEN_ARGUMENTS, U, Source, define, emit_views_at_use, emit_sequence,
@@ -175,8 +183,28 @@ def key_pass_layout(cfg):
     delta_rel = lse_rel + cfg.BC
     tile_words = delta_rel + cfg.BC
     tile_words += -tile_words % (16 // ops.word_bytes)   # the next buffer 16-byte aligned
+    total = tiles_off + 2 * tile_words
+    if cfg.DQADD:   # the dS^T tiles (ds_tiles) follow
+        DSW, buffers = _ds_shape(cfg)
+        total += buffers * cfg.BR * DSW
     return (ops, KW, VW, QW, OW, v_off, tiles_off, do_rel, lse_rel, delta_rel, tile_words,
-            tiles_off + 2 * tile_words)
+            total)
+
+
+def _ds_shape(cfg):
+    SUB = cfg.SUB or cfg.BC
+    return SUB // 2 + 4, 2 if cfg.BC > SUB else 1
+
+
+def ds_tiles(cfg):
+    """(word offset, row pitch in words, count) of a DQADD key pass's shared dS^T tiles: BR key
+    rows of SUB 16-bit queries (pitch SUB / 2 + 4 words: the quads' stores and ldmatrix's rows
+    hit distinct banks), two when the staged tile has several sub-tiles, so a warp writes the
+    next sub-tile's dS while others still read this one (one barrier a sub-tile; the tile loop's
+    barriers separate the tiles)."""
+    lay = key_pass_layout(cfg)
+    DSW, buffers = _ds_shape(cfg)
+    return lay[-1] - buffers * cfg.BR * DSW, DSW, buffers
 
 
 def shared_bytes(cfg, kernel):
@@ -214,11 +242,17 @@ def query_pass_source(cfg):
             emit_modified_scale(s, ops.float, cfg.MODS, "scale")
             s("hi = I(h)")
         dropout.emit_locals(s, cfg, ops.float)
-        _stage_rows(s, ops, "qh", cfg.BR, "i0", "Nq_u", cfg.D, "d_u", 0, QW, cfg.NT)
+        if not cfg.DQADD:
+            _stage_rows(s, ops, "qh", cfg.BR, "i0", "Nq_u", cfg.D, "d_u", 0, QW, cfg.NT)
         _stage_rows(s, ops, "doh", cfg.BR, "i0", "Nq_u", cfg.DV, "dv_u", do_off, OW, cfg.NT)
         _stage_rows(s, ops, "oh", cfg.BR, "i0", "Nq_u", cfg.DV, "dv_u", kv_off, OW, cfg.NT)
         s("cp_async_commit()")
         emit_row_bounds(s, cfg.BR, window)
+        if cfg.DQADD:   # the key pass adds dQ: this pass computes delta only
+            ops.a_fragments(s, "do", do_off, OW)
+            s("cp_async_wait_0()", "cuda.syncthreads()")
+            _emit_delta(s, ops, cfg, do_off, kv_off, OW)
+            return s.text()
         for half, row in ((0, "r0"), (1, "r1")):
             s(f"lse2_{half} = INF", f"if {row} < Nq:")
             with s.block():
@@ -294,12 +328,15 @@ def key_pass_source(cfg):
     ND, NVN = cfg.D // 8 // (cfg.CHUNKS or 1), cfg.DV // 8 // (cfg.CHUNKS or 1)  # this block's
     SUB = cfg.SUB or cfg.BC
     assert cfg.BC % SUB == 0 and SUB % ops.k_step == 0
+    # dQ adds read the block's whole K rows and 16-bit dS pairs (gradients.dq_adds)
+    assert not cfg.DQADD or (cfg.DT in ("f16", "bf16") and not cfg.CHUNKS)
 
     s = Source()
     s(f"def {KERNEL_NAMES['keys']}({ARGUMENTS['keys']}{SCALARS}"
       f"{', window_left, window_right' if window else ''}"
       f"{VARLEN_ARGUMENTS if cfg.VARLEN else ''}{mods.parameters(cfg.MODS)}"
-      f"{dropout.parameters(cfg)}{', dbias' if cfg.DBIAS else ''}):")
+      f"{dropout.parameters(cfg)}{', dbias' if cfg.DBIAS else ''}"
+      f"{', dqacc' if cfg.DQADD else ''}):")
     with s.block():
         emit_thread_indices(s, ops.float)
         s("bh = U(cuda.blockIdx.y)", "b = bh // U(Hkv)", "hk = bh % U(Hkv)",
@@ -357,7 +394,8 @@ def key_pass_source(cfg):
             # (made a head, not a tile, even with VARLEN: made in each tile's staging, as the
             # query pass's K / V are, the d128 key pass spilled 88-112 bytes against 64)
             s("h = hk * group + hq",
-              *(f"{x}h = {head_view(cfg, x, 'h')}" for x in ("q", "do", "lse", "delta")),
+              *(f"{x}h = {head_view(cfg, x, 'h')}" for x in ("q", "do", "lse", "delta") +
+                (("dqacc",) if cfg.DQADD else ())),
               "cuda.syncthreads()  # the previous head's last tile is no longer read")
             if cfg.MODS:
                 s("hi = I(h)")
@@ -382,7 +420,8 @@ def key_pass_source(cfg):
                         s(f"js = j0 + {sub * SUB}")
                         _key_pass_products(s, ops, cfg, SUB, kb, q_off + sub * SUB * QW,
                                            do_off + sub * SUB * OW, q_off + lse_rel + sub * SUB,
-                                           q_off + delta_rel + sub * SUB, KW, VW, QW, OW)
+                                           q_off + delta_rel + sub * SUB, KW, VW, QW, OW,
+                                           ds_buffer=sub % 2)
             if cfg.DBIAS == "rows":
                 _flush_bias_rows(s, cfg)
         _store_rows(s, ops, cfg, ("kr0", "kr1"), "Nk",
@@ -404,11 +443,13 @@ def _per_query(s, NN, reads, emit):
                 emit(n, r, c)
 
 
-def _key_pass_products(s, ops, cfg, SUB, kb, q_off, do_off, lse_off, delta_off, KW, VW, QW, OW):
+def _key_pass_products(s, ops, cfg, SUB, kb, q_off, do_off, lse_off, delta_off, KW, VW, QW, OW,
+                       ds_buffer=0):
     """Emit one warp's work on SUB streamed queries starting at js (in the buffer at ``kb``:
     their Q rows at word q_off, dO rows at do_off, lse and delta floats at lse_off, delta_off):
     S^T = K Q^T, the causal mask on the transposed fragments, P^T from lse, dV += P^T dO,
-    dP^T = V dO^T, dS^T = P^T (dP^T - delta), dK += dS^T Q."""
+    dP^T = V dO^T, dS^T = P^T (dP^T - delta), dK += dS^T Q; with DQADD then the block's
+    dQ adds for these queries (_emit_dq_adds, dS^T through shared tile ``ds_buffer``)."""
     k_step, NN = ops.k_step, SUB // 8
     ND, NVN = cfg.D // 8 // (cfg.CHUNKS or 1), cfg.DV // 8 // (cfg.CHUNKS or 1)
     # The warp works if the last of these queries sees past its first key (and, with a
@@ -451,8 +492,88 @@ def _key_pass_products(s, ops, cfg, SUB, kb, q_off, do_off, lse_off, delta_off, 
                        lambda n, r, c: s(f"s_{n}_{r} = "
                                          f"{_ds(f's_{n}_{r}', f'dp_{n}_{r}', 'dlt')}"))
             ds = "s"
+        if cfg.DQADD:
+            _emit_ds_store(s, ops, cfg, NN, ds, ds_buffer)
         ops.accumulate_pv(s, _slice(cfg, kb, "k"), q_off, ND, SUB // k_step, p=ds, acc="dk",
                           name="qt", W=QW, rescaled=False)
+    if cfg.DQADD:
+        s("else:")
+        with s.block():   # a warp that sees none of these queries: its keys' dS are 0
+            _emit_ds_store(s, ops, cfg, NN, None, ds_buffer)
+        s("cuda.syncthreads()  # the block's dS^T tile is written")
+        _emit_dq_adds(s, ops, cfg, SUB, KW, ds_buffer)
+
+
+def _emit_ds_store(s, ops, cfg, NN, ds, buffer):
+    """Emit the store of the warp's dS^T (C fragments ``ds``, NN n8 tiles of queries; None:
+    zeros) into shared dS^T tile ``buffer`` (ds_tiles): the thread's two adjacent queries of key
+    rows g and g + 8 as one 16-bit pair each, rounded as the dK product rounds them."""
+    off, DSW, _ = ds_tiles(cfg)
+    s(f"dsw = {U(off + buffer * cfg.BR * DSW)} + (warp * {U(16)} + g) * {U(DSW)} + t")
+    for n in range(NN):
+        lo, hi = (f"{ops.pack}({ds}_{n}_0, {ds}_{n}_1)", f"{ops.pack}({ds}_{n}_2, {ds}_{n}_3)"
+                  ) if ds else ("uint32(0)", "uint32(0)")
+        s(f"smem[dsw + {U(4 * n)}] = {lo}", f"smem[dsw + {U(8 * DSW + 4 * n)}] = {hi}")
+
+
+def dq_work(cfg):
+    """(pairs, items, per_warp) of a DQADD key pass's dQ product for one sub-tile: its SUB x D
+    tile is cut into items of 16 queries x (16 x pairs) columns (2 x pairs n8 accumulator
+    tiles; up to 4 pairs, so one A fragment of dS serves up to 8 mma), warp w taking items w,
+    w + NW, ... (``per_warp`` of them)."""
+    SUB = cfg.SUB or cfg.BC
+    groups, column_pairs = SUB // 16, cfg.D // 16
+    share = max(1, groups * column_pairs // cfg.NW)
+    pairs = max(p for p in range(1, min(4, share) + 1) if column_pairs % p == 0)
+    items = groups * (column_pairs // pairs)
+    return pairs, items, -(-items // cfg.NW)
+
+
+def _emit_dq_adds(s, ops, cfg, SUB, KW, buffer):
+    """Emit the block's dQ adds for SUB queries from js: dQ = scale dS K over its BR keys, dS
+    read from shared dS^T tile ``buffer`` with ldmatrix.trans (the A fragment of 16 queries x 16
+    keys), K from the block's staged rows as the query pass reads its K (ldmatrix.trans, B
+    contracted over keys), added into the float32 accumulator by four-float reductions."""
+    off, DSW, _ = ds_tiles(cfg)
+    off += buffer * cfg.BR * DSW
+    pairs, items, per_warp = dq_work(cfg)
+    chunks = cfg.D // 16 // pairs     # items of one 16-query group
+    for it in range(per_warp):
+        s(f"item = warp + {U(it * cfg.NW)}")
+        guarded = (it + 1) * cfg.NW > items
+        if guarded:
+            s(f"if item < {U(items)}:")
+        with s.block() if guarded else contextlib.nullcontext():
+            s(f"mg = item // {U(chunks)}", f"pc = item % {U(chunks)}")
+            ops.zero_scores(s, 2 * pairs, "dqa")
+            s(f"dslm = shared_addr(smem, {U(off)} + ((lane // {U(16)}) * {U(8)} + lane % {U(8)})"
+              f" * {U(DSW)} + ((lane // {U(8)}) % {U(2)}) * {U(4)} + mg * {U(8)})",
+              f"kdlm = shared_addr(smem, (((lane // {U(8)}) % {U(2)}) * {U(8)} + lane % {U(8)})"
+              f" * {U(KW)} + (lane // {U(16)}) * {U(4)} + pc * {U(8 * pairs)})")
+            for kk in range(cfg.BR // 16):
+                s(f"da0, da1, da2, da3 = ldmatrix_x4_trans(dslm + {U(4 * 16 * kk * DSW)})")
+                for p in range(pairs):
+                    s(f"kd0, kd1, kd2, kd3 = ldmatrix_x4_trans(kdlm + "
+                      f"{U(4 * (16 * kk * KW + 8 * p))})")
+                    for n, b in ((2 * p, ["kd0", "kd1"]), (2 * p + 1, ["kd2", "kd3"])):
+                        ops.product(s, [f"dqa_{n}_{r}" for r in range(4)],
+                                    ["da0", "da1", "da2", "da3"], b)
+            # lanes t, t ^ 1 swap halves so that an even lane holds four adjacent columns of
+            # row g and an odd one those of row g + 8: one four-float reduction each, a warp's
+            # 16 rows x 32 bytes (two-float ones from the C layout ran at ~0.7x the rate)
+            s("odd = t % U(2)", "qrow = js + I(mg) * 16 + I(g) + I(odd) * 8",
+              f"qcol = pc * {U(16 * pairs)} + (t - odd) * {U(2)}")
+            for n in range(2 * pairs):
+                c = [f"dqa_{n}_{r}" for r in range(4)]
+                s(f"x0 = cuda.shfl_xor_sync(FULL, {c[0]} if odd else {c[2]}, 1)",
+                  f"x1 = cuda.shfl_xor_sync(FULL, {c[1]} if odd else {c[3]}, 1)",
+                  f"dqa_{n}_0, dqa_{n}_1, dqa_{n}_2, dqa_{n}_3 = "
+                  f"(x0, x1, {c[2]}, {c[3]}) if odd else ({c[0]}, {c[1]}, x0, x1)")
+            s("if qrow < Nq:")
+            with s.block():
+                for n in range(2 * pairs):
+                    s(f"red_add_f32x4(global_addr2(dqacch, qrow, qcol + {U(8 * n)}), "
+                      + ", ".join(f"dqa_{n}_{r} * scale" for r in range(4)) + ")")
 
 
 def _key_pass_elementwise(s, ops, cfg, NN, kb, lse_off, delta_off, do_off, OW, VW):
@@ -556,10 +677,21 @@ def _namespace(cfg):
     return ns
 
 
+def _dq_adds_namespace(cfg):
+    """The four-float reduction a DQADD key pass calls (bound apart from _namespace, whose
+    source is part of every backward variant's identity: the shipped two-pass PTX keeps its
+    keys)."""
+    from .. import ptx_reduce
+    return {"red_add_f32x4": ptx_reduce.red_add_f32x4}
+
+
 def _make(kernel, **config):
     cfg = MmaConfig(**config)
-    return define(SOURCES[kernel](cfg), f"numflash.cuda.mma backward {kernel}", cfg,
-                  namespace_with_mods(cfg, _namespace), KERNEL_NAMES[kernel])
+    ns = namespace_with_mods(cfg, _namespace)
+    if cfg.DQADD:
+        ns.update(_dq_adds_namespace(cfg))
+    return define(SOURCES[kernel](cfg), f"numflash.cuda.mma backward {kernel}", cfg, ns,
+                  KERNEL_NAMES[kernel])
 
 
 def make_query_kernel(**config):
@@ -576,10 +708,12 @@ def _identity(kernel, **config):
     """What decides a backward variant's PTX: its generated source and the code binding its
     names (forward.source_identity; the forward's own source does not enter)."""
     from .forward import source_identity
+    from .. import ptx_reduce
     cfg = MmaConfig(**config)
     return source_identity(SOURCES[kernel](cfg), (_namespace,) + (
         mods.identity_functions(cfg.MODS, bool(cfg.DBIAS)) if cfg.MODS else ()) +
-        dropout.identity_functions(cfg))
+        dropout.identity_functions(cfg) + (
+        (_dq_adds_namespace, ptx_reduce._make_red_add_f32x4) if cfg.DQADD else ()))
 
 
 def _cacheable(**config):

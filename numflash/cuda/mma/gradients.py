@@ -6,6 +6,10 @@ only extra device memory), the key pass dK and dV, each in the inputs' dtype (or
 inputs with grad_dtype float32, in float32 as accumulated: MmaConfig.GRAD32), with no atomics
 and no float32 gradient buffers (two runs are bitwise equal). Every operand kind of the forward
 runs: float16 / bfloat16, float32 as 3xTF32, float64.
+
+16-bit inputs on sm_90 without ``deterministic=True`` take dQ by adds (dq_adds, MmaConfig.DQADD):
+the key pass adds dS K into a float32 B x H x Nq x D accumulator and the query pass computes
+delta only, 5 matrix products instead of 7.
 """
 import dataclasses
 import math
@@ -46,6 +50,14 @@ WINDOW_TILES = {128: {"keys": [(8, 32, 16), (4, 32, 16)]}}
 MODS_TILES = {64: {"keys": [(4, 128, 32), (4, 64, 32)]},
               128: {"queries": [(4, 32, 0)], "keys": [(4, 32, 16)]}}
 
+
+#: The 16-bit key pass's tiles with dQ by adds (DQADD), by largest padded head dim: 8 warps
+#: (128 keys a block, half the dQ adds of 64) and, at d128, 32 queries a sub-tile (half the
+#: barriers of 16). H100, B4 H16 N4096 float16, bench/backward_tiles.py, whole backward (bench/
+#: NOTES.md "dQ by adds"): d64 (8, 128, 64) 4.37 ms against (4, 128, 64) 4.70 and the two
+#: passes' 5.10; d128 (8, 64, 32) 7.64 ms against (8, 64, 16) 9.32 and 10.10, though ptxas
+#: spills 80 bytes there (the compile test holds it).
+DQADD_TILES = {64: (8, 128, 64), 128: (8, 64, 32)}
 
 #: the operand kind of each input dtype (operands.py): float32 as 3xTF32 (float32-level
 #: accuracy; precision="ieee" keeps it on the FMA units), float64 on float64 tensor cores
@@ -151,6 +163,9 @@ def config(problem, device):
     bias_mode = bias_grad_mode(problem)
     if bias_mode:
         cfg["keys"] = with_bias_grad(cfg["keys"], bias_mode)
+    adds = dq_adds(problem, cfg["keys"], device)
+    if adds:
+        cfg = with_dq_adds(cfg, adds, device.smem_per_block_optin)
     check_block_tiles(problem, ((cfg["queries"].BR, cfg["queries"].BC, "backward's query pass"),
                                 (cfg["keys"].BC, cfg["keys"].BR, "backward's key pass")))
     for kernel, c in cfg.items():
@@ -160,6 +175,35 @@ def config(problem, device):
                               f"memory for d={d}, dv={dv}, more than the "
                               f"{device.smem_per_block_optin} a block may use on {device.name}")
     return cfg
+
+
+def dq_adds(problem, keys, device):
+    """The DQADD form of dQ for a problem whose key pass has config ``keys`` ("" for the two
+    passes): "red4" (the key pass adds dQ into a float32 accumulator with four-float reductions)
+    for 16-bit inputs on sm_90, unless ``deterministic=True`` asks for bitwise-repeatable
+    gradients. Only where it was timed faster: not with column slices (CHUNKS: every slice
+    would add dQ), windows, modifications, dropout, attn_bias's gradient or packed sequences
+    (their key passes keep more registers live; the generator composes them, the emulator
+    tests run them, no GPU timing has been made)."""
+    if getattr(problem, "deterministic", False) or keys.DT not in ("f16", "bf16"):
+        return ""
+    if keys.CHUNKS or keys.WINDOW or keys.MODS or keys.DROP or keys.DBIAS or keys.VARLEN:
+        return ""
+    if device.cc is None or device.cc < (9, 0):   # red.global.add.v4.f32 is sm_90's
+        return ""
+    return "red4"
+
+
+def with_dq_adds(cfg, mode, smem_limit):
+    """The pair of configs ``cfg`` with dQ by adds in DQADD ``mode``: the key pass on
+    DQADD_TILES where its shared memory fits ``smem_limit`` (else on its own tile)."""
+    keys = dataclasses.replace(cfg["keys"], DQADD=mode)
+    size = 64 if max(keys.D, keys.DV) <= 64 else 128
+    NW, BC, SUB = DQADD_TILES[size]
+    tiled = dataclasses.replace(keys, NW=NW, BC=BC, SUB=SUB)
+    if shared_bytes(tiled, "keys") <= smem_limit:
+        keys = tiled
+    return {"queries": dataclasses.replace(cfg["queries"], DQADD=mode), "keys": keys}
 
 
 #: DBIAS "rows" keeps two more sums a thread: the 16-bit d64 key pass then takes its staged
@@ -205,14 +249,14 @@ def bias_grad_mode(problem):
 
 
 def signature(dtype, kernel, window=False, token="", varlen=False, grad32=False, drop=False,
-              bias_mode=""):
+              bias_mode="", dq_adds=False):
     """Argument types of the "queries" or "keys" kernel: q, k, v, dO (and O for the query pass)
     (16-bit inputs as their bits), lse and delta (float32; float64 for float64), dQ or dK, dV
     (like q; float32 with ``grad32``), the exp2 and natural scales, causal, causal_offset (and
     with a window its left and right sizes, packed sequences' cu_q and cu_k, with
     modifications their arguments: mods.argument_types, with dropout its arguments, and with
     ``bias_mode`` (a DBIAS mode) the key pass's attn_bias gradient accumulator, a 4-d array of
-    its float type)."""
+    its float type; with ``dq_adds``, the DQADD key pass's float32 dQ accumulator)."""
     from numba import types
     from ...inputs import lse_dtype
     from ..launch import array_type
@@ -227,7 +271,8 @@ def signature(dtype, kernel, window=False, token="", varlen=False, grad32=False,
         ((array_type("int32", 1),) * 2 if varlen else ()) + mods.argument_types(token) + \
         dropout.argument_types(drop) + \
         ((array_type(bias_accumulator_type(bias_mode, KINDS.get(str(dtype)))),)
-         if bias_mode else ())
+         if bias_mode else ()) + \
+        ((array_type("float32"),) if dq_adds and kernel == "keys" else ())
 
 
 def compiled_kernels(cfg, dtype):
@@ -241,7 +286,7 @@ def compiled_kernels(cfg, dtype):
 
 def _signature(dtype, kernel, c):
     return signature(dtype, kernel, c.WINDOW, c.MODS, bool(c.VARLEN), bool(c.GRAD32),
-                     bool(c.DROP), c.DBIAS)
+                     bool(c.DROP), c.DBIAS, bool(c.DQADD))
 
 
 def run(problem, cfg, device):
@@ -255,6 +300,9 @@ def run(problem, cfg, device):
     with cupy.cuda.Device(p.q.device.id):     # on the arrays' GPU, not the current one
         # rowsum(dO * O), in the lse's precision: the query pass writes it
         delta = cupy.empty((B, H, Nq), p.lse.dtype)
+        # DQADD: dQ's float32 accumulator, at the padded head dim (whole mma tiles)
+        dq_acc = cupy.zeros(p.q.shape[:3] + (cfg["keys"].D,), cupy.float32) \
+            if cfg["keys"].DQADD else None
         bias_args = ()
         if cfg["keys"].DBIAS:
             acc, view = bias_grad_accumulator(cupy, p.dbias, (B, H, Nq, Nk), cupy.dtype(
@@ -283,7 +331,10 @@ def run(problem, cfg, device):
         queries(query_grid + slices, (qc.NT,), shared_bytes(qc, "queries"),
                 inputs + (bits(p.o), lse, delta, grad(p.dq)) + scalars, device)
         keys(key_grid + slices, (kc.NT,), shared_bytes(kc, "keys"),
-             inputs + (lse, delta, grad(p.dk), grad(p.dv)) + scalars + bias_args, device)
+             inputs + (lse, delta, grad(p.dk), grad(p.dv)) + scalars + bias_args +
+             ((dq_acc,) if kc.DQADD else ()), device)
+    if kc.DQADD:   # rounded to the gradient's dtype as the query pass's stores round
+        p.dq[...] = dq_acc[..., :d]
     if bias_args and acc.data.ptr != p.dbias.data.ptr:
         p.dbias[...] = acc.reshape(p.dbias.shape)
 
@@ -292,6 +343,11 @@ def notes(problem, cfg, device):
     """What explain adds about a backward config: float32 gradients, packed sequences, the column
     slices of a wide head dim."""
     lines = []
+    if cfg["keys"].DQADD:
+        lines.append("dQ: the key pass adds dS K into a float32 accumulator (red.global.add.v4.f32"
+                     ", sm_90) and the query pass computes delta only: 5 products, not 7; the "
+                     "adds' order varies from run to run (deterministic=True takes the two "
+                     "passes, dQ in the query pass)")
     if cfg["keys"].DBIAS:
         mode = cfg["keys"].DBIAS
         acc = bias_accumulator_type(mode, cfg["keys"].DT)

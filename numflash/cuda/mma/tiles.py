@@ -47,12 +47,15 @@ class MmaConfig(TileConfig):
     threshold and scale run-time arguments. DBIAS: the backward's key pass also adds each
     pair's dS (through the score mods after attn_bias) into attn_bias's gradient, an
     accumulator broadcast like the bias: "store" (float32, a full bias: one write an element),
-    "f32" or "f64" (atomic adds of that float type).
+    "f32" or "f64" (atomic adds of that float type). DQADD: dQ by adds (FlashAttention-2's
+    default): the key pass also multiplies its dS by K and adds the products into a float32
+    dQ accumulator ("red4": red.global.add.v4.f32, sm_90), and the query pass computes delta
+    only; "" (the two-pass form) keeps dQ in the query pass, bit-for-bit reproducible.
 
     The fields D, DV, BR (derived), BC, NT (derived), HOLDQ and DT follow cuda.config's naming
     scheme shared with the SIMT kernels; the mapping (cuda.config.TileConfig) leaves out MMA,
-    DBG, WINDOW, SUB, MODS, SPLIT, KVLEN, PAGE, CHUNKS, VARLEN, GRAD32, DROP and DBIAS while
-    unset.
+    DBG, WINDOW, SUB, MODS, SPLIT, KVLEN, PAGE, CHUNKS, VARLEN, GRAD32, DROP, DBIAS and
+    DQADD while unset.
     """
     D: int
     DV: int
@@ -74,6 +77,7 @@ class MmaConfig(TileConfig):
     GRAD32: int = 0
     DROP: int = 0
     DBIAS: str = ""
+    DQADD: str = ""
 
     @property
     def BR(self):
