@@ -323,8 +323,12 @@ def test_gpu_block_mask_equals_its_mask_mod_at_real_sizes(rng, dtype):
     for causal in (False, True):
         plan = numflash.explain(qg, kg, vg, causal=causal, block_mask=bm)
         assert plan.kernel == "cuda.mma", str(plan)
-        o1, l1 = numflash.attention(qg, kg, vg, causal=causal, block_mask=bm, return_lse=True)
-        o2, l2 = numflash.attention(qg, kg, vg, causal=causal, mask_mod=m,
+        # num_splits=1: one share of the keys each, so the same sums in the same order (the
+        # planner splits the mask_mod call's keys and not the block mask's: seen on the H100,
+        # session 22, where their outputs then differed in the last bits)
+        o1, l1 = numflash.attention(qg, kg, vg, causal=causal, block_mask=bm, return_lse=True,
+                                    num_splits=1)
+        o2, l2 = numflash.attention(qg, kg, vg, causal=causal, mask_mod=m, num_splits=1,
                                     mod_args=(dev_ids, dev_ids), return_lse=True)
         assert bool((o1 == o2).all()) and bool((l1 == l2).all())
         rows = np.linspace(0, N - 1, 64).astype(int)
