@@ -123,6 +123,18 @@ def test_backward_source_emulated_on_cpu(rng, DT, case):
         assert max(rep.errors.values()) < 1e-12, rep
 
 
+def _emulated_16bit_arguments(rng, DT, case):
+    """(run_backward_kernels' positional arguments, tiles, causal) for an EMULATED case of a
+    16-bit kind: inputs, the reference's O (rounded) and lse, the causal flag and offset."""
+    B, H, Hkv, Nq, Nk, d, dv, causal, tiles = EMULATED[case]
+    dtype = _kind_dtype(DT)
+    q, k, v, do = make(rng, B, H, Nq, Nk, d, dv, dtype=dtype, kv_heads=Hkv)
+    o, lse = numflash.reference.attention(q, k, v, causal=causal, return_lse=True)
+    is_causal, off = parse_causal(causal, Nq, Nk)
+    return (q, k, v, do, o.astype(dtype), lse.astype(np.float32), DT, is_causal, off), tiles, \
+        causal
+
+
 @pytest.mark.parametrize("DT, case", [
     _emulated("f16", "one-warp", fast=True),
     _emulated("bf16", "sub-tiles"),
@@ -133,12 +145,8 @@ def test_float32_gradient_stores_emulated_on_cpu(rng, DT, case):
     to the 16-bit dtype they are the plain variant's gradients bit for bit (both round the same
     accumulators to nearest even), and they meet the rule."""
     from mma_tools import run_backward_kernels
-    B, H, Hkv, Nq, Nk, d, dv, causal, tiles = EMULATED[case]
-    dtype = _kind_dtype(DT)
-    q, k, v, do = make(rng, B, H, Nq, Nk, d, dv, dtype=dtype, kv_heads=Hkv)
-    o, lse = numflash.reference.attention(q, k, v, causal=causal, return_lse=True)
-    is_causal, off = parse_causal(causal, Nq, Nk)
-    args = (q, k, v, do, o.astype(dtype), lse.astype(np.float32), DT, is_causal, off)
+    args, tiles, causal = _emulated_16bit_arguments(rng, DT, case)
+    q, k, v, do, dtype = *args[:4], args[0].dtype
     plain = run_backward_kernels(*args, tiles=tiles)
     wide = run_backward_kernels(*args, tiles=tiles, grad32=True)
     assert all(g.dtype == np.float32 for g in wide)
@@ -160,12 +168,8 @@ def test_dq_adds_emulated_on_cpu(rng, DT, case):
     delta only. dK and dV are the two-pass kernels' bit for bit (the same products in the same
     order), dQ meets the rule."""
     from mma_tools import run_backward_kernels
-    B, H, Hkv, Nq, Nk, d, dv, causal, tiles = EMULATED[case]
-    dtype = _kind_dtype(DT)
-    q, k, v, do = make(rng, B, H, Nq, Nk, d, dv, dtype=dtype, kv_heads=Hkv)
-    o, lse = numflash.reference.attention(q, k, v, causal=causal, return_lse=True)
-    is_causal, off = parse_causal(causal, Nq, Nk)
-    args = (q, k, v, do, o.astype(dtype), lse.astype(np.float32), DT, is_causal, off)
+    args, tiles, causal = _emulated_16bit_arguments(rng, DT, case)
+    q, k, v, do = args[:4]
     two_pass = run_backward_kernels(*args, tiles=tiles)
     added = run_backward_kernels(*args, tiles=tiles, dqadd="red4")
     for a, b in zip(two_pass[1:], added[1:]):
