@@ -406,7 +406,8 @@ def emulator_namespace(emu, DT):
             "pack_f16x2": pack_f16x2, "pack_bf16x2": pack_bf16x2,
             "ldmatrix_x4": emu.ldmatrix_x4, "ldmatrix_x4_trans": emu.ldmatrix_x4_trans,
             "shared_addr": emu.shared_addr, "global_addr2": emu.global_addr2,
-            "red_add_f32x4": emu.red_add_f32x4, "cp_async_16": emu.cp_async_16, "cp_async_commit": emu.cp_async_commit,
+            "red_add_f32x4": emu.red_add_f32x4,
+            "cp_async_16": emu.cp_async_16, "cp_async_commit": emu.cp_async_commit,
             "cp_async_wait_0": lambda: emu.cp_async_wait(0),
             "cp_async_wait_1": lambda: emu.cp_async_wait(1),
             "ex2": np.exp2 if f64 else (lambda x: np.float32(np.exp2(np.float32(x))))}
