@@ -93,6 +93,12 @@ def column_chunks(D, DV, DT):
     return chunks
 
 
+def _tile_size(D, DV, chunks):
+    """The key of the tile tables for padded head dims D, DV split in ``chunks`` column slices:
+    64 or 128, the gradients' columns a block holds."""
+    return 64 if max(D, DV) // chunks <= 64 else 128
+
+
 def tiles(D, DV, smem_limit=None, window=False, mods=False, DT="f16", cc=None):
     """{"queries": MmaConfig, "keys": MmaConfig} of operand kind DT for padded head dims
     (``window``: the WINDOW variants; ``mods``: with score modifications; ``cc``: the compute
@@ -101,7 +107,7 @@ def tiles(D, DV, smem_limit=None, window=False, mods=False, DT="f16", cc=None):
     ``smem_limit`` (else the last, which config() refuses)."""
     chosen = {}
     chunks = column_chunks(D, DV, DT)
-    size = 64 if max(D, DV) // chunks <= 64 else 128   # the columns a block holds
+    size = _tile_size(D, DV, chunks)
     form = None
     if DT == "f64":   # as the forward (config.py): m16n8k8 only where sm_90 is known
         form = "m16n8k8" if cc is not None and cc >= (9, 0) else "m8n8k4"
@@ -198,8 +204,7 @@ def with_dq_adds(cfg, mode, smem_limit):
     """The pair of configs ``cfg`` with dQ by adds in DQADD ``mode``: the key pass on
     DQADD_TILES where its shared memory fits ``smem_limit`` (else on its own tile)."""
     keys = dataclasses.replace(cfg["keys"], DQADD=mode)
-    size = 64 if max(keys.D, keys.DV) <= 64 else 128
-    NW, BC, SUB = DQADD_TILES[size]
+    NW, BC, SUB = DQADD_TILES[_tile_size(keys.D, keys.DV, keys.CHUNKS or 1)]
     tiled = dataclasses.replace(keys, NW=NW, BC=BC, SUB=SUB)
     if shared_bytes(tiled, "keys") <= smem_limit:
         keys = tiled
