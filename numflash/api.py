@@ -6,7 +6,7 @@ from .cuda import fastpath as _fastpath
 from .inputs import check_grad_dtype, normalize, normalize_backward
 
 MOD_OPTIONS = ("score_mod", "mask_mod", "mod_args", "score_mod_grad", "window_size", "softcap",
-               "alibi_slopes", "attn_bias", "attn_mask", "block_mask")
+               "alibi_slopes", "attn_bias", "attn_mask", "block_mask", "score_mod_args_grad")
 
 
 def _with_mods(problem, options, dropout_p=0.0, dropout_seed=None):
@@ -34,13 +34,32 @@ def _with_bias_grad(problem, return_bias_grad):
     return problem
 
 
+def _with_mod_args_grad(problem, return_mod_args_grad):
+    """Ask the backward for the gradients of the mod_args that score_mod_args_grad
+    differentiates: problem.dmod_args, a tuple aligned with mod_args (zeros of each trained
+    array's shape and dtype on the inputs' side, which the kernel fills; None for the rest)."""
+    if not return_mod_args_grad:
+        return problem
+    mods = problem.mods
+    if mods is None or not mods.arg_grads:
+        raise ValueError("return_mod_args_grad=True needs score_mod_args_grad: a tuple aligned "
+                         "with mod_args, for each array that takes a gradient a function "
+                         "(score, b, h, q_idx, kv_idx, *mod_args) -> (index, d score_mod / d "
+                         "mod_args[n][index]), None for the rest (numflash.mods)")
+    args = mods.scores[-1][2]
+    trained = dict(mods.arg_grads)
+    problem.dmod_args = tuple(problem.xp.zeros(a.shape, a.dtype) if n in trained else None
+                              for n, a in enumerate(args))
+    return problem
+
+
 def _mod_options(score_mod, mask_mod, mod_args, score_mod_grad, window_size, softcap,
-                 alibi_slopes, attn_bias, attn_mask, block_mask):
+                 alibi_slopes, attn_bias, attn_mask, block_mask, score_mod_args_grad=None):
     """The modification options that were given (not left at their defaults)."""
     given = dict(score_mod=score_mod, mask_mod=mask_mod, mod_args=mod_args,
                  score_mod_grad=score_mod_grad, window_size=window_size, softcap=softcap,
                  alibi_slopes=alibi_slopes, attn_bias=attn_bias, attn_mask=attn_mask,
-                 block_mask=block_mask)
+                 block_mask=block_mask, score_mod_args_grad=score_mod_args_grad)
     return {k: v for k, v in given.items() if v is not None and not (k == "mod_args" and v == ())}
 
 
@@ -48,7 +67,8 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, layout="bhsd", backe
               algorithm="auto", return_lse=False, out=None, precision="auto", score_mod=None,
               mask_mod=None, mod_args=(), score_mod_grad=None, window_size=None, softcap=None,
               alibi_slopes=None, attn_bias=None, attn_mask=None,
-              block_mask=None, num_splits=None, dropout_p=0.0, dropout_seed=None):
+              block_mask=None, num_splits=None, dropout_p=0.0, dropout_seed=None,
+              score_mod_args_grad=None):
     """Exact attention softmax(softmax_scale * q k^T + mask) v with O(N) memory.
 
     q: (B, H, Nq, d), k: (B, Hk, Nk, d), v: (B, Hk, Nk, dv) for ``layout="bhsd"``;
@@ -84,7 +104,9 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, layout="bhsd", backe
     score_mod(score, b, h, q_idx, kv_idx, *mod_args) -> score, applied to the scaled score;
     mask_mod(b, h, q_idx, kv_idx, *mod_args) -> bool (True = the pair takes part); mod_args: a
     tuple of arrays and scalars both read; score_mod_grad: d score_mod / d score, same signature
-    (the backward needs it). Built-ins: window_size=(left, right) (-1 = unbounded; distances
+    (the backward needs it); score_mod_args_grad: the score_mod's derivatives in trainable
+    mod_args, for :func:`attention_backward`'s ``return_mod_args_grad`` (see there; the forward
+    only checks it). Built-ins: window_size=(left, right) (-1 = unbounded; distances
     from the causal alignment's diagonal, top-left unless causal="bottom_right"); softcap
     (cap * tanh(score / cap)); alibi_slopes ((H,) or (B, H): score - slope * |i + offset - j|);
     attn_bias (float, broadcastable to (B, H, Nq, Nk), added; never expanded in memory);
@@ -113,7 +135,8 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, layout="bhsd", backe
     :func:`explain` shows the choice without running it.
     """
     mod_options = _mod_options(score_mod, mask_mod, mod_args, score_mod_grad, window_size,
-                               softcap, alibi_slopes, attn_bias, attn_mask, block_mask)
+                               softcap, alibi_slopes, attn_bias, attn_mask, block_mask,
+                               score_mod_args_grad)
     key = None
     if out is None and not mod_options and not dropout_p:  # a repeated CuPy call replays its
         #                                                    recorded launch
@@ -158,7 +181,8 @@ def attention_backward(do, q, k, v, o, lse, *, causal=False, softmax_scale=None,
                        dq=None, dk=None, dv=None, grad_dtype=None, score_mod=None, mask_mod=None,
                        mod_args=(), score_mod_grad=None, window_size=None, softcap=None,
                        alibi_slopes=None, attn_bias=None, attn_mask=None, block_mask=None,
-                       dropout_p=0.0, dropout_seed=None, return_bias_grad=False):
+                       dropout_p=0.0, dropout_seed=None, return_bias_grad=False,
+                       score_mod_args_grad=None, return_mod_args_grad=False):
     """Gradients (dq, dk, dv) of :func:`attention` for the output gradient ``do``, in O(N) memory.
 
     ``o`` and ``lse`` are what ``attention(q, k, v, ..., return_lse=True)`` returned for the same
@@ -190,11 +214,22 @@ def attention_backward(do, q, k, v, o, lse, *, causal=False, softmax_scale=None,
     return_bias_grad: also return attn_bias's gradient, ``(dq, dk, dv, dbias)``: each pair's
         dS (through the score_mods after the bias) summed over the dims the bias broadcasts
         along, in the bias's shape and dtype (a (B, 1, 1, Nk) or (1, H, Nq, Nk) bias gets a
-        gradient of that shape, never an expanded one). No gradient flows to mod_args or
-        alibi_slopes.
+        gradient of that shape, never an expanded one). No gradient flows to alibi_slopes.
+    return_mod_args_grad: also return the gradients of trainable mod_args, last, as a tuple
+        aligned with mod_args (each in its array's shape and dtype; None for an argument that
+        takes none). ``score_mod_args_grad`` says how the score_mod depends on them: a tuple
+        aligned with mod_args of functions ``(score, b, h, q_idx, kv_idx, *mod_args) ->
+        (index, derivative)``, the element of mod_args[n] the pair's score_mod reads (an int,
+        or a tuple of ints for an array of more dims) and d score_mod / d that element, None
+        for arguments that take no gradient. Each visible pair adds dS x derivative there (for
+        a relative-position bias table: index = the pair's bucket, derivative 1; an index
+        outside the array raises IndexError). The CPU path sums them in float64, one copy a
+        task summed in a fixed order (deterministic); cuda.mma by float64 atomic adds (refused
+        with ``deterministic=True`` and packed sequences).
     """
     mod_options = _mod_options(score_mod, mask_mod, mod_args, score_mod_grad, window_size,
-                               softcap, alibi_slopes, attn_bias, attn_mask, block_mask)
+                               softcap, alibi_slopes, attn_bias, attn_mask, block_mask,
+                               score_mod_args_grad)
     if _is_torch(q):
         from . import torch as _torch
         return _torch.attention_backward(do, q, k, v, o, lse, causal=causal,
@@ -203,11 +238,14 @@ def attention_backward(do, q, k, v, o, lse, *, causal=False, softmax_scale=None,
                                          precision=precision, deterministic=deterministic,
                                          dq=dq, dk=dk, dv=dv, grad_dtype=grad_dtype,
                                          dropout_p=dropout_p, dropout_seed=dropout_seed,
-                                         return_bias_grad=return_bias_grad, **mod_options)
-    problem = _with_bias_grad(_with_mods(normalize_backward(
+                                         return_bias_grad=return_bias_grad,
+                                         return_mod_args_grad=return_mod_args_grad,
+                                         **mod_options)
+    problem = _with_mod_args_grad(_with_bias_grad(_with_mods(normalize_backward(
         do, q, k, v, o, lse, causal=causal, softmax_scale=softmax_scale, layout=layout,
         precision=precision, deterministic=deterministic, dq=dq, dk=dk, dv=dv,
-        grad_dtype=grad_dtype), mod_options, dropout_p, dropout_seed), return_bias_grad)
+        grad_dtype=grad_dtype), mod_options, dropout_p, dropout_seed), return_bias_grad),
+        return_mod_args_grad)
     if problem.mods is not None and not problem.mods.has_grad:
         raise ValueError(f"the backward needs the derivative of every score_mod: "
                          f"{', '.join(problem.mods.missing_grad())} has none; pass "
@@ -219,9 +257,10 @@ def attention_backward(do, q, k, v, o, lse, *, causal=False, softmax_scale=None,
         for g in (problem.dq, problem.dk, problem.dv, problem.dbias):
             if g is not None:
                 g[...] = 0
-    else:
+    else:   # (dmod_args are zeros until a kernel adds into them)
         plan.run(problem)
-    return problem.result if problem.dbias is None else problem.result + (problem.dbias,)
+    return problem.result + ((problem.dbias,) if problem.dbias is not None else ()) + \
+        ((problem.dmod_args,) if problem.dmod_args is not None else ())
 
 
 def _is_torch(x):
@@ -235,7 +274,8 @@ def explain(q, k, v, *, causal=False, softmax_scale=None, layout="bhsd", backend
             deterministic=False, grad_dtype=None, score_mod=None, mask_mod=None, mod_args=(),
             score_mod_grad=None, window_size=None, softcap=None, alibi_slopes=None,
             attn_bias=None, attn_mask=None, block_mask=None, num_splits=None, dropout_p=0.0,
-            dropout_seed=None, return_bias_grad=False):
+            dropout_seed=None, return_bias_grad=False, score_mod_args_grad=None,
+            return_mod_args_grad=False):
     """The :class:`numflash.plan.Plan` that :func:`attention` would run for these arguments
     (with ``backward=True``: that :func:`attention_backward` would run for these q, k, v, and
     ``deterministic`` and ``grad_dtype`` as it takes them).
@@ -243,10 +283,12 @@ def explain(q, k, v, *, causal=False, softmax_scale=None, layout="bhsd", backend
     ``str(plan)`` names the kernel and its tile config and, for every kernel not chosen, why.
     Raises the same errors as :func:`attention` would (``dropout_seed`` may be left out: the
     plan does not depend on it). With ``backward=True``, ``return_bias_grad=True`` plans for
-    attn_bias's gradient too (the kernels that compute it, and how).
+    attn_bias's gradient too (the kernels that compute it, and how), and
+    ``return_mod_args_grad=True`` for those of mod_args.
     """
     mod_options = _mod_options(score_mod, mask_mod, mod_args, score_mod_grad, window_size,
-                               softcap, alibi_slopes, attn_bias, attn_mask, block_mask)
+                               softcap, alibi_slopes, attn_bias, attn_mask, block_mask,
+                               score_mod_args_grad)
     if _is_torch(q):  # the plan for the tensors' memory, seen as NumPy / CuPy arrays
         from . import torch as _torch
         if num_splits is not None:
@@ -266,8 +308,10 @@ def explain(q, k, v, *, causal=False, softmax_scale=None, layout="bhsd", backend
     if backward:
         problem.direction, problem.deterministic = "backward", bool(deterministic)
         problem.grad_dtype = check_grad_dtype(grad_dtype, problem.dtype)
-        _with_bias_grad(problem, return_bias_grad)
-    elif grad_dtype is not None or return_bias_grad:
-        raise ValueError(f"{'grad_dtype' if grad_dtype is not None else 'return_bias_grad'} "
-                         f"is a backward option: pass backward=True with it")
+        _with_mod_args_grad(_with_bias_grad(problem, return_bias_grad), return_mod_args_grad)
+    elif grad_dtype is not None or return_bias_grad or return_mod_args_grad:
+        name = next(n for n, given in (("grad_dtype", grad_dtype is not None),
+                                       ("return_bias_grad", return_bias_grad),
+                                       ("return_mod_args_grad", return_mod_args_grad)) if given)
+        raise ValueError(f"{name} is a backward option: pass backward=True with it")
     return _plan.choose(problem, backend, algorithm)

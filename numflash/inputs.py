@@ -103,6 +103,9 @@ class Problem:
     dropout: object = None  # numflash.dropout.Dropout: p and seed of attention dropout, or None
     dbias: object = None    # the backward's attn_bias gradient (bias's shape and dtype), written
     #                         by kernels that declare bias_grad; None when not asked for
+    dmod_args: tuple = None  # the backward's gradients of mod_args (numflash.api's
+    #                          _with_mod_args_grad), added into by kernels that declare
+    #                          mod_args_grad; None when not asked for
 
     @property
     def shape(self):

@@ -38,6 +38,7 @@ class Operator:
     varlen: bool = False              # runs packed sequences in one launch (attention_varlen)
     dropout: bool = False             # attention dropout (dropout_p > 0, numflash.dropout)
     bias_grad: bool = False           # the backward returns attn_bias's gradient
+    mod_args_grad: bool = False       # the backward returns trainable mod_args' gradients
     summary: str = ""
 
     @property
@@ -61,6 +62,10 @@ class Operator:
         if getattr(problem, "dbias", None) is not None and not self.bias_grad:
             return (f"{self.name} does not compute attn_bias's gradient; the CPU path (cpu.tiled) "
                     f"and cuda.mma (CuPy arrays, compute capability >= 8.0) do")
+        if getattr(problem, "dmod_args", None) is not None and not self.mod_args_grad:
+            return (f"{self.name} does not compute mod_args' gradients (score_mod_args_grad); "
+                    f"the CPU path (cpu.tiled) and cuda.mma (CuPy arrays, compute capability "
+                    f">= 8.0) do")
         if getattr(problem, "kvcache", None) is not None and not self.kvcache:
             return (f"{self.name} does not read a KV cache in one launch; cuda.mma's forward "
                     f"does (CuPy arrays, compute capability >= 8.0), and "
@@ -172,7 +177,7 @@ FORWARD = (
 BACKWARD = (
     Operator("cpu.tiled", "cpu", "block", _cpu_backward,
              dtypes=("float16", "float32", "float64"), direction="backward", mods="all",
-             dropout=True, bias_grad=True,
+             dropout=True, bias_grad=True, mod_args_grad=True,
              summary="numba.njit FlashAttention-2 backward: parallel over (batch, head, key-block "
                      "split), P recomputed from lse tile by tile, dQ per split summed in a "
                      "fixed order (always deterministic)"),
@@ -180,7 +185,7 @@ BACKWARD = (
              dtypes=("float16", "bfloat16", "float32", "float64"), max_head_dim=256,
              direction="backward", min_cc=(8, 0), min_cc_why="mma.sync bf16 / f64, cp.async",
              runs_in_simulator=False, tf32=True, mods="all", varlen=True, dropout=True,
-             bias_grad=True,
+             bias_grad=True, mod_args_grad=True,
              summary="FlashAttention-2 backward on tensor cores (mma.sync m16n8k16, ldmatrix, "
                      "cp.async double buffering; float32 as 3xTF32 on m16n8k8 tf32, float64 "
                      "on float64 mma.sync): a query pass (dQ) and a key pass (dK, dV, GQA "
@@ -190,7 +195,8 @@ BACKWARD = (
                      "into a float32 accumulator and the query pass computes delta only (5 "
                      "products, not 7); head dims past 128 (float64: 64) split the gradients' "
                      "columns over the grid; sliding windows skip the tiles outside them, "
-                     "other modifications and their derivatives are applied score by score"),
+                     "other modifications and their derivatives are applied score by score, "
+                     "attn_bias's and mod_args' gradients added from the key pass"),
     Operator("cuda.row", "cuda", "row", _cuda_row_backward,
              dtypes=("float16", "bfloat16", "float32", "float64"), max_head_dim=256,
              direction="backward",

@@ -8,8 +8,13 @@ A modification is a plain Python function that numba can compile:
   signature, is ``score_mod_grad`` (the backward needs it; without it the backward refuses).
 
 ``h`` is the query head; q_idx and kv_idx are positions in q and k. The backward returns
-attn_bias's gradient on request (``return_bias_grad``; :func:`bias_grad_accumulator`), none for
-mod_args. The built-in options of
+attn_bias's gradient on request (``return_bias_grad``; :func:`bias_grad_accumulator`), and those
+of trainable mod_args (``return_mod_args_grad``): ``score_mod_args_grad`` is a tuple aligned with
+mod_args holding, for a float array the score_mod reads one element of per pair (a bias table, a
+learned slope a head), a function with score_mod's signature returning ``(index, derivative)``:
+which element of that array the pair's score reads (an int for a 1-D array, else a tuple of
+ints) and d score_mod / d that element; None for the other arguments (the CPU path and
+cuda.mma compute them). The built-in options of
 :func:`numflash.attention` (``window_size``, ``softcap``, ``alibi_slopes``, ``attn_bias``,
 ``attn_mask``) are such functions with their own arguments, and :func:`document_mask` /
 :func:`prefix_lm_mask` build mask_mods for packed documents and prefix-LM. All the modifications of
@@ -125,7 +130,8 @@ class Mods:
     :func:`window_key_range`): a kernel can skip the key tiles outside it instead of masking them.
     """
 
-    def __init__(self, masks, scores, names, kinds, window=None, block=None, bias=None):
+    def __init__(self, masks, scores, names, kinds, window=None, block=None, bias=None,
+                 arg_grads=()):
         self.masks = tuple(masks)      # ((fn, args), ...)
         self.scores = tuple(scores)    # ((fn, grad or None, args), ...)
         self.names = tuple(names)
@@ -140,6 +146,10 @@ class Mods:
         # attn_bias's (position among ``scores``, shape as the caller gave it, dtype), or None:
         # where its gradient is taken (see :meth:`grad`) and what it is summed back to
         self.bias = bias
+        # ((n, fn), ...): score_mod_args_grad's functions, fn giving (index, derivative) of
+        # mod_args[n] at a pair; the user's score_mod, whose arguments they are, applies last
+        # (so d loss / d its output is the softmax's dS itself)
+        self.arg_grads = tuple(arg_grads)
 
     @property
     def args(self):
@@ -156,7 +166,8 @@ class Mods:
         return [getattr(f, "__name__", repr(f)) for f, g, _ in self.scores if g is None]
 
     def key(self):
-        return tuple(f for f, _ in self.masks) + tuple((f, g) for f, g, _ in self.scores)
+        return tuple(f for f, _ in self.masks) + tuple((f, g) for f, g, _ in self.scores) + \
+            tuple(fn for _, fn in self.arg_grads)
 
     def argument_types(self):
         """What a compiled kernel depends on in the arguments: each one's type, and an array's
@@ -193,9 +204,29 @@ class Mods:
             x = np.float64(f(x, b, h, i, j, *a))
         return g, gb
 
+    def arg_grad_terms(self, x, b, h, i, j):
+        """[(n, index, derivative)] of score_mod_args_grad at a visible pair whose scaled score
+        is ``x``: d score / d mod_args[n][index] (the user's score_mod applies last)."""
+        if not self.arg_grads:
+            return []
+        *before, (_, _, args) = self.scores
+        for f, _, a in before:
+            x = np.float64(f(x, b, h, i, j, *a))
+        terms = []
+        for n, fn in self.arg_grads:
+            at, d = fn(x, b, h, i, j, *args)
+            index = at if isinstance(at, tuple) else (at,)
+            if len(index) != args[n].ndim or not all(0 <= a < m for a, m in
+                                                     zip(index, args[n].shape)):
+                raise IndexError(f"score_mod_args_grad[{n}] gave index {at!r}, outside "
+                                 f"mod_args[{n}] of shape {args[n].shape}")
+            terms.append((n, at, d))
+        return terms
+
     # -- compiled, for the kernels --
     def compiled(self):
-        """(apply_forward, apply_backward, visible, live) njit functions of the composition."""
+        """(apply_forward, apply_backward, visible, live, add_arg_grads) njit functions of the
+        composition (add_arg_grads None without score_mod_args_grad)."""
         key = self.key() + (self.block is not None,)
         hit = _COMPILED.get(key)
         if hit is None:
@@ -253,11 +284,15 @@ def _compile(mods):
 
     apply_forward(s, b, h, i0, j0, scale, args): s <- the modified scaled scores, -inf where a
         mask says no (a -inf already there, the causal mask's, stays);
-    apply_backward(s, g, gb, ...): the same, and g <- d(modified)/d(scaled score) (0 where
-        masked), gb <- d(modified)/d(the value after attn_bias is added) (1 without a bias);
+    apply_backward(s, g, gb, xa, ...): the same, and g <- d(modified)/d(scaled score) (0 where
+        masked), gb <- d(modified)/d(the value after attn_bias is added) (1 without a bias),
+        with score_mod_args_grad xa <- the score entering the user's score_mod;
     visible(b, h, i, j, args): whether the masks let the pair take part;
     live(b, h, i0, rows, j0, cols, args): False when a block mask marks every block the tile
-        touches EMPTY (the tile is skipped), True otherwise (always, without a block mask).
+        touches EMPTY (the tile is skipped), True otherwise (always, without a block mask);
+    add_arg_grads(ds, x, b, h, i, j, args, accs, task): for each of score_mod_args_grad's
+        functions, accs[k][task][index] += ds * derivative at pair (i, j), whose score entering
+        the user's score_mod is x (an index outside the array raises IndexError).
     ``args`` is the tuple of every function's argument tuple, in :attr:`Mods.args` order.
     """
     from numba import njit
@@ -271,9 +306,12 @@ def _compile(mods):
     lines_vis.append("    return " + (" and ".join(cond) if cond else "True"))
     score_lines, grad_lines = [], []
     bias_at = mods.bias[0] if mods.bias is not None else len(mods.scores)
+    user_at = len(mods.scores) - 1  # the user's score_mod, when score_mod_args_grad is given
     for n, (f, g, _) in enumerate(mods.scores):
         env[f"s{n}"] = _jit(f, "score_mod")
         a = f"*args[{n_masks + n}]"
+        if mods.arg_grads and n == user_at:
+            grad_lines.append("                xa[r, c] = x")
         if g is not None:
             env[f"g{n}"] = _jit(g, "score_mod_grad")
             grad_lines.append(f"                d = g{n}(x, b, h, i, j, {a})")
@@ -285,7 +323,7 @@ def _compile(mods):
 
     def apply_source(name, grad):
         """One tile loop for both directions: the backward's also keeps the derivative."""
-        lines = [f"def {name}(s, {'g, gb, ' if grad else ''}b, h, i0, j0, scale, args):",
+        lines = [f"def {name}(s, {'g, gb, xa, ' if grad else ''}b, h, i0, j0, scale, args):",
                  "    for r in range(s.shape[0]):",
                  "        i = i0 + r",
                  "        for c in range(s.shape[1]):"]
@@ -313,13 +351,35 @@ def _compile(mods):
                 "            if state[b, h, qb, kb] != 0:",
                 "                return True",
                 "    return False"]
+    adds = ["def add_arg_grads(ds, x, b, h, i, j, args, accs, task):"]
+    for k, (n, fn) in enumerate(mods.arg_grads):
+        env[f"a{k}"] = _jit(fn, "score_mod_args_grad function")
+        ndim = mods.scores[-1][2][n].ndim
+        adds += [f"    at, d = a{k}(x, b, h, i, j, *args[{n_masks + user_at}])",
+                 f"    if not ({index_in_bounds('at', f'accs[{k}].shape[1:]', ndim)}):",
+                 f"        raise IndexError('score_mod_args_grad[{n}] gave an index outside "
+                 f"mod_args[{n}]')",
+                 f"    accs[{k}][task][at] += ds * d"]
     exec("\n".join(lines_vis), env)  # noqa: S102 - generated from the functions' names only
     exec("\n".join(live), env)  # noqa: S102
     env["visible"] = njit(env["visible"])
     exec(apply_source("apply_forward", False), env)  # noqa: S102
     exec(apply_source("apply_backward", True), env)  # noqa: S102
+    add_arg_grads = None
+    if mods.arg_grads:
+        exec("\n".join(adds), env)  # noqa: S102
+        add_arg_grads = njit(env["add_arg_grads"])
     return (njit(env["apply_forward"]), njit(env["apply_backward"]), env["visible"],
-            njit(env["live"]))
+            njit(env["live"]), add_arg_grads)
+
+
+def index_in_bounds(index, shape, ndim):
+    """Source of the condition that ``index`` (an int for ``ndim`` 1, else a tuple of ints) lies
+    inside ``shape`` (a source expression of a tuple), negative entries refused: what
+    score_mod_args_grad's functions must give, checked the same way on every backend."""
+    if ndim == 1:
+        return f"0 <= {index} < {shape}[0]"
+    return " and ".join(f"0 <= {index}[{a}] < {shape}[{a}]" for a in range(ndim))
 
 
 # ---- checking the options and building a call's Mods ----
@@ -362,7 +422,7 @@ def _broadcast(name, a, shape, dims):
 
 def build(problem_shape, kind, causal_offset, *, device_id=None, score_mod=None, mask_mod=None,
           mod_args=(), score_mod_grad=None, window_size=None, softcap=None, alibi_slopes=None,
-          attn_bias=None, attn_mask=None, block_mask=None):
+          attn_bias=None, attn_mask=None, block_mask=None, score_mod_args_grad=None):
     """The :class:`Mods` of one call, or None when it has none (checked: each argument named in
     its error). ``kind``: "numpy" or "cupy" (then arrays must be CuPy arrays on GPU
     ``device_id``)."""
@@ -452,11 +512,43 @@ def build(problem_shape, kind, causal_offset, *, device_id=None, score_mod=None,
         kinds.append("score_mod")
     elif score_mod_grad is not None:
         raise ValueError("score_mod_grad was given without a score_mod")
+    arg_grads = ()
+    if score_mod_args_grad is not None:
+        if score_mod is None:
+            raise ValueError("score_mod_args_grad was given without a score_mod (its functions "
+                             "are the score_mod's derivatives in mod_args)")
+        arg_grads = _arg_grad_functions(score_mod_args_grad, scores[-1][2])
     if mod_args and score_mod is None and mask_mod is None:
         raise ValueError("mod_args were given without a score_mod or mask_mod to read them")
     if not masks and not scores:
         return None
-    return Mods(masks, scores, names, kinds, window, block, bias_at)
+    return Mods(masks, scores, names, kinds, window, block, bias_at, arg_grads)
+
+
+def _arg_grad_functions(functions, args):
+    """score_mod_args_grad checked against the (converted) mod_args: ((n, fn), ...) for the
+    entries that are functions, each for a float array."""
+    if not isinstance(functions, tuple) or len(functions) != len(args):
+        raise TypeError(f"score_mod_args_grad must be a tuple aligned with mod_args ({len(args)} "
+                        f"entries: a function for each trainable array, None for the rest); got "
+                        f"{functions!r}")
+    out = []
+    for n, (fn, a) in enumerate(zip(functions, args)):
+        if fn is None:
+            continue
+        if not callable(fn):
+            raise TypeError(f"score_mod_args_grad[{n}] must be a function or None; got "
+                            f"{type(fn).__name__}")
+        if getattr(a, "ndim", 0) < 1 or np.dtype(a.dtype).kind != "f":
+            raise TypeError(f"score_mod_args_grad[{n}] is given, but mod_args[{n}] is not a "
+                            f"float array ({type(a).__name__}"
+                            f"{f' of {a.dtype}' if hasattr(a, 'dtype') else ''}): gradients "
+                            f"flow to float arrays only")
+        out.append((n, fn))
+    if not out:
+        raise ValueError("score_mod_args_grad holds no function: give one for each mod_args "
+                         "array that takes a gradient, or leave it None")
+    return tuple(out)
 
 
 def bias_grad_accumulator(xp, out, full, dtype):

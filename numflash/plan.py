@@ -29,6 +29,7 @@ class Plan:
     notes: list = field(default_factory=list)  # the kernel's schedule in words (split-KV)
     dropout: bool = False  # the kernel drops P (numflash.dropout)
     bias_grad: bool = False  # the backward also returns attn_bias's gradient
+    mod_args_grad: bool = False  # ... and trainable mod_args' gradients
 
     @property
     def operator(self):
@@ -88,6 +89,11 @@ class Plan:
             lines.append("  attn_bias gradient: each pair's dS (through the score_mods after the "
                          "bias) summed into an array of the bias's shape in the kernel, nothing "
                          "of size Nq x Nk beyond the bias's own")
+        if self.mod_args_grad:
+            lines.append("  mod_args gradients: each visible pair's dS times score_mod_args_grad's "
+                         "derivative, added at its index" + (
+                             " into one float64 copy of the trained arrays a task, summed in a "
+                             "fixed order" if self.backend == "cpu" else ""))
         lines += [f"  {note}" for note in self.notes]
         for name, why in self.rejected.items():
             lines.append(f"  not {name}: {why}")
@@ -160,6 +166,7 @@ def choose(problem, backend="auto", algorithm="auto"):
            getattr(problem, "dropout", None) is not None,  # its p and seed are run-time values
            # attn_bias's gradient: kernels arrange their tasks by the dims it broadcasts along
            None if getattr(problem, "dbias", None) is None else problem.dbias.shape,
+           getattr(problem, "dmod_args", None) is not None,
            # cuda.mma's backward adds dQ atomically unless asked for repeatable gradients
            getattr(problem, "deterministic", False),
            problem.kind, problem.dtype,
@@ -243,5 +250,6 @@ def _choose(problem, backend, algorithm, device=None):
                 mods="" if mods is None else str(mods), dtype=problem.dtype_name,
                 notes=notes(problem, config, device) if notes else [],
                 dropout=getattr(problem, "dropout", None) is not None,
-                bias_grad=getattr(problem, "dbias", None) is not None)
+                bias_grad=getattr(problem, "dbias", None) is not None,
+                mod_args_grad=getattr(problem, "dmod_args", None) is not None)
 

@@ -59,10 +59,13 @@ def _apply_mods(s, visible, mods, rows, want_grad):
     """The scores after the modifications, pair by pair in plain Python (float64): a pair a mask
     refuses becomes -inf and not visible; score_mods apply in order. Also, when asked, the
     derivative of the composed score_mod at each visible pair and that of the score_mods after
-    an attn_bias (Mods.grad's two values), stacked: (2, B, H, Nq, Nk)."""
+    an attn_bias (Mods.grad's two values), stacked: (2, B, H, Nq, Nk), and the visible pairs'
+    derivatives in trainable mod_args, [(b, h, i, j, n, index, derivative)]
+    (Mods.arg_grad_terms)."""
     s = np.array(s, copy=True)
     vis = np.array(np.broadcast_to(visible, s.shape), copy=True)
     grad = np.zeros((2,) + s.shape) if want_grad else None
+    terms = []
     for b, h, i, j in zip(*np.nonzero(vis)):
         pos = int(rows[i])
         if not mods.visible(b, h, pos, j):
@@ -73,8 +76,9 @@ def _apply_mods(s, visible, mods, rows, want_grad):
         x = np.float64(s[b, h, i, j])
         if want_grad:
             grad[:, b, h, i, j] = mods.grad(x, b, h, pos, j)
+            terms += [(b, h, i, j) + t for t in mods.arg_grad_terms(x, b, h, pos, j)]
         s[b, h, i, j] = mods.score(x, b, h, pos, j)
-    return s, vis, grad
+    return s, vis, grad, terms
 
 
 def _scores(q, k, *, scale, causal, causal_offset, dtype, query_positions, mods=None,
@@ -82,8 +86,8 @@ def _scores(q, k, *, scale, causal, causal_offset, dtype, query_positions, mods=
     """(scale * q k^T in ``dtype`` with masked-out positions at -inf, the (Nq, Nk) mask of the
     pairs that see each other, (B, H, Nq, Nk) with modifications). A pair is masked by the masks
     alone: a -inf score that the data make (an inf in q or k) is still a visible pair. With
-    ``want_grad`` a third value: the score_mods' derivatives (_apply_mods'; None without
-    modifications)."""
+    ``want_grad`` a third and a fourth value: the score_mods' derivatives and those in trainable
+    mod_args (_apply_mods'; None and [] without modifications)."""
     with np.errstate(invalid="ignore", over="ignore"):
         s = np.matmul(q, np.swapaxes(k, -1, -2)) * dtype(scale)
     nq, nk = q.shape[-2], k.shape[-2]
@@ -92,12 +96,12 @@ def _scores(q, k, *, scale, causal, causal_offset, dtype, query_positions, mods=
         rows = np.arange(nq) if query_positions is None else np.asarray(query_positions)
         visible = np.arange(nk)[None, :] <= rows[:, None] + causal_offset
         s = np.where(visible, s, -np.inf)
-    grad = None
+    grad, terms = None, []
     if mods is not None:
         rows = np.arange(nq) if query_positions is None else np.asarray(query_positions)
-        s, visible, grad = _apply_mods(s, visible, mods, rows, want_grad)
+        s, visible, grad, terms = _apply_mods(s, visible, mods, rows, want_grad)
         s = s.astype(dtype)
-    return (s, visible, grad) if want_grad else (s, visible)
+    return (s, visible, grad, terms) if want_grad else (s, visible)
 
 
 def _exp_and_sums(s, dtype):
@@ -151,10 +155,13 @@ def naive(q, k, v, *, scale, causal=False, causal_offset=0, dtype=np.float64, qu
 
 
 def naive_backward(do, q, k, v, *, scale, causal=False, causal_offset=0, dtype=np.float64, o=None,
-                   mods=None, stored=None, dropout=None, bias_grad=False):
+                   mods=None, stored=None, dropout=None, bias_grad=False, mod_args_grad=False):
     """Gradients (dq, dk, dv) of naive attention for the output gradient ``do``, in ``dtype``;
     with ``bias_grad`` also that of the attn_bias among ``mods`` (dS through the score_mods
-    after the bias, summed over the dims it broadcasts along, in its shape).
+    after the bias, summed over the dims it broadcasts along, in its shape); with
+    ``mod_args_grad`` last a tuple aligned with mod_args: the gradients of those
+    score_mod_args_grad differentiates (each visible pair's dS times its derivative, added at
+    its index; None for the others).
 
     The textbook backward: P = softmax(S), dV = P^T dO, dP = dO V^T, D = rowsum(dO * O),
     dS = P * (dP - D), dQ = scale dS K, dK = scale dS^T Q. ``o``: the forward output as it was
@@ -170,8 +177,9 @@ def naive_backward(do, q, k, v, *, scale, causal=False, causal_offset=0, dtype=n
     do, q, k, v = (np.asarray(a, dtype=dtype) for a in (do, q, k, v))
     kv_heads = k.shape[1]
     k, v = _shared_heads(q, k), _shared_heads(q, v)
-    s, visible, grad = _scores(q, k, scale=scale, causal=causal, causal_offset=causal_offset,
-                               dtype=dtype, query_positions=None, mods=mods, want_grad=True)
+    s, visible, grad, terms = _scores(q, k, scale=scale, causal=causal,
+                                      causal_offset=causal_offset, dtype=dtype,
+                                      query_positions=None, mods=mods, want_grad=True)
     p, l, _ = _exp_and_sums(s, dtype)
     with np.errstate(divide="ignore", invalid="ignore"):
         p = keep(p / np.where(l == 0, 1, l).astype(dtype))  # a NaN row sum poisons its row
@@ -196,14 +204,27 @@ def naive_backward(do, q, k, v, *, scale, causal=False, causal_offset=0, dtype=n
     dk = _visible_matmul(np.swapaxes(ds, -1, -2), q, vis_t)
     dk, dv = _group_sum(dk, kv_heads), _group_sum(dv, kv_heads)
     grads = (dq.astype(dtype), dk.astype(dtype), dv.astype(dtype))
-    if not bias_grad:
-        return grads
-    if mods is None or mods.bias is None:
-        raise ValueError("bias_grad needs an attn_bias among the modifications")
-    with np.errstate(invalid="ignore"):
-        dbias = keep(np.where(vis, ds_softmax * grad[1].astype(dtype), 0))
-    from .mods import sum_to_shape
-    return grads + (sum_to_shape(dbias, mods.bias[1]).astype(dtype),)
+    if bias_grad:
+        if mods is None or mods.bias is None:
+            raise ValueError("bias_grad needs an attn_bias among the modifications")
+        with np.errstate(invalid="ignore"):
+            dbias = keep(np.where(vis, ds_softmax * grad[1].astype(dtype), 0))
+        from .mods import sum_to_shape
+        grads += (sum_to_shape(dbias, mods.bias[1]).astype(dtype),)
+    if mod_args_grad:
+        if mods is None or not mods.arg_grads:
+            raise ValueError("mod_args_grad needs score_mod_args_grad among the modifications")
+        args = mods.scores[-1][2]
+        trained = dict(mods.arg_grads)
+        # summed in ``dtype``, as a framework computing in it scatter-adds these gradients
+        sums = tuple(np.zeros(np.shape(a), dtype) if n in trained else None
+                     for n, a in enumerate(args))
+        ds_kept = keep(ds_softmax)
+        for b, h, i, j, n, at, deriv in terms:
+            if vis[b, h, i, j]:  # (a row that sees nothing contributes nothing)
+                sums[n][at] += ds_kept[b, h, i, j] * dtype(deriv)
+        grads += (sums,)
+    return grads
 
 
 def _dropout_factors(dropout, shape, query_positions, dtype):
@@ -229,11 +250,12 @@ def _group_sum(g, kv_heads):
 def attention_backward(do, q, k, v, o=None, lse=None, *, causal=False, softmax_scale=None,
                        layout="bhsd", backend="auto", algorithm="auto", precision="auto",
                        deterministic=False, dq=None, dk=None, dv=None, dropout_p=0.0,
-                       dropout_seed=None, return_bias_grad=False, **mod_options):
+                       dropout_seed=None, return_bias_grad=False, return_mod_args_grad=False,
+                       **mod_options):
     """Float64 naive gradients with the signature of :func:`numflash.attention_backward`.
 
     Returns float64 NumPy (dq, dk, dv) in ``layout`` (and attn_bias's gradient, in its shape,
-    with ``return_bias_grad``). ``o`` and ``lse`` may be omitted (the
+    with ``return_bias_grad``; mod_args' gradients, last, with ``return_mod_args_grad``). ``o`` and ``lse`` may be omitted (the
     reference recomputes them); ``backend``, ``algorithm``, ``precision``, ``deterministic``
     and the output arrays are accepted for signature compatibility and ignored.
     """
@@ -243,6 +265,6 @@ def attention_backward(do, q, k, v, o=None, lse=None, *, causal=False, softmax_s
                            causal=p.causal, causal_offset=p.causal_offset,
                            mods=mods_of(p, mod_options),
                            dropout=_dropout.build(dropout_p, dropout_seed),
-                           bias_grad=return_bias_grad)
+                           bias_grad=return_bias_grad, mod_args_grad=return_mod_args_grad)
     return tuple(g if layout == "bhsd" else g.transpose(0, 2, 1, 3) for g in grads[:3]) + \
         grads[3:]

@@ -123,7 +123,8 @@ class GradientReport:
 def check_backward(grads, do, q, k, v, *, causal=False, softmax_scale=None, layout="bhsd",
                    dropout_p=0.0, dropout_seed=None, **mod_options):
     """Compare gradients (dq, dk, dv) for output gradient ``do`` with the float64 reference;
-    a fourth, ``dbias``, is attn_bias's gradient (in the bias's shape).
+    a fourth, ``dbias``, is attn_bias's gradient (in the bias's shape); a last tuple, mod_args'
+    gradients (as ``return_mod_args_grad`` gives them; each compared as ``mod_args[n]``).
 
     The naive backward in the same dtype reads its own forward output rounded to that dtype, as a
     kernel reads the stored o (D = rowsum(dO * O) depends on it). For float16 / bfloat16 it runs
@@ -134,24 +135,42 @@ def check_backward(grads, do, q, k, v, *, causal=False, softmax_scale=None, layo
     bhsd = (lambda a: a) if layout == "bhsd" else (lambda a: a.transpose(0, 2, 1, 3))
     dt = p.dtype
     raw = [_to_host(a) for a in (bhsd(do), p.q, p.k, p.v)]
+    arg_grads = isinstance(grads[-1], tuple)
+    arrays = grads[:-1] if arg_grads else grads
     opts = dict(scale=p.scale, causal=p.causal, causal_offset=p.causal_offset,
                 mods=reference.mods_of(p, mod_options),
-                dropout=_dropout.build(dropout_p, dropout_seed), bias_grad=len(grads) == 4)
+                dropout=_dropout.build(dropout_p, dropout_seed), bias_grad=len(arrays) == 4,
+                mod_args_grad=arg_grads)
     ref = reference.naive_backward(*(a.astype(np.float64) for a in raw), **opts)
     work = np.float32 if dt.name in ("float16", "bfloat16") else dt.type
     o_low, _ = reference.naive(*raw[1:], dtype=work, **{k: v for k, v in opts.items()
-                                                          if k != "bias_grad"})
+                                                          if not k.endswith("_grad")})
     stored = dt if dt.name in ("float16", "bfloat16") else None
     naive = reference.naive_backward(*raw, dtype=work, o=o_low.astype(dt), stored=stored, **opts)
-    names = ("dq", "dk", "dv", "dbias")
+    names = ("dq", "dk", "dv", "dbias")[:len(arrays)]
+    compared = list(zip(names, arrays, ref, naive))
+    if arg_grads:
+        if len(grads[-1]) != len(ref[-1]):
+            raise ValueError(f"{len(grads[-1])} mod_args gradients, expected {len(ref[-1])}")
+        compared += [(f"mod_args[{n}]", g, r, nv) for n, (g, r, nv) in
+                     enumerate(zip(grads[-1], ref[-1], naive[-1])) if r is not None or
+                     g is not None]
     errors, naive_errors, bounds, rel, finite = {}, {}, {}, {}, True
-    for name, g, r, n in zip(names, grads, ref, naive):
-        g = (bhsd(_to_host(g)) if name != "dbias" else _to_host(g)).astype(np.float64)
+    for name, g, r, n in compared:
+        if g is None or r is None:
+            raise ValueError(f"{name}: a gradient where the reference has none, or none where "
+                             f"it has one")
+        g_raw = _to_host(g)
+        g = (bhsd(g_raw) if name in names[:3] else g_raw).astype(np.float64)
         if g.shape != r.shape:
             raise ValueError(f"{name} has shape {g.shape}, expected {r.shape} (bhsd order)")
         finite = finite and bool(np.isfinite(g).all())
         errors[name] = float(np.abs(g - r).max()) if g.size else 0.0
-        naive_errors[name] = float(np.abs(n.astype(dt).astype(np.float64) - r).max()) if g.size else 0.0
+        # rounded as the result is stored: in the inputs' dtype, or a mod_args array's own
+        # when that is coarser (float32 tables of float64 inputs get float32 gradients)
+        out = dt if name in names or dt.itemsize <= g_raw.dtype.itemsize else g_raw.dtype
+        naive_errors[name] = float(np.abs(n.astype(out).astype(np.float64) - r).max()) \
+            if g.size else 0.0
         bounds[name] = 2 * naive_errors[name] + ABS_FLOOR[dt.name]
         rel[name] = float(np.linalg.norm(g - r)) / (float(np.linalg.norm(r)) or 1.0)
     return GradientReport(errors, naive_errors, bounds, finite, rel)

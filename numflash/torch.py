@@ -234,9 +234,11 @@ def _forward_into(out, q, k, v, causal, scale, layout, backend, algorithm, preci
 
 
 def _backward_impl(do, q, k, v, o, lse, causal, scale, layout, backend, algorithm, precision,
-                   deterministic, grads=None, mods=None, grad_dtype=None, bias_grad=False):
+                   deterministic, grads=None, mods=None, grad_dtype=None, bias_grad=False,
+                   mod_args_grad=False):
     """(dq, dk, dv): into ``grads`` when given (checked by numflash), else new tensors; with
-    ``bias_grad``, attn_bias's gradient (a new tensor) fourth."""
+    ``bias_grad``, attn_bias's gradient (a new tensor) next; with ``mod_args_grad``, last, the
+    tuple of mod_args' gradients (new tensors; None where an argument takes none)."""
     _check_tensors(do=do, q=q, k=k, v=v, o=o, lse=lse)
     if grads is None:
         grads = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v)]
@@ -246,8 +248,12 @@ def _backward_impl(do, q, k, v, o, lse, causal, scale, layout, backend, algorith
             *arrays[:6], causal=_CAUSAL_ARG[causal], softmax_scale=scale, layout=layout,
             backend=backend, algorithm=algorithm, precision=precision,
             deterministic=deterministic, dq=arrays[6], dk=arrays[7], dv=arrays[8],
-            grad_dtype=grad_dtype, return_bias_grad=bias_grad, **_mod_arrays(mods))
-    return tuple(grads) + ((_tensor(result[3], q),) if bias_grad else ())
+            grad_dtype=grad_dtype, return_bias_grad=bias_grad,
+            return_mod_args_grad=mod_args_grad, **_mod_arrays(mods))
+    extra = ((_tensor(result[3], q),) if bias_grad else ()) + (
+        (tuple(None if g is None else _tensor(g, q) for g in result[-1]),) if mod_args_grad
+        else ())
+    return tuple(grads) + extra
 
 
 # ---- score and mask modifications (numflash.mods) ----
@@ -258,8 +264,9 @@ _MOD_TENSORS = ("alibi_slopes", "attn_bias", "attn_mask")
 def _mod_arrays(mods):
     """The modification options with their tensors as NumPy / CuPy views (no copy). A tensor
     that requires grad is refused (numflash computes no gradient for it, and leaving it out
-    silently would train a tensor that never moves), except attn_bias, which :func:`attention`
-    passes to autograd as an input (_trainable_bias)."""
+    silently would train a tensor that never moves), except attn_bias and the mod_args that
+    score_mod_args_grad differentiates, which :func:`attention` passes to autograd as inputs
+    (_trainable)."""
     if not mods:
         return {}
     out = dict(mods)
@@ -285,19 +292,33 @@ def _dropout_options(dropout_p, dropout_seed):
 def _mod_tensor(name, t):
     if t.requires_grad and torch.is_grad_enabled():
         raise NotImplementedError(f"{name} requires grad, but numflash computes gradients for q, "
-                                  f"k, v and attn_bias only: detach it, or express it as an "
-                                  f"attn_bias (a trained bias table gathered into a (1, H, Nq, "
-                                  f"Nk) tensor trains through torch's autograd)")
+                                  f"k, v, attn_bias and the mod_args that score_mod_args_grad "
+                                  f"differentiates only: detach it, give score_mod_args_grad "
+                                  f"its derivative (numflash.mods), or express it as an "
+                                  f"attn_bias")
     return _views(t)[0]
 
 
-def _trainable_bias(mods):
-    """(attn_bias when it requires grad (autograd's input), else None; the options with it
-    detached: a view of the same memory, read in place)."""
+def _requires_grad(t):
+    return isinstance(t, torch.Tensor) and t.requires_grad and torch.is_grad_enabled()
+
+
+def _trainable(mods):
+    """(attn_bias when it requires grad, else None; {n: mod_args[n]} for the tensors that
+    require grad and that score_mod_args_grad differentiates; the options with those detached:
+    views of the same memory, read in place). The trainable ones become autograd's inputs."""
     bias = mods.get("attn_bias")
-    if not (isinstance(bias, torch.Tensor) and bias.requires_grad and torch.is_grad_enabled()):
-        return None, mods
-    return bias, dict(mods, attn_bias=bias.detach())
+    bias = bias if _requires_grad(bias) else None
+    if bias is not None:
+        mods = dict(mods, attn_bias=bias.detach())
+    derivatives = mods.get("score_mod_args_grad") or ()
+    args = mods.get("mod_args") or ()
+    trained = [n for n, a in enumerate(args)
+               if _requires_grad(a) and n < len(derivatives) and derivatives[n] is not None]
+    if trained:
+        mods = dict(mods, mod_args=tuple(a.detach() if n in trained else a
+                                         for n, a in enumerate(args)))
+    return bias, {n: args[n] for n in trained}, mods
 
 
 class _ModsFunction(torch.autograd.Function):
@@ -308,7 +329,7 @@ class _ModsFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, bias, causal, scale, layout, backend, algorithm, precision,
-                deterministic, mods):
+                deterministic, mods, trained_at, *trained_args):
         _check_tensors(q=q, k=k, v=v)
         out = torch.empty(_out_shape(q, v, layout), dtype=q.dtype, device=q.device)
         lse, _ = _forward_into(out, q, k, v, causal, scale, layout, backend, algorithm,
@@ -316,15 +337,20 @@ class _ModsFunction(torch.autograd.Function):
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.options = (causal, scale, layout, backend, "auto", precision, deterministic)
         ctx.mods = mods
+        ctx.trained_at = trained_at  # which mod_args trained_args are (mods holds them detached)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, d_out, d_lse):
         bias_grad = ctx.needs_input_grad[3]
-        grads = _gradients(lambda *a: _backward_impl(*a, mods=ctx.mods, bias_grad=bias_grad),
-                           ctx, d_out)
-        return grads[:3] + (grads[3] if bias_grad else None,) + (None,) * 8
+        arg_grads = any(ctx.needs_input_grad[13:])
+        grads = _gradients(lambda *a: _backward_impl(*a, mods=ctx.mods, bias_grad=bias_grad,
+                                                     mod_args_grad=arg_grads), ctx, d_out)
+        trained = (None,) * len(ctx.trained_at)
+        if arg_grads:  # numflash's tuple is aligned with mod_args
+            trained = tuple(grads[3 + bias_grad][n] for n in ctx.trained_at)
+        return grads[:3] + (grads[3] if bias_grad else None,) + (None,) * 9 + trained
 
 
 # ---- the operators ----
@@ -457,13 +483,15 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, layout="bhsd", backe
     grad mode on and an input that requires grad, it raises.
 
     ``mods``: numflash's modification options (window_size, softcap, alibi_slopes, attn_bias,
-    attn_mask, score_mod, mask_mod, mod_args, score_mod_grad; see :func:`numflash.attention`),
-    tensors allowed. They run where numflash runs them (the CPU path and, on CUDA tensors, the
-    tensor-core kernels take them all, forward and backward; cuda.block / cuda.row refuse them,
-    naming them) and are differentiable in q, k and v, and in ``attn_bias`` when it requires
-    grad (its gradient has its shape: a broadcast bias gets the sum over the dims it broadcasts
-    along; the CPU path computes it), not in the other modification tensors (one that requires
-    grad is refused), and not through torch.compile yet.
+    attn_mask, score_mod, mask_mod, mod_args, score_mod_grad, score_mod_args_grad; see
+    :func:`numflash.attention`), tensors allowed. They run where numflash runs them (the CPU
+    path and, on CUDA tensors, the tensor-core kernels take them all, forward and backward;
+    cuda.block / cuda.row refuse them, naming them) and are differentiable in q, k and v, in
+    ``attn_bias`` when it requires grad (its gradient has its shape: a broadcast bias gets the
+    sum over the dims it broadcasts along), and in a mod_args tensor that requires grad when
+    ``score_mod_args_grad`` gives its derivative (see numflash.attention_backward), not in the
+    other modification tensors (one that requires grad is refused), and not through
+    torch.compile yet.
 
     ``dropout_p``: attention dropout (numflash.dropout), differentiable as above; without a
     ``dropout_seed`` the seed is drawn from torch's default generator (so ``torch.manual_seed``
@@ -489,9 +517,10 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, layout="bhsd", backe
                                mods)
         return (out, lse) if return_lse else out
     if mods:  # their tensors as arrays now, while grad mode still says whether they train
-        bias, mods = _trainable_bias(mods)
+        bias, trained, mods = _trainable(mods)
         o, lse = _ModsFunction.apply(q, k, v, bias, name, scale, layout, backend, algorithm,
-                                     precision, bool(deterministic), _mod_arrays(mods))
+                                     precision, bool(deterministic), _mod_arrays(mods),
+                                     tuple(trained), *trained.values())
         return (o, lse) if return_lse else o
     o, lse = _run_forward(q, k, v, name, scale, layout, backend, algorithm, precision,
                           bool(deterministic))
@@ -501,9 +530,11 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, layout="bhsd", backe
 def attention_backward(do, q, k, v, o, lse, *, causal=False, softmax_scale=None, layout="bhsd",
                        backend="auto", algorithm="auto", precision="auto", deterministic=False,
                        dq=None, dk=None, dv=None, grad_dtype=None, dropout_p=0.0,
-                       dropout_seed=None, return_bias_grad=False, **mods):
+                       dropout_seed=None, return_bias_grad=False, return_mod_args_grad=False,
+                       **mods):
     """:func:`numflash.attention_backward` for torch tensors: returns (dq, dk, dv) tensors
-    (and attn_bias's gradient with ``return_bias_grad``).
+    (and attn_bias's gradient with ``return_bias_grad``, mod_args' with
+    ``return_mod_args_grad``).
     ``mods``: the modification options the forward ran with (see :func:`attention`), and its
     dropout_p and dropout_seed; ``grad_dtype``: None (q's dtype) or torch.float32 for 16-bit
     inputs."""
@@ -514,7 +545,7 @@ def attention_backward(do, q, k, v, o, lse, *, causal=False, softmax_scale=None,
     options = (_causal_name(causal), _scale(softmax_scale, q.shape[-1] if q.dim() == 4 else 0),
                layout, backend, algorithm, precision, bool(deterministic))
     if dq is None and dk is None and dv is None and not mods and grad_dtype is None \
-            and not return_bias_grad:
+            and not return_bias_grad and not return_mod_args_grad:
         return _attention_backward_op(do, q, k, v, o, lse, *options)
     if grad_dtype is not None:
         # checked by name before a tensor is made in it; numflash checks the given ones
@@ -524,7 +555,8 @@ def attention_backward(do, q, k, v, o, lse, *, causal=False, softmax_scale=None,
              for g, t in ((dq, q), (dk, k), (dv, v))]
     _check_tensors(q=q, dq=grads[0], dk=grads[1], dv=grads[2])
     return _backward_impl(do, q, k, v, o, lse, *options, grads=grads, mods=mods,
-                          grad_dtype=grad_dtype, bias_grad=return_bias_grad)
+                          grad_dtype=grad_dtype, bias_grad=return_bias_grad,
+                          mod_args_grad=return_mod_args_grad)
 
 
 def attention_probabilities(q, k, *, causal=False, softmax_scale=None, layout="bhsd"):

@@ -458,7 +458,7 @@ def _dropout_arguments(dropout):
 
 def run_backward_kernels(q, k, v, do, o, lse, DT, causal=False, causal_offset=0, scale=None,
                          tiles=None, window=None, mods=None, chunks=0, varlen=None, grad32=False,
-                         dropout=None, bias_grad=None, dqadd=""):
+                         dropout=None, bias_grad=None, dqadd="", mod_args_grad=False):
     """Run cuda.mma's generated backward source of kind DT (both passes) under the emulator;
     q, k, v, do, o in the kind's dtype (16-bit as float16 or ml_dtypes.bfloat16), lse as
     attention returns it. ``tiles``: {"queries": (NW, BC), "keys": (NW, BC[, SUB])}. Returns dq,
@@ -470,8 +470,12 @@ def run_backward_kernels(q, k, v, do, o, lse, DT, causal=False, causal_offset=0,
     numflash.dropout.Dropout (the DROP variant); ``bias_grad``: the key pass's DBIAS mode
     (backward.BIAS_MODES; ``mods`` has an attn_bias): attn_bias's gradient, in its shape, is
     returned fourth. ``dqadd``: the DQADD variants (the key pass adds dQ into a float32
-    accumulator, the query pass computes delta only)."""
+    accumulator, the query pass computes delta only). ``mod_args_grad``: the MARGS key pass
+    (``mods`` has score_mod_args_grad): mod_args' gradients are returned last, a tuple aligned
+    with the user's mod_args (float64; None where none is taken)."""
     token, window, extra = _mods_setup(mods, window)
+    from numflash.cuda.mma import mods as kernel_mods
+    arg_token = kernel_mods.arg_grad_token(mods) if mod_args_grad else ""
     extra += _dropout_arguments(dropout)
     if varlen is not None:   # after the window's arguments, before the mods'
         cu_q, cu_k, causal_offset, max_q, max_k = _packed_setup(varlen)
@@ -494,7 +498,7 @@ def run_backward_kernels(q, k, v, do, o, lse, DT, causal=False, causal_offset=0,
                         VARLEN=int(varlen is not None), GRAD32=int(grad32),
                         DROP=int(dropout is not None),
                         DBIAS=bias_grad if kernel == "keys" and bias_grad else "",
-                        DQADD=dqadd)
+                        DQADD=dqadd, MARGS=arg_token if kernel == "keys" else "")
         src = backward.SOURCES[kernel](cfg)
         rows = Nq if kernel == "queries" else Nk
         count = B
@@ -504,9 +508,11 @@ def run_backward_kernels(q, k, v, do, o, lse, DT, causal=False, causal_offset=0,
         emu = Emu(cfg.NT, grid + ((chunks,) if chunks else ()),
                   backward.shared_bytes(cfg, kernel), word)
         ns = with_dropout(with_mods(emulator_namespace(emu, DT), token, DT), cfg)
-        if cfg.DBIAS:
-            from numflash.cuda.mma import mods as kernel_mods
-            ns.update(kernel_mods.bias_namespace(token, real))
+        if cfg.DBIAS or cfg.MARGS:
+            ns.update(kernel_mods.grad_namespace(token, real, bias=bool(cfg.DBIAS),
+                                                 args=bool(cfg.MARGS)))
+        if cfg.MARGS:
+            ns.update(kernel_mods.arg_grad_namespace(arg_token))
         exec(compile(src, f"<{DT} backward {kernel} emu>", "exec"), ns)
         outs = [grads["dq"]] if kernel == "queries" else [grads["dk"], grads["dv"]]
         inputs = (q, k, v, do, o) if kernel == "queries" else (q, k, v, do)
@@ -520,6 +526,13 @@ def run_backward_kernels(q, k, v, do, o, lse, DT, causal=False, causal_offset=0,
             acc, view = bias_grad_accumulator(np, np.empty(mods.bias[1], acc_dtype),
                                               (B, H, Nq, Nk), acc_dtype)
             args.append(view)
+        if cfg.MARGS:
+            user_args = mods.scores[-1][2]
+            trained = dict(mods.arg_grads)
+            arg_accs = [np.zeros(np.shape(a)) if n in trained else None
+                        for n, a in enumerate(user_args)]
+            bad = np.zeros(1, np.int32)
+            args += [a for a in arg_accs if a is not None] + [bad]
         if dqadd and kernel == "keys":
             dq_acc = np.zeros(q.shape[:3] + (D,), np.float32)
             args.append(dq_acc)
@@ -527,9 +540,14 @@ def run_backward_kernels(q, k, v, do, o, lse, DT, causal=False, causal_offset=0,
             emu.run(ns[backward.KERNEL_NAMES[kernel]], tuple(args))
     if dqadd:
         grads["dq"][...] = dq_acc[..., :d].astype(grads["dq"].dtype)
+    out = (grads["dq"], grads["dk"], grads["dv"])
     if bias_grad:
-        return grads["dq"], grads["dk"], grads["dv"], acc.reshape(mods.bias[1])
-    return grads["dq"], grads["dk"], grads["dv"]
+        out += (acc.reshape(mods.bias[1]),)
+    if mod_args_grad:
+        if bad[0]:
+            raise IndexError("the MARGS key pass flagged an index outside a mod_args array")
+        out += (tuple(arg_accs),)
+    return out
 
 
 def run_forward_kernel(q, k, v, DT, causal=False, causal_offset=0, scale=None, VEC=0, tile=None,

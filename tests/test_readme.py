@@ -124,6 +124,7 @@ def test_readme_modifications_example_runs():
     ns = {}
     exec(compile(_block("score_mod=rel_bias"), "README.md", "exec"), ns)
     assert ns["dq"].shape == ns["q"].shape and np.isfinite(ns["dq"]).all()
+    assert ns["dtable"].shape == ns["table"].shape and np.abs(ns["dtable"]).max() > 0
     q, k, v = ns["q"][:1], ns["k"][:1], ns["v"][:1]   # the last call: the document mask
     assert testing.check(ns["o"], q, k, v, causal=True, mask_mod=ns["doc_mask"],
                          mod_args=ns["args"]).ok

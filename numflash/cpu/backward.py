@@ -17,6 +17,7 @@ import numba
 import numpy as np
 from numba import njit, prange
 
+from ..device import Unsupported
 from ..mods import bias_grad_accumulator, compile_errors
 from .tiled import FASTMATH, LOG2E, _exp2, _load_block, _SingleThreadedBlas, all_finite, \
     apply_dropout, dropout_arguments, half_table, run_tasks, uncached, visible_keys
@@ -54,7 +55,8 @@ def _masked_products(p, ds, qr, dor, kc, t_v, t_k, t_q, b, h, i0, j0, cols, caus
 def _key_block_gradients(q, k, v, do, lse2, delta, dq_acc, dk, dv, b, hk, group, j0, cols, c2,
                          scale, causal, causal_offset, block_q, lut, kj, vj, qi, doi, s_buf,
                          dp_buf, dk_acc, dv_acc, t_k, t_v, t_q, g_buf, gb_buf, z_buf, dropout,
-                         dbias, mod, mod_visible, mod_live, mod_args):
+                         dbias, mod, mod_visible, mod_live, mod_args, xa_buf, add_arg_grads,
+                         arg_accs, task):
     """dK and dV for keys j0:j0+cols of key/value head (b, hk), summed over the `group` query
     heads that read it (grouped-query attention), and their dQ contributions into dq_acc.
 
@@ -62,7 +64,10 @@ def _key_block_gradients(q, k, v, do, lse2, delta, dq_acc, dk, dv, b, hk, group,
     the modified scaled scores (then c2 = log2(e)) and g_buf the score_mod's derivative, which
     dS picks up by the chain rule; gb_buf that of the score_mods after attn_bias. ``dbias``
     (None, or mods.bias_grad_accumulator's (B, H, Nq, Nk) view): each pair's P (dP - D) * gb
-    is added to dbias[b, h, i, j]. Query blocks that ``mod_live`` says a block mask empties
+    is added to dbias[b, h, i, j]. ``add_arg_grads`` (None, or the compiled composition's):
+    each pair's P (dP - D) goes into this ``task``'s accumulators ``arg_accs`` of mod_args'
+    gradients (xa_buf keeps the scores entering the user's score_mod, which its derivatives
+    read). Query blocks that ``mod_live`` says a block mask empties
     for these keys are skipped. ``dropout`` (None, or tiled.dropout_arguments' tuple): its
     factors Z (numflash.dropout) go to z_buf, and P Z takes P's place in dV, Z dP dP's in
     dS."""
@@ -95,10 +100,13 @@ def _key_block_gradients(q, k, v, do, lse2, delta, dq_acc, dk, dv, b, hk, group,
         np.dot(dor, vc.T, dp)
         g = s  # the score_mod's derivatives, with a modification (stand-ins without)
         gb = s
+        xa = s
         if mod is not None:  # compiled away without a modification
             g = g_buf[:rows * cols].reshape((rows, cols))
             gb = gb_buf[:rows * cols].reshape((rows, cols))
-            mod(s, g, gb, b, h, i0, j0, scale, mod_args)
+            if add_arg_grads is not None:
+                xa = xa_buf[:rows * cols].reshape((rows, cols))
+            mod(s, g, gb, xa, b, h, i0, j0, scale, mod_args)
         z = s  # dropout's factors (a stand-in without)
         if dropout is not None:  # compiled away without dropout
             z = z_buf[:rows * cols].reshape((rows, cols))
@@ -126,6 +134,8 @@ def _key_block_gradients(q, k, v, do, lse2, delta, dq_acc, dk, dv, b, hk, group,
                     dp[r, c] = ds * scale * g[r, c]
                     if dbias is not None:
                         dbias[b, h, i, j0 + c] += ds * gb[r, c]
+                    if add_arg_grads is not None:
+                        add_arg_grads(ds, xa[r, c], b, h, i, j0 + c, mod_args, arg_accs, task)
                 else:  # masked by a mask_mod: nothing flows (not even 0 * NaN)
                     s[r, c] = zero
                     dp[r, c] = zero
@@ -159,18 +169,19 @@ def _key_block_gradients(q, k, v, do, lse2, delta, dq_acc, dk, dv, b, hk, group,
 @njit(parallel=True, fastmath=FASTMATH, cache=True)
 def tiled_backward(q, k, v, do, lse2, delta, dq_parts, dk, dv, c2, scale, causal, causal_offset,
                    block_q, block_k, lut, dropout, dbias, share_b, share_h, mod, mod_visible,
-                   mod_live, mod_args, task_first, task_step):
+                   mod_live, mod_args, add_arg_grads, arg_accs, task_first, task_step):
     """dk, dv (compute dtype) and dq_parts[split] (zeroed; summed by the caller) for every head.
 
     q, k, v, do: (B, H, N, .) of any strides (float32, float64, or float16 bits as uint16);
     lse2 = lse * log2(e) and delta = rowsum(dO * O): (B, H, Nq) in the compute dtype.
-    With a modification (mod, mod_visible, mod_live, mod_args from numflash.mods; None, None,
-    None, () without)
+    With a modification (mod, mod_visible, mod_live, mod_args, add_arg_grads from
+    numflash.mods; None, None, None, (), None without)
     c2 = log2(e): the kernel scales and modifies the scores itself. ``dropout``: the forward's
     (tiled.dropout_arguments; None without). ``dbias``: attn_bias's gradient accumulator (see
     _key_block_gradients; None without); a bias shared by every batch entry (``share_b``) or
     head (``share_h``) makes each task walk all of them, so that no two tasks add into one
-    element. Runs tasks task_first,
+    element. ``arg_accs``: mod_args' gradient accumulators, (tasks, ...) each (() without).
+    Runs tasks task_first,
     task_first + task_step, ... (0, 1: all; tiled.run_tasks spreads them over threads).
     """
     splits, B, H, Nq, d = dq_parts.shape
@@ -200,6 +211,7 @@ def tiled_backward(q, k, v, do, lse2, delta, dq_parts, dk, dv, c2, scale, causal
         g_buf = np.empty(block_q * block_k if mod is not None else 0, dt)
         gb_buf = np.empty(block_q * block_k if mod is not None else 0, dt)
         z_buf = np.empty(block_q * block_k if dropout is not None else 0, dt)
+        xa_buf = np.empty(block_q * block_k if add_arg_grads is not None else 0, dt)
         for shared in range((B if share_b else 1) * (Hk if share_h else 1)):
             b = shared // (Hk if share_h else 1) if share_b else bh // tasks_h
             hk = shared % Hk if share_h else bh % tasks_h
@@ -211,7 +223,8 @@ def tiled_backward(q, k, v, do, lse2, delta, dq_parts, dk, dv, c2, scale, causal
                                      group, j0, min(block_k, Nk - j0), c2, scale, causal,
                                      causal_offset, block_q, lut, kj, vj, qi, doi, s_buf, dp_buf,
                                      dk_acc, dv_acc, t_k, t_v, t_q, g_buf, gb_buf, z_buf,
-                                     dropout, dbias, mod, mod_visible, mod_live, mod_args)
+                                     dropout, dbias, mod, mod_visible, mod_live, mod_args,
+                                     xa_buf, add_arg_grads, arg_accs, task)
 
 
 _MOD_KERNELS = {}
@@ -238,6 +251,18 @@ def _bias_sharing(problem):
     return b, h, j
 
 
+#: the most memory that mod_args' gradient accumulators (one a task) may take
+ARG_GRAD_BYTES = 1 << 30
+
+
+def _mod_args_accumulators(problem, tasks):
+    """Zeros for each trained mod_args array, one float64 copy a task ((tasks,) + its shape):
+    tasks add into their own copy, summed in a fixed order afterwards. () when not asked."""
+    if problem.dmod_args is None:
+        return ()
+    return tuple(np.zeros((tasks,) + g.shape) for g in problem.dmod_args if g is not None)
+
+
 def config(problem, device):
     B, H, Nq, Nk, d, dv = problem.shape
     share_b, share_h, share_j = _bias_sharing(problem)
@@ -251,6 +276,14 @@ def config(problem, device):
         block_k //= 2
     nkb = -(-Nk // block_k)
     splits = 1 if share_j else max(1, min(nkb, -(-4 * threads // max(1, batch * heads))))
+    if problem.dmod_args is not None:  # each task keeps its own copy of the gradients
+        size = max(1, sum(g.size for g in problem.dmod_args if g is not None))
+        splits = max(1, min(splits, ARG_GRAD_BYTES // (8 * size * batch * heads)))
+        if batch * heads * splits * size * 8 > ARG_GRAD_BYTES:
+            raise Unsupported(f"{NAME} keeps one float64 copy of the trained mod_args' {size} "
+                              f"elements a task, {batch * heads} tasks here: more than "
+                              f"{ARG_GRAD_BYTES >> 30} GiB; a table that large is better an "
+                              f"attn_bias (return_bias_grad=True adds in place)")
     return {"block_q": BLOCK_Q, "block_k": block_k, "splits": splits, "share_b": share_b,
             "share_h": share_h}
 
@@ -280,17 +313,20 @@ def run(problem, config, device=None):
     tasks = ((1 if config["share_b"] else B) * (1 if config["share_h"] else k.shape[1]) *
              config["splits"])
     chunk = numba.set_parallel_chunksize(1)
+    arg_accs = ()
     try:
         with _SingleThreadedBlas(), compile_errors(p.mods):
-            no_mods = (None, None, None, ())
+            no_mods = (None, None, None, (), None, ())
             if p.mods is None and p.dropout is None:
                 tiled_backward(*args, *no_mods, 0, 1)
             elif p.mods is None:  # numba's parallel loops take no tuple: run_tasks' threads
                 run_tasks(_backward_with_mods(), args + no_mods, tasks)
             else:  # scores are scaled and modified in the kernel
-                _, apply_backward, visible, live = p.mods.compiled()
+                _, apply_backward, visible, live, add_arg_grads = p.mods.compiled()
                 args = args[:9] + (compute(LOG2E),) + args[10:] + (apply_backward, visible,
                                                                   live, p.mods.args)
+                arg_accs = _mod_args_accumulators(p, tasks)
+                args += (add_arg_grads if arg_accs else None, arg_accs)
                 run_tasks(_backward_with_mods(), args, tasks)
     finally:
         numba.set_parallel_chunksize(chunk)
@@ -304,3 +340,8 @@ def run(problem, config, device=None):
         p.dv[...] = dvo
     if acc is not None and not np.may_share_memory(acc, p.dbias):
         p.dbias[...] = acc.reshape(p.dbias.shape)
+    if arg_accs:
+        trained = [g for g in p.dmod_args if g is not None]
+        for g, task_sums in zip(trained, arg_accs):
+            g[...] = task_sums.sum(axis=0)  # a fixed order: bitwise reproducible
+

@@ -474,7 +474,7 @@ def run(problem, config, device=None):
                 B, H, Nq = p.q.shape[:3]
                 run_tasks(_forward_with_mods(), args + no_mods, B * H * -(-Nq // config["block_q"]))
             else:  # scores are scaled and modified in the kernel, then exp2(log2(e) x)
-                apply_forward, _, visible, live = p.mods.compiled()
+                apply_forward, _, visible, live, _ = p.mods.compiled()
                 args = args[:5] + (compute(LOG2E),) + args[6:] + (apply_forward, visible, live,
                                                                   p.mods.args)
                 B, H, Nq = p.q.shape[:3]

@@ -336,7 +336,7 @@ def key_pass_source(cfg):
       f"{', window_left, window_right' if window else ''}"
       f"{VARLEN_ARGUMENTS if cfg.VARLEN else ''}{mods.parameters(cfg.MODS)}"
       f"{dropout.parameters(cfg)}{', dbias' if cfg.DBIAS else ''}"
-      f"{', dqacc' if cfg.DQADD else ''}):")
+      f"{arg_grad_parameters(cfg)}{', dqacc' if cfg.DQADD else ''}):")
     with s.block():
         emit_thread_indices(s, ops.float)
         s("bh = U(cuda.blockIdx.y)", "b = bh // U(Hkv)", "hk = bh % U(Hkv)",
@@ -591,12 +591,13 @@ def _key_pass_elementwise(s, ops, cfg, NN, kb, lse_off, delta_off, do_off, OW, V
         query, key = f"qcol + {8 * n + c}", "kr0" if r < 2 else "kr1"
         if cfg.MODS:
             mods.emit_apply_grad(s, cfg.MODS, name, "gm", query, key,
-                                 bias_grad="gbias" if cfg.DBIAS else None)
+                                 bias_grad="gbias" if cfg.DBIAS else None,
+                                 arg_score="xa" if cfg.MARGS else None)
         s(f"{name} = ex2({name} * scale_log2 - lse2)")
         if cfg.DROP:   # Z dP^T first; P^T Z for dV once dS^T has read P^T
             dropout.emit_transposed(s, n, r, c, f"dp_{n}_{r}", paired=SUB % 16 == 0)
-        if cfg.DBIAS:
-            _emit_bias_grad(s, cfg, name, f"dp_{n}_{r}", query, key)
+        if cfg.DBIAS or cfg.MARGS:
+            _emit_modification_grads(s, cfg, name, f"dp_{n}_{r}", query, key)
         else:
             s(f"dp_{n}_{r} = {_ds(name, f'dp_{n}_{r}', 'dlt', 'gm' if cfg.MODS else None)}")
         if cfg.DROP:
@@ -627,14 +628,35 @@ def _row_sum_type(DT):
     return "float32" if DT in ("f16", "bf16") else "float64"
 
 
-def _emit_bias_grad(s, cfg, p, dp, query, key):
-    """Emit, for a DBIAS key pass, dS^T through the modifications into ``dp`` and the bias's
-    share, P (dP - delta) * gbias, atomically added into dbias[b, h, query, key] (a view
-    broadcast like the bias: pairs that share an element sum there; a full bias's element has
-    one pair, so DBIAS "store" writes it). Zeros are not added (the
-    accumulator starts at zero; masked and padding pairs have P = 0); with column slices
-    (CHUNKS) only slice 0 adds, as every slice recomputes the same dS."""
+def arg_grad_parameters(cfg):
+    """The MARGS key pass's extra parameters: darg<k>, the float64 accumulator of each trained
+    mod_args array, and dargbad, a one-int flag set by an index outside one."""
+    if not cfg.MARGS:
+        return ""
+    count = len(mods.arg_grad_functions(cfg.MARGS))
+    return "".join(f", darg{k}" for k in range(count)) + ", dargbad"
+
+
+def _emit_modification_grads(s, cfg, p, dp, query, key):
+    """Emit, for a DBIAS / MARGS key pass, dS^T through the modifications into ``dp``, then the
+    shares of P (dP - delta) that go to mod_args (mods.emit_arg_grads) and to attn_bias
+    (_emit_bias_grad). Zeros are not added (the accumulators start at zero; masked and padding
+    pairs have P = 0), nor pairs past Nq or Nk; with column slices (CHUNKS) only slice 0 adds,
+    as every slice recomputes the same dS."""
     s(f"dsb = {_ds(p, dp, 'dlt')}", f"{dp} = dsb * gm")
+    if cfg.MARGS:
+        s(f"if dsb != ZERO and {query} < Nq and {key} < Nk" +
+          (" and cuda.blockIdx.z == 0:" if cfg.CHUNKS else ":"))
+        with s.block():
+            mods.emit_arg_grads(s, cfg.MODS, cfg.MARGS, "dsb", "xa", query, key)
+    if cfg.DBIAS:
+        _emit_bias_grad(s, cfg, query, key)
+
+
+def _emit_bias_grad(s, cfg, query, key):
+    """Emit, for a DBIAS key pass, the bias's share of dS, dsb * gbias, atomically added into
+    dbias[b, h, query, key] (a view broadcast like the bias: pairs that share an element sum
+    there; a full bias's element has one pair, so DBIAS "store" writes it)."""
     if cfg.DBIAS == "rows":   # summed over the queries here, added once a head (_flush_bias_rows)
         s(f"bsum{0 if key == 'kr0' else 1} += {_row_sum_type(cfg.DT)}(dsb * gbias)")
         return
@@ -711,13 +733,15 @@ def _identity(kernel, **config):
     from .. import ptx_reduce
     cfg = MmaConfig(**config)
     return source_identity(SOURCES[kernel](cfg), (_namespace,) + (
-        mods.identity_functions(cfg.MODS, bool(cfg.DBIAS)) if cfg.MODS else ()) +
+        mods.identity_functions(cfg.MODS, bool(cfg.DBIAS or cfg.MARGS)) if cfg.MODS else ()) +
+        (mods.arg_grad_functions(cfg.MARGS) if cfg.MARGS else ()) +
         dropout.identity_functions(cfg) + (
         (_dq_adds_namespace, ptx_reduce._make_red_add_f32x4) if cfg.DQADD else ()))
 
 
 def _cacheable(**config):
-    return mods.cacheable(config.get("MODS", ""))
+    # score_mod_args_grad's functions are a user's (numba cannot key a disk cache on them)
+    return mods.cacheable(config.get("MODS", "")) and not config.get("MARGS")
 
 
 make_query_kernel.code_identity = lambda **config: _identity("queries", **config)

@@ -201,8 +201,11 @@ def namespace_with_mods(cfg, base):
         real = np.float64 if cfg.DT == "f64" else np.float32
         if cfg.MODS:
             ns.update(mods.namespace(cfg.MODS, real, cuda.jit(device=True)))
-        if cfg.DBIAS:
-            ns.update(mods.bias_namespace(cfg.MODS, real, cuda.jit(device=True)))
+        if cfg.DBIAS or cfg.MARGS:
+            ns.update(mods.grad_namespace(cfg.MODS, real, cuda.jit(device=True),
+                                          bias=bool(cfg.DBIAS), args=bool(cfg.MARGS)))
+        if cfg.MARGS:
+            ns.update(mods.arg_grad_namespace(cfg.MARGS, cuda.jit(device=True)))
         ns.update(dropout.namespace(cfg, cuda.jit(device=True)))
     return ns
 

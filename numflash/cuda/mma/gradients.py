@@ -169,6 +169,9 @@ def config(problem, device):
     bias_mode = bias_grad_mode(problem)
     if bias_mode:
         cfg["keys"] = with_bias_grad(cfg["keys"], bias_mode)
+    arg_token = mod_args_grad_token(problem)
+    if arg_token:
+        cfg["keys"] = dataclasses.replace(cfg["keys"], MARGS=arg_token)
     adds = dq_adds(problem, cfg["keys"], device)
     if adds:
         cfg = with_dq_adds(cfg, adds, device.smem_per_block_optin)
@@ -253,15 +256,31 @@ def bias_grad_mode(problem):
         "f64" if broadcast else "store")
 
 
+def mod_args_grad_token(problem):
+    """The key pass's MARGS token ("" when mod_args' gradients are not asked for); raises
+    Unsupported where cuda.mma cannot compute them."""
+    if getattr(problem, "dmod_args", None) is None:
+        return ""
+    if getattr(problem, "varlen", None) is not None:
+        raise Unsupported(f"{NAME}'s backward does not compute mod_args' gradients for packed "
+                          f"sequences; the CPU path does (one call per sequence)")
+    if getattr(problem, "deterministic", False):
+        raise Unsupported(f"{NAME}'s backward adds mod_args' gradients atomically, in an order "
+                          f"that varies: deterministic=True takes them on the CPU path")
+    return mods.arg_grad_token(problem.mods)
+
+
 def signature(dtype, kernel, window=False, token="", varlen=False, grad32=False, drop=False,
-              bias_mode="", dq_adds=False):
+              bias_mode="", dq_adds=False, arg_token=""):
     """Argument types of the "queries" or "keys" kernel: q, k, v, dO (and O for the query pass)
     (16-bit inputs as their bits), lse and delta (float32; float64 for float64), dQ or dK, dV
     (like q; float32 with ``grad32``), the exp2 and natural scales, causal, causal_offset (and
     with a window its left and right sizes, packed sequences' cu_q and cu_k, with
     modifications their arguments: mods.argument_types, with dropout its arguments, and with
     ``bias_mode`` (a DBIAS mode) the key pass's attn_bias gradient accumulator, a 4-d array of
-    its float type; with ``dq_adds``, the DQADD key pass's float32 dQ accumulator)."""
+    its float type; with ``arg_token`` (MARGS) the key pass's float64 accumulators of the
+    trained mod_args (their dims) and its int32 index flag; with ``dq_adds``, the DQADD key
+    pass's float32 dQ accumulator)."""
     from numba import types
     from ...inputs import lse_dtype
     from ..launch import array_type
@@ -277,6 +296,8 @@ def signature(dtype, kernel, window=False, token="", varlen=False, grad32=False,
         dropout.argument_types(drop) + \
         ((array_type(bias_accumulator_type(bias_mode, KINDS.get(str(dtype)))),)
          if bias_mode else ()) + \
+        (tuple(array_type("float64", n) for n in mods.arg_grad_ndims(token, arg_token)) +
+         (array_type("int32", 1),) if arg_token and kernel == "keys" else ()) + \
         ((array_type("float32"),) if dq_adds and kernel == "keys" else ())
 
 
@@ -291,7 +312,7 @@ def compiled_kernels(cfg, dtype):
 
 def _signature(dtype, kernel, c):
     return signature(dtype, kernel, c.WINDOW, c.MODS, bool(c.VARLEN), bool(c.GRAD32),
-                     bool(c.DROP), c.DBIAS, bool(c.DQADD))
+                     bool(c.DROP), c.DBIAS, bool(c.DQADD), c.MARGS)
 
 
 def run(problem, cfg, device):
@@ -313,6 +334,10 @@ def run(problem, cfg, device):
             acc, view = bias_grad_accumulator(cupy, p.dbias, (B, H, Nq, Nk), cupy.dtype(
                 bias_accumulator_type(cfg["keys"].DBIAS, cfg["keys"].DT)))
             bias_args = (view,)
+        # MARGS: float64 sums of the trained mod_args' gradients, and the bad-index flag
+        arg_accs = tuple(cupy.zeros(g.shape, cupy.float64) for g in p.dmod_args
+                         if g is not None) if cfg["keys"].MARGS else ()
+        arg_args = arg_accs + (cupy.zeros(1, cupy.int32),) if arg_accs else ()
     lse = p.lse
     qc, kc = cfg["queries"], cfg["keys"]
     scalars = (float(p.scale * math.log2(math.e)), float(p.scale), int(p.causal),
@@ -337,11 +362,19 @@ def run(problem, cfg, device):
                 inputs + (bits(p.o), lse, delta, grad(p.dq)) + scalars, device)
         keys(key_grid + slices, (kc.NT,), shared_bytes(kc, "keys"),
              inputs + (lse, delta, grad(p.dk), grad(p.dv)) + scalars + bias_args +
-             ((dq_acc,) if kc.DQADD else ()), device)
+             arg_args + ((dq_acc,) if kc.DQADD else ()), device)
     if kc.DQADD:   # rounded to the gradient's dtype as the query pass's stores round
         p.dq[...] = dq_acc[..., :d]
     if bias_args and acc.data.ptr != p.dbias.data.ptr:
         p.dbias[...] = acc.reshape(p.dbias.shape)
+    if arg_args:
+        if int(arg_args[-1][0]):   # (the one copy to the host mod_args' gradients cost)
+            bad = [n for n, _ in p.mods.arg_grads]
+            raise IndexError(f"score_mod_args_grad{bad} gave an index outside its mod_args "
+                             f"array (an int for a 1-D array, else a tuple of its ndim ints, "
+                             f"each in [0, size)); nothing was added there")
+        for g, a in zip((g for g in p.dmod_args if g is not None), arg_accs):
+            g[...] = a
 
 
 def notes(problem, cfg, device):
@@ -364,6 +397,10 @@ def notes(problem, cfg, device):
                     f"shape by atomic adds") + (
             "" if mode == "store" else " (a broadcast bias's sums, in an order that varies "
                                        "from run to run)"))
+    if cfg["keys"].MARGS:
+        lines.append("mod_args gradients: the key pass adds each pair's dS times "
+                     "score_mod_args_grad's derivative into float64 accumulators by atomic "
+                     "adds (in an order that varies from run to run)")
     if cfg["queries"].GRAD32:
         lines.append("grad_dtype float32: dQ, dK and dV stored as accumulated in float32, not "
                      "rounded to the inputs' 16 bits")

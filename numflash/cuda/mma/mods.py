@@ -78,6 +78,7 @@ class Composition:
 BLOCK_ARRAYS = ("bm_kv_count", "bm_kv_blocks", "bm_q_count", "bm_q_blocks", "bm_bq", "bm_bk")
 
 _registry = {}   # token -> Composition
+_arg_registry = {}  # MARGS token -> ((n, fn), ...) of numflash.mods.Mods.arg_grads
 _user_ids = {}   # a user's function -> its number in this process (the function is kept alive)
 _next_id = itertools.count(1)  # next() is atomic: two threads never draw the same number
 
@@ -148,6 +149,65 @@ def token_for(mods):
                                        tuple((f, g, len(a)) for f, g, a in scores), tuple(specs),
                                        tuple((f, len(a)) for f, a in sparse))
     return token
+
+
+def arg_grad_token(mods):
+    """The MARGS token of a call's score_mod_args_grad functions ("" without): each function's
+    name (a user's, numbered as in :func:`token_for`) and the position of the array it
+    differentiates among the user's score_mod arguments; registered for the kernel factory."""
+    if mods is None or not mods.arg_grads:
+        return ""
+    token = "+".join(f"{_name(fn)}@{n}" for n, fn in mods.arg_grads)
+    _arg_registry.setdefault(token, tuple(mods.arg_grads))
+    return token
+
+
+def emit_arg_grads(s, token, arg_token, ds, x, i, j):
+    """Emit, for a MARGS key pass, each trained mod_args array's share of a pair's ``ds``: its
+    score_mod_args_grad function's (index, derivative) at the score ``x`` that entered the
+    user's score_mod (the composition's last), added atomically into float64 accumulator
+    darg<k> of the array's shape. An index outside it adds nothing and sets dargbad[0] (the
+    launch raises IndexError after the kernel)."""
+    comp = composition(token)
+    first = _user_args_first(comp)
+    user = "".join(f", ma{first + k}" for k in range(comp.scores[-1][2]))
+    for k, (n, _) in enumerate(_arg_registry[arg_token]):
+        ndim = comp.specs[first + n][1]
+        s(f"at, dd = ag{k}({x}, bi, hi, {i}, {j}{user})",
+          f"if {user_mods.index_in_bounds('at', f'darg{k}.shape', ndim)}:")
+        with s.block():
+            s(f"cuda.atomic.add(darg{k}, at, float64({ds}) * float64(dd))")
+        s("else:")
+        with s.block():
+            s("dargbad[0] = 1")
+
+
+def arg_grad_namespace(arg_token, device_jit=None):
+    """{"ag<k>": ...}: score_mod_args_grad's functions as device functions (plain Python for
+    the warp emulator: ``device_jit`` None)."""
+    return {f"ag{k}": device_jit(getattr(fn, "py_func", fn)) if device_jit
+            else getattr(fn, "py_func", fn) for k, (_, fn) in
+            enumerate(_arg_registry[arg_token])}
+
+
+def _user_args_first(comp):
+    """Where the user's score_mod's arguments (the last score mod's) start among the kernel's
+    modification arguments: after the masks' and the other score mods'."""
+    return sum(n for _, n in comp.masks) + sum(n for _, _, n in comp.scores[:-1])
+
+
+def arg_grad_ndims(token, arg_token):
+    """The dims of the trained mod_args arrays of a MARGS token, in its order (the key pass's
+    float64 accumulators have them)."""
+    comp = composition(token)
+    first = _user_args_first(comp)
+    return tuple(comp.specs[first + n][1] for n, _ in _arg_registry[arg_token])
+
+
+def arg_grad_functions(arg_token):
+    """score_mod_args_grad's Python functions of a MARGS token (they enter a variant's
+    identity)."""
+    return tuple(getattr(fn, "py_func", fn) for _, fn in _arg_registry[arg_token])
 
 
 def composition(token):
@@ -246,25 +306,27 @@ def _applies(name, guard, i, j):
     return f"if {name} != NEG_INF" + (f" and {guard.format(i=i, j=j)}:" if guard else ":")
 
 
-def emit_apply_grad(s, token, name, grad, i, j, guard="", bias_grad=None):
+def emit_apply_grad(s, token, name, grad, i, j, guard="", bias_grad=None, arg_score=None):
     """Emit the backward's form for one score register: ``name`` <- the modified score (-inf
     where refused) and ``grad`` <- its derivative in the scaled score (0 where refused; left as
     it is where the row fails ``guard``, as in :func:`emit_apply`; a block mask's FULL tiles
     skip its mask_mod). With ``bias_grad`` (a register name) also the derivative of the score
-    mods after attn_bias, for the bias's gradient (:func:`bias_grad_source`)."""
+    mods after attn_bias, for the bias's gradient; with ``arg_score`` (a register name) the
+    score entering the user's score_mod, for mod_args' gradients (:func:`grad_source`)."""
     comp = composition(token)
-    outputs = f"{grad}, {bias_grad}" if bias_grad else grad
-    suffix = "_grad_bias" if bias_grad else "_grad"
+    extra = [r for r in (bias_grad, arg_score) if r]
+    outputs = ", ".join([grad] + extra)
+    suffix = grad_suffix(bool(bias_grad), bool(arg_score))
 
     def apply(fn):
-        s(f"{grad} = ZERO", *([f"{bias_grad} = ZERO"] if bias_grad else []),
-          _applies(name, guard, i, j))
+        s(f"{grad} = ZERO", *(f"{r} = ZERO" for r in extra), _applies(name, guard, i, j))
         with s.block():
             s(f"{name}, {outputs} = {fn}({name} * mod_scale, bi, hi, {i}, {j}, {comp.locals})")
-    _emit_by_tile(s, comp, apply, suffix, lambda: s(f"{name} = {name} * mod_scale",
-                                                     f"{grad} = ONE",
-                                                     *([f"{bias_grad} = ONE"] if bias_grad
-                                                       else [])))
+
+    def scale_only():  # (no score_mod in a FULL block: the user's would be compiled in)
+        s(f"{name} = {name} * mod_scale", f"{grad} = ONE",
+          *([f"{bias_grad} = ONE"] if bias_grad else []))
+    _emit_by_tile(s, comp, apply, suffix, scale_only)
 
 
 def composition_source(token, real):
@@ -278,28 +340,36 @@ def composition_source(token, real):
     return text
 
 
-def bias_grad_source(token, real):
-    """Python source of mod_score_grad_bias (and mod_score_dense_grad_bias with a block mask and
-    other modifications): mod_score_grad's (score, derivative) and the derivative of the score
-    mods after attn_bias (the bias's gradient is dS times it), for the key pass of a DBIAS
-    variant."""
+def grad_suffix(bias, args):
+    """The name suffix of the key pass's composition function: "_grad", with "_bias" (attn_bias's
+    gradient) and "_args" (mod_args')."""
+    return "_grad" + ("_bias" if bias else "") + ("_args" if args else "")
+
+
+def grad_source(token, real, bias=False, args=False):
+    """Python source of mod_score_grad_bias / _grad_args / _grad_bias_args (and the dense form
+    with a block mask and other modifications): mod_score_grad's (score, derivative), then with
+    ``bias`` the derivative of the score mods after attn_bias (the bias's gradient is dS times
+    it), with ``args`` the score entering the user's score_mod (what score_mod_args_grad's
+    functions read), for the key pass of a DBIAS / MARGS variant."""
     comp = composition(token)
-    at = next(m for m, (f, _, _) in enumerate(comp.scores) if f is user_mods._bias_score)
-    text = _functions_source(comp, real, "mod_score", True, bias_at=at)
+    at = next(m for m, (f, _, _) in enumerate(comp.scores) if f is user_mods._bias_score) \
+        if bias else None
+    text = _functions_source(comp, real, "mod_score", True, bias_at=at, args=args)
     if comp.sparse and comp.dense:
-        text += _functions_source(comp, real, "mod_score_dense", False, bias_at=at)
+        text += _functions_source(comp, real, "mod_score_dense", False, bias_at=at, args=args)
     return text
 
 
-def _functions_source(comp, real, name, with_block_mask, bias_at=None):
+def _functions_source(comp, real, name, with_block_mask, bias_at=None, args=False):
     """Source of ``name`` and ``name``_grad (the latter when every score mod has its
     derivative), each taking every argument of the composition; with ``bias_at`` (attn_bias's
-    position among the score mods) only ``name``_grad_bias, which also returns the derivative
-    of the score mods after it."""
+    position among the score mods) or ``args`` only the backward's function of
+    :func:`grad_source`."""
     params = ", ".join(f"a{k}" for k in range(len(comp.specs)))
     head = "x, b, h, i, j" + (f", {params}" if params else "")
 
-    def args(first, nargs):
+    def arg_list(first, nargs):
         return "".join(f", a{first + k}" for k in range(nargs))
     # masks' arguments first, then the score mods', then the block mask's (specs' order)
     firsts = list(itertools.accumulate([nargs for _, nargs in comp.masks] +
@@ -309,26 +379,29 @@ def _functions_source(comp, real, name, with_block_mask, bias_at=None):
         masks += [(f"bm{m}", firsts[-1], nargs) for m, (_, nargs) in enumerate(comp.sparse)]
     score, grad = Source(), Source()
     score(f"def {name}({head}):")
-    grad(f"def {name}_grad{'_bias' if bias_at is not None else ''}({head}):")
-    refused = "NEG_INF, ZERO" + (", ZERO" if bias_at is not None else "")
+    grad(f"def {name}{grad_suffix(bias_at is not None, args)}({head}):")
+    refused = "NEG_INF, ZERO" + (", ZERO" if bias_at is not None else "") + \
+        (", ZERO" if args else "")
     with score.block(), grad.block():
         for fn, first, nargs in masks:
-            call = f"{fn}(b, h, i, j{args(first, nargs)})"
+            call = f"{fn}(b, h, i, j{arg_list(first, nargs)})"
             score(f"if not {call}:", "    return NEG_INF")
             grad(f"if not {call}:", f"    return {refused}")
         grad("gr = ONE")
         if bias_at is not None:
             grad("gb = ONE")
         for m, (_, _, nargs) in enumerate(comp.scores):
-            a = args(firsts[len(comp.masks) + m], nargs)
+            a = arg_list(firsts[len(comp.masks) + m], nargs)
+            if args and m == len(comp.scores) - 1:
+                grad("xa = x")
             grad(f"gr = gr * {real}(g{m}(x, b, h, i, j{a}))")
             if bias_at is not None and m > bias_at:
                 grad(f"gb = gb * {real}(g{m}(x, b, h, i, j{a}))")
             for src in (score, grad):
                 src(f"x = {real}(s{m}(x, b, h, i, j{a}))")
         score("return x")
-        grad("return x, gr" + (", gb" if bias_at is not None else ""))
-    if bias_at is not None:
+        grad("return x, gr" + (", gb" if bias_at is not None else "") + (", xa" if args else ""))
+    if bias_at is not None or args:
         return grad.text()
     return score.text() + (grad.text() if _has_grad(comp) else "")
 
@@ -356,12 +429,13 @@ def _environment(comp, real, device_jit):
     return env, fn
 
 
-def bias_namespace(token, real, device_jit=None):
-    """{"mod_score_grad_bias": ...} (and the dense form) for a DBIAS key pass's namespace, as
-    :func:`namespace` makes the others."""
+def grad_namespace(token, real, device_jit=None, bias=False, args=False):
+    """{"mod_score_grad_bias": ...} (or _args, _bias_args; and the dense form) for a DBIAS /
+    MARGS key pass's namespace, as :func:`namespace` makes the others."""
     env, fn = _environment(composition(token), real, device_jit)
-    exec(bias_grad_source(token, real.__name__), env)  # noqa: S102 - names generated here
-    return {name: fn(env[name]) for name in ("mod_score_grad_bias", "mod_score_dense_grad_bias")
+    exec(grad_source(token, real.__name__, bias, args), env)  # noqa: S102 - names generated here
+    suffix = grad_suffix(bias, args)
+    return {name: fn(env[name]) for name in (f"mod_score{suffix}", f"mod_score_dense{suffix}")
             if name in env}
 
 
@@ -382,12 +456,12 @@ def _real_type(real, device_jit):
     return getattr(numba, real.__name__)
 
 
-def identity_functions(token, bias_grad=False):
+def identity_functions(token, extra_grads=False):
     """The functions whose source decides a MODS variant's code besides its generated kernel
     source: this module's composition and the modification functions themselves (with
-    ``bias_grad``, a DBIAS key pass's, also the bias derivative's)."""
+    ``extra_grads``, a DBIAS / MARGS key pass's, also grad_source's)."""
     return (composition_source, _functions_source, namespace, _environment, emit_locals,
-            *((bias_grad_source, bias_namespace) if bias_grad else ()),
+            *((grad_source, grad_namespace, grad_suffix) if extra_grads else ()),
             *(getattr(f, "py_func", f) for f in composition(token).functions))
 
 

@@ -51,11 +51,13 @@ class MmaConfig(TileConfig):
     default): the key pass also multiplies its dS by K and adds the products into a float32
     dQ accumulator ("red4": red.global.add.v4.f32, sm_90), and the query pass computes delta
     only; "" (the two-pass form) keeps dQ in the query pass, bit-for-bit reproducible.
+    MARGS: the key pass also adds each pair's dS, times score_mod_args_grad's derivative, into
+    float64 accumulators of the trained mod_args arrays (mods.py's arg_grad_token; "" none).
 
     The fields D, DV, BR (derived), BC, NT (derived), HOLDQ and DT follow cuda.config's naming
     scheme shared with the SIMT kernels; the mapping (cuda.config.TileConfig) leaves out MMA,
-    DBG, WINDOW, SUB, MODS, SPLIT, KVLEN, PAGE, CHUNKS, VARLEN, GRAD32, DROP, DBIAS and
-    DQADD while unset.
+    DBG, WINDOW, SUB, MODS, SPLIT, KVLEN, PAGE, CHUNKS, VARLEN, GRAD32, DROP, DBIAS, DQADD
+    and MARGS while unset.
     """
     D: int
     DV: int
@@ -78,6 +80,7 @@ class MmaConfig(TileConfig):
     DROP: int = 0
     DBIAS: str = ""
     DQADD: str = ""
+    MARGS: str = ""
 
     @property
     def BR(self):
