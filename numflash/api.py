@@ -297,7 +297,9 @@ def explain(q, k, v, *, causal=False, softmax_scale=None, layout="bhsd", backend
         _torch._check_tensors(q=q, k=k, v=v)
         q, k, v = _torch._views(q, k, v)
         out = None if out is None else _torch._views(out)[0]
-        mod_options = _torch._mod_arrays(mod_options)
+        # (as arrays: a tensor that trains, attn_bias or a differentiated mod_args one, is
+        # read like any other here)
+        mod_options = _torch._mod_arrays(_torch._trainable(mod_options)[2])
     if backward and num_splits is not None:
         raise ValueError("num_splits is a forward option (the backward's kernels parallelize "
                          "over keys already): leave it None with backward=True")

@@ -195,8 +195,8 @@ def test_mod_args_gradients_is_a_backward_option(rng):
 @pytest.mark.extended  # (compiles its own float64 kernels, ~25 s)
 def test_torch_mod_args_that_require_grad_train_through_autograd(rng):
     """numflash.torch.attention with a trained table and slopes (the temperature left
-    untrained) against torch's own autograd of the same scores; a tensor that requires grad
-    without a derivative is refused."""
+    untrained) against torch's own autograd of the same scores; explain reads the trained
+    tensors; a tensor that requires grad without a derivative is refused."""
     torch = pytest.importorskip("torch")
     nt = pytest.importorskip("numflash.torch")
     Nq, Nk, d = 21, 26, 8
@@ -210,6 +210,8 @@ def test_torch_mod_args_that_require_grad_train_through_autograd(rng):
     opts = dict(score_mod=_bias_table, score_mod_grad=_bias_table_grad,
                 mod_args=(table, slopes, temperature, shift),
                 score_mod_args_grad=(_table_index, _slope_index, _temperature_index, None))
+    assert numflash.explain(q, k, v, causal=True, backward=True, return_mod_args_grad=True,
+                            **opts).kernel == "cpu.tiled"   # (trainable tensors read as such)
     out = nt.attention(q, k, v, causal=True, **opts)
     mine = torch.autograd.grad((out * do).sum(), (q, k, v, table, slopes))
     i, j = torch.arange(Nq)[:, None], torch.arange(Nk)[None, :]
