@@ -428,6 +428,50 @@ def test_backward_plan_adds_dq_on_hopper_unless_deterministic(rng, dtype, d, dev
     assert ("the key pass adds dS K into a float32 accumulator" in str(plan)) == bool(want)
 
 
+@pytest.mark.parametrize("option, d, want", [
+    # each timed faster than the two passes and checked against the reference on the H100
+    # (bench/NOTES.md "dQ by adds with the options")
+    ("window", 128, "red4"),
+    ("softcap", 64, "red4"),
+    ("key-padding mask", 128, "red4"),
+    ("dropout", 64, "red4"),
+    ("packed", 128, "red4"),
+    ("bias gradient", 64, ""),   # not timed: the two passes
+    ("block mask", 64, ""),      # not timed: the two passes
+])
+def test_backward_plan_adds_dq_with_windows_mods_dropout_and_packed_sequences(rng, option, d,
+                                                                              want):
+    from numflash import dropout as _dropout
+    from numflash import mods
+    from numflash.varlen import Packed
+    p = _OnDevice(_problem(rng, np.float16, d))
+    if option == "window":
+        p.mods = mods.build(p.shape, "cupy", 0, window_size=(64, 0))
+    elif option == "softcap":
+        p.mods = mods.build(p.shape, "cupy", 0, softcap=30.0)
+    elif option == "key-padding mask":   # a device array as planning sees one
+        p.mods = mods.build(p.shape, "numpy", 0, attn_mask=np.ones((1, 1, 1, 256), bool))
+    elif option == "dropout":
+        p.dropout = _dropout.build(0.1, 5)
+    elif option == "packed":
+        cu = np.array([0, 100, 256], np.int32)
+        p.varlen = Packed(cu, cu, 156, 156, False)
+    elif option == "bias gradient":
+        p.mods = mods.build(p.shape, "numpy", 0, attn_bias=np.zeros((1, 4, 256, 256),
+                                                                    np.float32))
+        p.dbias = np.zeros((1, 4, 256, 256), np.float32)
+    else:
+        bm = numflash.create_block_mask(lambda b, h, i, j: j <= i, 1, 1, 256, 256,
+                                        block_size=128)
+        p.mods = mods.build(p.shape, "numpy", 0, block_mask=bm)
+    plan = _plan(p, HOPPER)
+    assert plan.kernel == "cuda.mma"
+    assert {c.DQADD for c in plan.config.values()} == {want}
+    p.deterministic = True
+    if option != "bias gradient":   # a full bias's gradient keeps deterministic=True
+        assert {c.DQADD for c in _plan(p, HOPPER).config.values()} == {""}
+
+
 @pytest.mark.parametrize("dtype, d, device, queries, keys, form", [
     (np.float32, 64, HOPPER, (4, 64, 0), (4, 64, 16), None),
     (np.float32, 128, HOPPER, QUERIES_3X_128, KEYS_3X_128, None),
@@ -523,8 +567,12 @@ def test_backward_takes_a_window_and_other_mods(rng):
     assert plan.kernel == "cuda.mma" and all(c.WINDOW == 1 for c in plan.config.values())
     p = _OnDevice(_problem(rng, np.float16, d=128))
     p.mods = mods.build(p.shape, "cupy", 0, window_size=(8, 0))
+    keys = _plan(p, HOPPER).config["keys"]   # dQ adds: their tile (gradients.DQADD_TILES)
+    assert (keys.NW, keys.BC, keys.SUB, keys.WINDOW, keys.DQADD) == (8, 64, 32, 1, "red4")
+    p.deterministic = True   # the two passes: the window's spill-free key tile
     keys = _plan(p, HOPPER).config["keys"]
-    assert (keys.NW, keys.BC, keys.SUB, keys.WINDOW) == (8, 32, 16, 1)  # spill-free tile
+    assert (keys.NW, keys.BC, keys.SUB, keys.WINDOW, keys.DQADD) == (8, 32, 16, 1, "")
+    p.deterministic = False
     p.mods = mods.build(p.shape, "cupy", 0, window_size=(8, 0), softcap=20.0)
     cfg = _plan(p, HOPPER).config   # the other mods are device functions (test_mma_mods.py)
     assert all(c.WINDOW == 1 and c.MODS == "score:softcap_score/softcap_grad[f]"

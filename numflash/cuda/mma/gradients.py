@@ -190,13 +190,18 @@ def dq_adds(problem, keys, device):
     """The DQADD form of dQ for a problem whose key pass has config ``keys`` ("" for the two
     passes): "red4" (the key pass adds dQ into a float32 accumulator with four-float reductions)
     for 16-bit inputs on sm_90, unless ``deterministic=True`` asks for bitwise-repeatable
-    gradients. Only where it was timed faster: not with column slices (CHUNKS: every slice
-    would add dQ), windows, modifications, dropout, attn_bias's gradient or packed sequences
-    (their key passes keep more registers live; the generator composes them, the emulator
-    tests run them, no GPU timing has been made)."""
+    gradients. Windows, modifications, dropout and packed sequences take it too: each checked
+    against the float64 reference on the H100 and faster than the two passes there (B4 H16
+    N4096, float16 d64 / d128 and bfloat16 d128; packed: 8 sequences, 16384 rows; bench/NOTES.md
+    "dQ by adds with the options"): a window 1.09-1.20x, score / mask modifications 1.37-1.81x
+    (the two passes' modification tiles are slow; the adds' tile spills up to 540 bytes and
+    still wins), dropout 1.21-1.39x, packed sequences 1.05-1.13x. Not with column slices
+    (CHUNKS: every slice would add dQ), attn_bias's gradient (DBIAS), a block mask's lists
+    or mod_args' gradients (MARGS): none of those was timed."""
     if getattr(problem, "deterministic", False) or keys.DT not in ("f16", "bf16"):
         return ""
-    if keys.CHUNKS or keys.WINDOW or keys.MODS or keys.DROP or keys.DBIAS or keys.VARLEN:
+    if keys.CHUNKS or keys.DBIAS or keys.MARGS or \
+            any(part.startswith("block:") for part in keys.MODS.split("+")):
         return ""
     if device.cc is None or device.cc < (9, 0):   # red.global.add.v4.f32 is sm_90's
         return ""
