@@ -201,8 +201,7 @@ def test_mma_config_carries_dbias_on_the_key_pass_only(rng):
     from numba import types
     from numflash import mods as _mods
     from numflash.cuda.mma import gradients
-    from numflash.device import Unsupported
-    from test_mma_config import _gpu, _Problem
+    from test_mma_config import _gpu, _Problem, check_key_pass_gradient_refusals
     dev = _gpu((9, 0))
     p = _Problem("float16", 64)
     p.varlen = None
@@ -218,14 +217,8 @@ def test_mma_config_carries_dbias_on_the_key_pass_only(rng):
             types.Array(types.float64 if acc in ("f64", "rows") else types.float32, 4, "A")
         assert "attn_bias gradient" in " ".join(gradients.notes(p, cfg, dev))
     p.dbias = np.zeros((1, 1, 64, 64), np.float32)
-    p.deterministic = True
-    with pytest.raises(Unsupported, match="deterministic=True takes a full"):
-        gradients.config(p, dev)
-    p.deterministic, p.varlen = False, object()
-    with pytest.raises(Unsupported, match="packed sequences"):
-        gradients.bias_grad_mode(p)
-    p.varlen, p.dbias = None, None
-    assert "DBIAS" not in dict(gradients.config(p, dev)["keys"])
+    check_key_pass_gradient_refusals(p, dev, "DBIAS", "dbias", gradients.bias_grad_mode,
+                                     "deterministic=True takes a full")
 
 
 @pytest.mark.extended

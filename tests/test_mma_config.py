@@ -116,6 +116,24 @@ def _gpu(cc, smem=227 * 1024, name=None):
     return Device(name or f"sm{cc[0]}{cc[1]}", cc=cc, smem_per_block_optin=smem)
 
 
+def check_key_pass_gradient_refusals(p, dev, field, request, mode_of, deterministic_says):
+    """For a gradient the backward's key pass adds atomically (attn_bias's: DBIAS, mod_args':
+    MARGS; ``p`` asks for it through attribute ``request``): deterministic=True refuses it
+    (saying ``deterministic_says``), packed sequences refuse it (``mode_of(p)`` raises), and
+    without it the key pass has no ``field``."""
+    from numflash.cuda.mma import gradients
+    from numflash.device import Unsupported
+    p.deterministic = True
+    with pytest.raises(Unsupported, match=deterministic_says):
+        gradients.config(p, dev)
+    p.deterministic, p.varlen = False, object()
+    with pytest.raises(Unsupported, match="packed sequences"):
+        mode_of(p)
+    p.varlen = None
+    setattr(p, request, None)
+    assert field not in dict(gradients.config(p, dev)["keys"])
+
+
 CHOICES = [  # (dtype, d, dv, precision, device, the config fields it must get)
     # float64: the mma form by compute capability, smaller tiles / scalar staging on less smem
     *[pytest.param("float64", 64, None, "auto", _gpu(cc), dict(DT="f64", MMA=form, VEC=1),

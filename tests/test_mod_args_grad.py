@@ -278,8 +278,7 @@ def test_mma_config_carries_margs_on_the_key_pass_only():
     from numba import types
     from numflash import mods as _mods
     from numflash.cuda.mma import gradients
-    from numflash.device import Unsupported
-    from test_mma_config import _gpu, _Problem
+    from test_mma_config import _gpu, _Problem, check_key_pass_gradient_refusals
     dev = _gpu((9, 0))
     p = _Problem("float16", 64)
     p.varlen, p.deterministic, p.dbias = None, False, None
@@ -293,14 +292,9 @@ def test_mma_config_carries_margs_on_the_key_pass_only():
         types.Array(types.float64, 2, "A"), types.Array(types.float64, 1, "A"),
         types.Array(types.float64, 1, "A"), types.Array(types.int32, 1, "A"))
     assert "mod_args gradients" in " ".join(gradients.notes(p, cfg, dev))
-    p.deterministic = True
-    with pytest.raises(Unsupported, match="deterministic=True takes them on the CPU path"):
-        gradients.config(p, dev)
-    p.deterministic, p.varlen = False, object()
-    with pytest.raises(Unsupported, match="packed sequences"):
-        gradients.mod_args_grad_token(p)
-    p.varlen, p.dmod_args = None, None
-    assert "MARGS" not in dict(gradients.config(p, dev)["keys"])
+    check_key_pass_gradient_refusals(p, dev, "MARGS", "dmod_args",
+                                     gradients.mod_args_grad_token,
+                                     "deterministic=True takes them on the CPU path")
 
 
 @pytest.mark.extended
