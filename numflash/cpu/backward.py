@@ -344,4 +344,3 @@ def run(problem, config, device=None):
         trained = [g for g in p.dmod_args if g is not None]
         for g, task_sums in zip(trained, arg_accs):
             g[...] = task_sums.sum(axis=0)  # a fixed order: bitwise reproducible
-
