@@ -311,9 +311,11 @@ def test_mma_config_and_signatures_carry_drop():
 
 @pytest.mark.extended
 def test_mma_dropout_variants_compile_with_no_spills():
-    """The DROP variants the planner picks (sm_90 float16 d64 / d128 forward, d64 backward;
-    sm_80 bfloat16 d64 forward): no spill, stack or local memory; the generator is inlined
-    (its multiplier appears once a round: twice 10 in the forward's tile loop)."""
+    """The DROP variants the planner picks (sm_90 float16 d64 / d128 forward, sm_80 bfloat16
+    d64 forward) and the d64 backward's two passes (what sm_90 takes with deterministic=True;
+    without, its key pass adds dQ, whose spills bench/NOTES.md "dQ by adds with the options"
+    lists): no spill, stack or local memory; the generator is inlined (its multiplier appears
+    once a round: twice 10 in the forward's tile loop)."""
     import json
     from test_cuda_compile import run_without_simulator
     code = """
