@@ -261,13 +261,13 @@ def test_mma_mod_args_gradients_under_the_warp_emulator_fast(rng):
 
 @pytest.mark.extended
 @pytest.mark.parametrize("DT, causal, more", [
-    ("f16", "bottom_right", dict(Bn=2, Hn=3, Nq=33, Nk=45)),
+    ("f16", "bottom_right", dict(Bn=2, Nq=24, Nk=37)),
     ("bf16", False, dict(softcap=4.0, trained=(True, False, True))),
     ("3xtf32", True, dict(attn_bias=np.full((1, 2, 17, 20), 0.25, np.float32))),
 ])
 def test_mma_mod_args_gradients_under_the_warp_emulator(rng, DT, causal, more):
-    """float16 with batches and heads, bfloat16 after a softcap with one array untrained, 3xTF32
-    beside attn_bias's gradient (DBIAS "store" and MARGS in one key pass)."""
+    """float16 with batches, bfloat16 after a softcap with one array untrained, 3xTF32 beside
+    attn_bias's gradient (DBIAS "store" and MARGS in one key pass)."""
     _emulated(rng, DT, causal, **more)
 
 
@@ -299,8 +299,9 @@ def test_mma_config_carries_margs_on_the_key_pass_only():
 
 @pytest.mark.extended
 def test_mma_margs_key_passes_compile():
-    """The MARGS key pass (a table and slopes trained) for sm_90 float16 and sm_80 bfloat16 at
-    d64: no spill, stack or local memory, and float64 atomic adds."""
+    """The MARGS key pass (a table and slopes trained) for sm_90 float16 at d64: no spill, stack
+    or local memory, and float64 atomic adds (sm_80 bfloat16 d64: 233 registers, no spill,
+    compiled once, bench/NOTES.md; left out here for CI time)."""
     import json
     from test_cuda_compile import run_without_simulator
     code = """
@@ -323,8 +324,7 @@ def test_mma_margs_key_passes_compile():
             return h, -1.0 * abs(i - j)
 
         rows = []
-        for cc, DT, dtype, smem in (((9, 0), "f16", "float16", 227 * 1024),
-                                    ((8, 0), "bf16", "bfloat16", 163 * 1024)):
+        for cc, DT, dtype, smem in (((9, 0), "f16", "float16", 227 * 1024),):
             built = mods.build((2, 2, 64, 64, 64, 64), "numpy", 0, score_mod=rel,
                                score_mod_grad=rel_grad, mod_args=(np.zeros((2, 128), np.float32),
                                np.zeros(2, np.float32), 64),
@@ -343,7 +343,7 @@ def test_mma_margs_key_passes_compile():
         print(json.dumps(rows))
     """
     rows = json.loads(run_without_simulator(code).strip().splitlines()[-1])
-    assert len(rows) == 2, rows
+    assert len(rows) == 1, rows
     for DT, regs, spills, stack, local, atomics in rows:
         assert 0 < regs <= 255 and spills == stack == local == 0 and atomics > 0, rows
 
