@@ -46,7 +46,7 @@ def _with_mod_args_grad(problem, return_mod_args_grad):
                          "with mod_args, for each array that takes a gradient a function "
                          "(score, b, h, q_idx, kv_idx, *mod_args) -> (index, d score_mod / d "
                          "mod_args[n][index]), None for the rest (numflash.mods)")
-    args = mods.scores[-1][2]
+    args = mods.user_args
     trained = dict(mods.arg_grads)
     problem.dmod_args = tuple(problem.xp.zeros(a.shape, a.dtype) if n in trained else None
                               for n, a in enumerate(args))

@@ -159,6 +159,12 @@ class Mods:
         return args + ((self.block.state, self.block.bq, self.block.bk),) if self.block else args
 
     @property
+    def user_args(self):
+        """The user's score_mod's arguments (the last score_mod's): what score_mod_args_grad's
+        functions read and differentiate."""
+        return self.scores[-1][2]
+
+    @property
     def has_grad(self):
         return all(g is not None for _, g, _ in self.scores)
 
@@ -209,8 +215,8 @@ class Mods:
         is ``x``: d score / d mod_args[n][index] (the user's score_mod applies last)."""
         if not self.arg_grads:
             return []
-        *before, (_, _, args) = self.scores
-        for f, _, a in before:
+        args = self.user_args
+        for f, _, a in self.scores[:-1]:
             x = np.float64(f(x, b, h, i, j, *a))
         terms = []
         for n, fn in self.arg_grads:
@@ -354,7 +360,7 @@ def _compile(mods):
     adds = ["def add_arg_grads(ds, x, b, h, i, j, args, accs, task):"]
     for k, (n, fn) in enumerate(mods.arg_grads):
         env[f"a{k}"] = _jit(fn, "score_mod_args_grad function")
-        ndim = mods.scores[-1][2][n].ndim
+        ndim = mods.user_args[n].ndim
         adds += [f"    at, d = a{k}(x, b, h, i, j, *args[{n_masks + user_at}])",
                  f"    if not ({index_in_bounds('at', f'accs[{k}].shape[1:]', ndim)}):",
                  f"        raise IndexError('score_mod_args_grad[{n}] gave an index outside "

@@ -214,7 +214,7 @@ def naive_backward(do, q, k, v, *, scale, causal=False, causal_offset=0, dtype=n
     if mod_args_grad:
         if mods is None or not mods.arg_grads:
             raise ValueError("mod_args_grad needs score_mod_args_grad among the modifications")
-        args = mods.scores[-1][2]
+        args = mods.user_args
         trained = dict(mods.arg_grads)
         # summed in ``dtype``, as a framework computing in it scatter-adds these gradients
         sums = tuple(np.zeros(np.shape(a), dtype) if n in trained else None

@@ -527,7 +527,7 @@ def run_backward_kernels(q, k, v, do, o, lse, DT, causal=False, causal_offset=0,
                                               (B, H, Nq, Nk), acc_dtype)
             args.append(view)
         if cfg.MARGS:
-            user_args = mods.scores[-1][2]
+            user_args = mods.user_args
             trained = dict(mods.arg_grads)
             arg_accs = [np.zeros(np.shape(a)) if n in trained else None
                         for n, a in enumerate(user_args)]
