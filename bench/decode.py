@@ -4,6 +4,7 @@ and with num_splits=1 against PyTorch SDPA's backends on the same memory.
 
     python bench/decode.py [--dtypes float16,bfloat16,float32] [--nk 131072] [--heads 32]
                            [--kv-heads 32] [--d 128] [--nq 1,16] [--batch 1]
+                           [--splits 8,16,32,64] [--kvcache]
 
 Reports ms (CUDA events: warm-up, median of repeats; numflash.bench.timing.median_ms) and the
 K/V read rate in GB/s (the bytes of K and V over the time), and the largest difference of each
@@ -34,6 +35,8 @@ def main():
     ap.add_argument("--d", type=int, default=128)
     ap.add_argument("--nq", default="1,16")
     ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--splits", default="",
+                    help="also time these forced num_splits counts (a column each)")
     ap.add_argument("--kvcache", action="store_true",
                     help="time attention_with_kvcache (contiguous, pages of 16 and 256) instead")
     a = ap.parse_args()
@@ -49,9 +52,11 @@ def main():
     B, H, Hk, Nk, d = a.batch, a.heads, a.kv_heads or a.heads, a.nk, a.d
     rng = np.random.default_rng(0)
     print(f"B{B} H{H} Hk{Hk} Nk{Nk} d{d}: ms (K/V GB/s)")
+    forced = [int(n) for n in a.splits.split(",") if n]
     print("| dtype | Nq | numflash auto | splits | numflash num_splits=1 | " +
+          "".join(f"num_splits={n} | " for n in forced) +
           " | ".join(backends) + " | auto vs best peer | max diff |")
-    print("|---" * (7 + len(backends)) + "|")   # dtype, Nq, 3 numflash cells, peers, 2 more
+    print("|---" * (7 + len(forced) + len(backends)) + "|")   # dtype, Nq, 3 numflash, peers, 2
     for dtype in a.dtypes.split(","):
         dt = np.dtype(__import__("ml_dtypes").bfloat16) if dtype == "bfloat16" else dtype
         k, v = (cupy.asarray(rng.standard_normal((B, Hk, Nk, d), np.float32)).astype(dt)
@@ -65,6 +70,8 @@ def main():
             row = {}
             row["auto"] = median_ms(lambda: numflash.attention(q, k, v))
             row["one"] = median_ms(lambda: numflash.attention(q, k, v, num_splits=1))
+            for n in forced:
+                row[n] = median_ms(lambda: numflash.attention(q, k, v, num_splits=n))
             ours = numflash.attention(q, k, v)
             peers, diff = {}, "-"
             if torch is not None:
@@ -86,6 +93,7 @@ def main():
             best = min((t for t in peers.values() if isinstance(t, float)), default=None)
             cells = [f"{row['auto']:.3f} ({kv_gb / row['auto'] * 1e3:.0f})", splits,
                      f"{row['one']:.3f} ({kv_gb / row['one'] * 1e3:.0f})"]
+            cells += [f"{row[n]:.3f} ({kv_gb / row[n] * 1e3:.0f})" for n in forced]
             cells += [f"{t:.3f} ({kv_gb / t * 1e3:.0f})" if isinstance(t, float) else t
                       for t in peers.values()]
             cells += [f"{best / row['auto']:.2f}x" if best else "-",
@@ -96,39 +104,50 @@ def main():
 def kvcache_table(a):
     """attention_with_kvcache at the decode shape, one new row appended a call, the cache in
     flash-attn's (B, S, Hk, d) layout (paged: the same rows in shuffled pages), against
-    attention() on the same K / V (bhsd)."""
+    attention() on the same K / V (bhsd), with cache_seqlens and block_table given as CuPy
+    arrays (read back to the host for their checks: a synchronization) and as NumPy arrays.
+    Each cell: one call from an idle GPU (its host time counts) / back-to-back calls (what a
+    decode loop sees: host time hides behind the GPU's unless something synchronizes)."""
     import cupy
     import numflash
-    from numflash.bench.timing import median_ms
+    from numflash.bench.timing import CudaEventTimer, median_ms, per_call_ms
     B, H, Hk, S, d = a.batch, a.heads, a.kv_heads or a.heads, a.nk, a.d
     rng = np.random.default_rng(0)
-    print(f"attention_with_kvcache, B{B} H{H} Hk{Hk} cache {S} rows d{d}, Nq 1: ms (K/V GB/s)")
-    print("| dtype | attention (bhsd K/V) | attention (the cache, bshd) | kvcache contiguous | "
-          "paged 16 | paged 256 |")
-    print("|---|---|---|---|---|---|")
+    timer = CudaEventTimer()
+    print(f"attention_with_kvcache, B{B} H{H} Hk{Hk} cache {S} rows d{d}, Nq 1: ms (K/V GB/s), "
+          f"one call / back-to-back (30 calls)")
+    print("| dtype | lengths, table | attention (bhsd K/V) | attention (the cache, bshd) | "
+          "kvcache contiguous | paged 16 | paged 256 |")
+    print("|---|---|---|---|---|---|---|")
     for dtype in a.dtypes.split(","):
         dt = np.dtype(__import__("ml_dtypes").bfloat16) if dtype == "bfloat16" else dtype
         kc, vc = (cupy.asarray(rng.standard_normal((B, S, Hk, d), np.float32)).astype(dt)
                   for _ in range(2))
         q = cupy.asarray(rng.standard_normal((B, 1, H, d), np.float32)).astype(dt)
         new = cupy.asarray(rng.standard_normal((B, 1, Hk, d), np.float32)).astype(dt)
-        lens = cupy.full((B,), S - 1, cupy.int32)
+        host_lens = np.full((B,), S - 1, np.int32)
         gb = 2 * kc.nbytes / 1e9
         kb, vb = (cupy.ascontiguousarray(c.transpose(0, 2, 1, 3)) for c in (kc, vc))
         qb = cupy.ascontiguousarray(q.transpose(0, 2, 1, 3))
-        cells = [median_ms(lambda: numflash.attention(qb, kb, vb)),
-                 median_ms(lambda: numflash.attention(q, kc, vc, layout="bshd"))]
-        cells.append(median_ms(lambda: numflash.attention_with_kvcache(q, kc, vc, new, new,
-                                                                       lens)))
+        caches = {None: (kc, vc, None)}
         for page in (16, 256):
             n = B * S // page
-            kp, vp = (c.reshape(n, page, Hk, d) for c in (kc, vc))
-            table = cupy.asarray(rng.permutation(n).astype(np.int32).reshape(B, -1))
-            cells.append(median_ms(lambda: numflash.attention_with_kvcache(
-                q, kp, vp, new, new, lens, table)))
-        print(f"| {dtype} | " + " | ".join(f"{t:.3f} ({gb / t * 1e3:.0f})" for t in cells) +
-              " |", flush=True)
+            caches[page] = tuple(c.reshape(n, page, Hk, d) for c in (kc, vc)) + (
+                rng.permutation(n).astype(np.int32).reshape(B, -1),)
 
+        def cell(fn):
+            one = median_ms(fn)
+            back = per_call_ms(timer, fn, 30)[0]
+            return f"{one:.3f} / {back:.3f} ({gb / back * 1e3:.0f})"
+        plain = [cell(lambda: numflash.attention(qb, kb, vb)),
+                 cell(lambda: numflash.attention(q, kc, vc, layout="bshd"))]
+        for kind, to in (("CuPy", cupy.asarray), ("NumPy", np.asarray)):
+            cells = list(plain)
+            for page, (kp, vp, table) in caches.items():
+                lens, table = to(host_lens), None if table is None else to(table)
+                cells.append(cell(lambda: numflash.attention_with_kvcache(
+                    q, kp, vp, new, new, lens, table)))
+            print(f"| {dtype} | {kind} | " + " | ".join(cells) + " |", flush=True)
 
 if __name__ == "__main__":
     main()

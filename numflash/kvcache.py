@@ -9,7 +9,12 @@ table, in place; split-KV when the query rows cannot fill the GPU). Everywhere e
 cuda.block / cuda.row, page sizes that are not powers of two, rows cp.async cannot read) it runs
 one :func:`numflash.attention` call per batch entry on the cached rows: views of a contiguous
 cache, a gather of a paged cache's pages. The lengths and the block table are checked on the
-host before anything is written (one copy of each to the host).
+host before anything is written (one copy of each to the host: given as NumPy arrays, they need
+no synchronization).
+
+A repeated one-launch call with the same arrays' shapes, strides, dtypes and options replays the
+recorded launch (numflash.cuda.fastpath) with the new lengths and block table instead of
+normalizing and planning again; the checks of the lengths and the table run every call.
 """
 from dataclasses import dataclass
 
@@ -135,45 +140,28 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=No
     if unknown:
         raise TypeError(f"attention_with_kvcache does not take {', '.join(unknown)} yet; it "
                         f"takes {', '.join(PASSED_OPTIONS)}, causal and return_lse")
-    B, page, capacity = _check(q, k_cache, v_cache, k, v, block_table)
+    key = _replay_key(q, k_cache, v_cache, k, v, block_table, causal, return_lse, options)
+    known = _recorded.get(key) if key is not None else None
+    if known is not None:   # the arrays' checks passed with this signature before
+        B, page, capacity = known.B, known.page, known.capacity
+    else:
+        B, page, capacity = _check(q, k_cache, v_cache, k, v, block_table)
     new = 0 if k is None else k.shape[1]
     if options.get("window_size") is not None and not causal:
         raise ValueError("attention_with_kvcache takes window_size with causal=True (the window "
                          "measured from the newest rows); a window without causal is not "
                          "supported yet")
-    if cache_seqlens is None:
-        if block_table is not None or new:
-            raise ValueError("cache_seqlens is needed with a paged cache (block_table) and to "
-                             "append k, v (None means every row of the cache is in use)")
-        lengths = np.full(B, capacity, np.int64)
-    else:
-        lengths = _host_ints("cache_seqlens", cache_seqlens, B)
-    if (lengths < 0).any() or (lengths + new > capacity).any():
-        b = int(np.argmax((lengths < 0) | (lengths + new > capacity)))
-        raise ValueError(f"cache_seqlens[{b}] = {int(lengths[b])} plus {new} new rows does not "
-                         f"fit the cache's {capacity} rows a sequence")
-    pages = None
-    if page is not None:
-        pages = (block_table.get() if array_kind(block_table) == "cupy"
-                 else np.asarray(block_table)).astype(np.int64)
-        n_pages = k_cache.shape[0]
-        for b in range(B):
-            used = pages[b, :-(-(int(lengths[b]) + new) // page)]
-            bad = used[(used < 0) | (used >= n_pages)]
-            if bad.size:
-                raise ValueError(f"block_table[{b}] names page {int(bad[0])}, outside the "
-                                 f"cache's {n_pages} pages")
+    lengths = _lengths(cache_seqlens, B, new, capacity, block_table)
+    pages = None if page is None else _pages(block_table, lengths + new, page, k_cache.shape[0])
+    if known is not None:
+        replay = known.replay(lengths + new)
+        if replay is not None:
+            return _replayed(replay, known, q, k_cache, v_cache, k, v, lengths, pages, block_table)
     xp = np if array_kind(q) == "numpy" else __import__("cupy")
-    flat = None
-    if page is not None:   # every page's rows as one axis: a view, so appends land in place
-        for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
-            if c.strides[0] != c.shape[1] * c.strides[1]:
-                raise ValueError(f"{name}'s pages must be contiguous along their rows (stride "
-                                 f"of axis 0 = page_size x stride of axis 1) to be read in place")
-        flat = tuple(c.reshape((-1,) + c.shape[2:]) for c in (k_cache, v_cache))
+    flat = None if page is None else _flat_pages(k_cache, v_cache)
     # every option checked (a plan chosen) before anything is written
-    one = _one_launch_plan(xp, q, k_cache, v_cache, flat, lengths + new, pages, page, causal,
-                           return_lse, options)
+    one = _one_launch_plan(xp, q, k_cache, v_cache, flat, lengths + new, pages, page,
+                           block_table, causal, return_lse, options)
     if one is None:
         from .api import explain
         explain(q[:1], k_cache[:1], v_cache[:1], layout="bshd", return_lse=return_lse,
@@ -187,7 +175,7 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=No
         return (out, lse) if return_lse else out
     if one is not None:
         problem, plan = one
-        lse = plan.run(problem)
+        lse = _run_and_record(key, problem, plan, q, k_cache, v_cache, options, capacity)
         return (problem.result, lse) if return_lse else problem.result
     for b in range(B):
         end = int(lengths[b]) + new
@@ -205,6 +193,44 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=No
     return (out, lse) if return_lse else out
 
 
+def _lengths(cache_seqlens, B, new, capacity, block_table):
+    """cache_seqlens as host int64 (B,) lengths, checked to leave room for ``new`` rows."""
+    if cache_seqlens is None:
+        if block_table is not None or new:
+            raise ValueError("cache_seqlens is needed with a paged cache (block_table) and to "
+                             "append k, v (None means every row of the cache is in use)")
+        return np.full(B, capacity, np.int64)
+    lengths = _host_ints("cache_seqlens", cache_seqlens, B)
+    if (lengths < 0).any() or (lengths + new > capacity).any():
+        b = int(np.argmax((lengths < 0) | (lengths + new > capacity)))
+        raise ValueError(f"cache_seqlens[{b}] = {int(lengths[b])} plus {new} new rows does not "
+                         f"fit the cache's {capacity} rows a sequence")
+    return lengths
+
+
+def _pages(block_table, ends, page, n_pages):
+    """The block table as host int64, checked: every page an entry's first ``ends[b]`` rows use
+    names one of the cache's ``n_pages`` pages."""
+    pages = (block_table.get() if array_kind(block_table) == "cupy"
+             else np.asarray(block_table)).astype(np.int64)
+    used = np.arange(pages.shape[1])[None, :] < -(-ends[:, None] // page)
+    bad = used & ((pages < 0) | (pages >= n_pages))
+    if bad.any():
+        b, j = np.argwhere(bad)[0]
+        raise ValueError(f"block_table[{b}] names page {int(pages[b, j])}, outside the "
+                         f"cache's {n_pages} pages")
+    return pages
+
+
+def _flat_pages(k_cache, v_cache):
+    """Every page's rows of each cache as one axis: views, so appends land in place."""
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if c.strides[0] != c.shape[1] * c.strides[1]:
+            raise ValueError(f"{name}'s pages must be contiguous along their rows (stride "
+                             f"of axis 0 = page_size x stride of axis 1) to be read in place")
+    return tuple(c.reshape((-1,) + c.shape[2:]) for c in (k_cache, v_cache))
+
+
 def _append(xp, k_cache, v_cache, flat, k, v, lengths, pages, page):
     """Write the new rows k[b], v[b] at rows lengths[b] ... of entry b's cache (its pages), in
     one scatter per array."""
@@ -220,8 +246,8 @@ def _append(xp, k_cache, v_cache, flat, k, v, lengths, pages, page):
         flat[1][at] = v
 
 
-def _one_launch_plan(xp, q, k_cache, v_cache, flat, ends, pages, page, causal, return_lse,
-                     options):
+def _one_launch_plan(xp, q, k_cache, v_cache, flat, ends, pages, page, block_table, causal,
+                     return_lse, options):
     """(problem, plan) running the whole batch in one cuda.mma launch that reads the cache in
     place, or None where that kernel does not take the call (NumPy arrays, a page size that is
     not a power of two, anything cuda.mma refuses: then one call per entry runs)."""
@@ -244,10 +270,110 @@ def _one_launch_plan(xp, q, k_cache, v_cache, flat, ends, pages, page, causal, r
         with xp.cuda.Device(q.device.id):   # where the kernel reads them
             problem.kvcache = KVCache(
                 xp.asarray(ends.astype(np.int32)),
-                None if page is None else xp.asarray(pages.astype(np.int32)), page,
+                None if page is None else _device_table(xp, block_table, pages), page,
                 int(ends.max()) if ends.size else 0)
         plan = _plan.choose(problem, options.get("backend", "auto"),
                             options.get("algorithm", "auto"))
     except ValueError:
         return None
     return problem, plan
+
+
+def _device_table(xp, block_table, pages):
+    """The block table the kernel reads: the caller's own CuPy array when it is int32 and
+    C-contiguous (no copy), else the checked host table copied over as int32."""
+    if array_kind(block_table) == "cupy" and block_table.dtype == np.int32 \
+            and block_table.flags.c_contiguous:
+        return block_table
+    return xp.asarray(pages.astype(np.int32))
+
+
+# ---- replaying a repeated call (numflash.cuda.fastpath) ----
+
+#: replay key (without the share count) -> _Recorded, for signatures whose arrays passed _check
+_recorded = {}
+_MAX_RECORDED = 1024
+
+
+@dataclass
+class _Recorded:
+    """What a replayed call needs besides the launches: the checked arrays' facts and what the
+    share count (split-KV, which grows with the longest entry's keys) is computed from."""
+    key: tuple
+    B: int
+    page: object
+    capacity: int
+    cfg: object
+    device: object
+    num_splits: object
+
+    def shares(self, ends):
+        from .cuda.mma.config import share_count
+        if not self.cfg.SPLIT:
+            return 1
+        B, Nq, H = self.key[0]   # q's (B, Nq, H)
+        return share_count(B, H, Nq, int(ends.max()), self.num_splits, self.cfg, self.device)
+
+    def replay(self, ends):
+        from .cuda import fastpath
+        return fastpath.lookup(self.key + (self.shares(ends),))
+
+
+def _signature(a):
+    """An optional array's part of the replay key: its type, shape, strides, dtype, device."""
+    if a is None:
+        return None
+    device = a.data.device_id if array_kind(a) == "cupy" else None
+    return type(a), a.shape, a.strides, np.dtype(a.dtype), device
+
+
+def _replay_key(q, k_cache, v_cache, k, v, block_table, causal, return_lse, options):
+    """The call's replay key (fastpath.signature of q and the caches, with everything else the
+    checks and the plan read), or None where a call cannot be replayed."""
+    from .cuda import fastpath
+    if any(a is not None and array_kind(a) != "cupy" for a in (k, v)) or \
+            (block_table is not None and array_kind(block_table) not in ("numpy", "cupy")):
+        return None   # the full path's checks say what is wrong
+    rest = ("kvcache", causal, type(causal), bool(return_lse),
+            tuple(sorted((name, o, type(o)) for name, o in options.items())),
+            _signature(k), _signature(v), _signature(block_table))
+    key = fastpath.signature(q, k_cache, v_cache, rest)
+    return None if key is None else (q.shape[:3],) + key
+
+
+def _run_and_record(key, problem, plan, q, k_cache, v_cache, options, capacity):
+    """Run the one-launch plan; record its launches for replay when the kernel read the
+    caller's own arrays (a copy made by the checks could not be patched in)."""
+    from .cuda import fastpath
+    from .cuda.mma.config import split_count
+    if key is None or plan.kernel != "cuda.mma":
+        return plan.run(problem)
+    with fastpath.recording() as launches:
+        lse = plan.run(problem)
+    if any(a.data.ptr != b.data.ptr for a, b in ((problem.q, q), (problem.k, k_cache),
+                                                 (problem.v, v_cache))):
+        return lse
+    cache, cfg = problem.kvcache, plan.config
+    n = split_count(problem, cfg, plan.device) if cfg.SPLIT else 1
+    inputs = (cache.lens,) + (() if cache.block_table is None else (cache.block_table,))
+    if fastpath.remember(key + (n,), launches, problem, lse, inputs) is not None:
+        if len(_recorded) >= _MAX_RECORDED:
+            _recorded.clear()
+        _recorded[key] = _Recorded(key, q.shape[0], cache.page, capacity, cfg, plan.device,
+                                   options.get("num_splits"))
+    return lse
+
+
+def _replayed(replay, known, q, k_cache, v_cache, k, v, lengths, pages, block_table):
+    """A recorded call again: the checked lengths (and table) to the GPU, the append, the
+    launches with their new arrays."""
+    import cupy
+    new = 0 if k is None else k.shape[1]
+    inputs = (cupy.asarray((lengths + new).astype(np.int32)),)
+    flat = None
+    if known.page is not None:
+        inputs += (_device_table(cupy, block_table, pages),)
+        flat = tuple(c.reshape((-1,) + c.shape[2:]) for c in (k_cache, v_cache))
+    if new:
+        _append(cupy, k_cache, v_cache, flat, k, v, lengths, pages, known.page)
+    return replay(q, k_cache, v_cache, *inputs)

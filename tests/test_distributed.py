@@ -47,6 +47,12 @@ def gloo_report(request, tmp_path_factory):
     return _run_worker(tmp_path_factory, request.param, "gloo", "cpu")
 
 
+@pytest.fixture(scope="module")
+def gloo_refusals_report(tmp_path_factory):
+    """Two ranks running the bad-input cases alone (the full runs above also end with them)."""
+    return _run_worker(tmp_path_factory, 2, "gloo", "none")
+
+
 def _assert_cases(report):
     assert report["cases"], "the worker ran no case"
     for c in report["cases"]:
@@ -64,9 +70,11 @@ def _assert_cases(report):
 
 
 def test_ring_matches_one_call_on_the_whole_sequence(gloo_report):
-    """Forward and backward on 2 and 3 CPU processes: causal and not, zigzag and contiguous, odd
-    shard lengths, float16/32/64, bshd, GQA, Nq != Nk, d = 1 and 59, head chunks."""
+    """Forward and backward on 2, 3, 4 and 8 CPU processes: causal and not, zigzag and
+    contiguous, odd shard lengths, float16/32/64, bshd, GQA, Nq != Nk, d = 1 and 59, head chunks;
+    then the bad-input cases on as many ranks."""
     _assert_cases(gloo_report)
+    _assert_refusals(gloo_report)
     names = {c["case"] for c in gloo_report["cases"]}
     assert {"zigzag-causal-f32", "contiguous-causal-f32-odd", "zigzag-causal-gqa-f32",
             "contiguous-cross-f32", "zigzag-causal-f64-bshd-d59",
@@ -89,24 +97,29 @@ EXPECTED_REFUSALS = {  # (the error every rank raises, what its message says)
 }
 
 
-def test_bad_input_raises_on_every_rank_without_hanging(gloo_report):
+def test_bad_input_raises_on_every_rank_without_hanging(gloo_refusals_report):
     """Refused before any transfer, on every rank alike (or, for one rank's bad argument, its
     own error there and "refused" on the others), within seconds; the group stays usable."""
-    world = gloo_report["world"]
-    every = gloo_report["bad_every_rank"]
+    assert gloo_refusals_report["cases"] == []  # the refusals alone
+    _assert_refusals(gloo_refusals_report)
+
+
+def _assert_refusals(report):
+    world = report["world"]
+    every = report["bad_every_rank"]
     assert len(every) == world
-    for rank, report in enumerate(every):
+    for rank, got in enumerate(every):
         for name, (kind, text) in EXPECTED_REFUSALS.items():
-            r = report[name]
+            r = got[name]
             assert r["raised"] == kind, (rank, name, r)
             assert text in r["message"], (rank, name, r["message"])
             assert r["seconds"] < 10, (rank, name, r["seconds"])  # no wait for a timeout
         for name, own in (("one rank's bad shape", "q must be 4-D"),
                           ("bad causal on one rank", "causal must be one of")):
-            msg = report[name]["message"]
+            msg = got[name]["message"]
             assert own in msg if rank == world - 1 else \
                 f"rank(s) [{world - 1}] were refused" in msg, (rank, name, msg)
-        assert report["good call after"] == {"raised": None, "finite": True}
+        assert got["good call after"] == {"raised": None, "finite": True}
 
 
 @pytest.mark.gpu
@@ -115,6 +128,7 @@ def test_ring_on_two_gpus_over_nccl(tmp_path_factory):
         pytest.skip("needs two CUDA GPUs")
     report = _run_worker(tmp_path_factory, 2, "nccl", "gpu")
     _assert_cases(report)
+    _assert_refusals(report)
 
 
 # ---- in-process: the helpers and the refusals before any ring ----

@@ -189,6 +189,75 @@ def test_gpu_paged_decode_matches_contiguous(rng, monkeypatch, page):
         assert rep.ok, str(rep)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("page", [None, 16])
+@pytest.mark.parametrize("metadata", ["cupy", "numpy"])
+def test_gpu_decode_loop_replays_with_each_calls_lengths(rng, monkeypatch, page, metadata):
+    """A decode loop: the same call signature with lengths that grow by one a step. Only the
+    first call and the one where the longest entry's keys first take two shares plan (the
+    others replay the recorded launch, numflash.cuda.fastpath, with that call's lengths and
+    table); every step's rows land in the cache and its output meets the accuracy rule against
+    the reference of the rows cached so far. Bad lengths or pages still raise after the
+    recording, writing nothing."""
+    cupy = pytest.importorskip("cupy")
+    from numflash import kvcache
+    from numflash.cuda import fastpath
+    planned = []
+    original = kvcache._one_launch_plan
+    monkeypatch.setattr(kvcache, "_one_launch_plan", lambda *a: planned.append(1) or
+                        original(*a))
+    monkeypatch.setattr(kvcache, "_recorded", {})   # nothing recorded by an earlier test
+    monkeypatch.setattr(fastpath, "_replays", {})
+    B, S, H, Hk, d = 2, 1024, 8, 2, 128
+    k_cache, v_cache = _cache(rng, B, S, Hk, d, np.float16)
+    kc, vc = cupy.asarray(k_cache), cupy.asarray(v_cache)   # the reference's contiguous rows
+    if page is None:
+        caches, table = (kc, vc), None
+    else:
+        kp, vp, table = _paged(k_cache, v_cache, page, rng)
+        caches = (cupy.asarray(kp), cupy.asarray(vp))
+    as_kind = cupy.asarray if metadata == "cupy" else np.asarray
+    table_ = None if table is None else as_kind(table)
+    lengths = np.array([5, 440], np.int32)   # 441 .. 456 keys: 7 tiles of 64, then 8 (2 shares)
+    shares = []
+    for step in range(16):
+        q = cupy.asarray(rng.standard_normal((B, 1, H, d)).astype(np.float16))
+        k, v = (cupy.asarray(a) for a in _cache(rng, B, 1, Hk, d, np.float16))
+        out = numflash.attention_with_kvcache(q, *caches, k, v, as_kind(lengths), table_,
+                                              causal=True)
+        known = kvcache._recorded.get(kvcache._replay_key(q, *caches, k, v, table_, True,
+                                                          False, {}))
+        assert known is not None, "the call was not recorded for replay"
+        shares.append(known.shares(lengths + 1))
+        for b in range(B):
+            n = int(lengths[b]) + 1
+            if page is None:
+                cupy.testing.assert_array_equal(kc[b, n - 1], k[b, 0])
+            else:   # the row landed in its page; the reference gets its copy
+                row = int(table[b, (n - 1) // page]) * page + (n - 1) % page
+                cupy.testing.assert_array_equal(caches[0].reshape((-1, Hk, d))[row], k[b, 0])
+                cupy.testing.assert_array_equal(caches[1].reshape((-1, Hk, d))[row], v[b, 0])
+                kc[b, n - 1], vc[b, n - 1] = k[b, 0], v[b, 0]
+            rep = check(out[b:b + 1], q[b:b + 1], kc[b:b + 1, :n], vc[b:b + 1, :n],
+                        layout="bshd")
+            assert rep.ok, (step, b, str(rep))
+        lengths = lengths + 1
+    assert shares[0] == 1 and shares[-1] == 2 and sorted(shares) == shares, shares
+    assert len(planned) == 2, planned   # the first call, and the first with two shares
+    before = [c.copy() for c in caches]
+    with pytest.raises(ValueError, match="cache_seqlens"):
+        numflash.attention_with_kvcache(q, *caches, k, v, as_kind(np.array([5, S], np.int32)),
+                                        table_, causal=True)
+    if table is not None:
+        bad = table.copy()
+        bad[1, 0] = -1
+        with pytest.raises(ValueError, match="block_table"):
+            numflash.attention_with_kvcache(q, *caches, k, v, as_kind(lengths), as_kind(bad),
+                                            causal=True)
+    for c, b in zip(caches, before):
+        cupy.testing.assert_array_equal(c, b)
+
+
 @pytest.mark.parametrize("DT, page, tile", [("f16", 16, (2, 32, 1)), ("f64", 32, (2, 16, 0)),
                                            ("f16", 0, (2, 32, 1))])
 @pytest.mark.parametrize("causal", [False, True])

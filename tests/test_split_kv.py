@@ -144,15 +144,17 @@ def _h100():
 
 
 @pytest.mark.parametrize("B, H, Nq, Nk, want", [
-    (1, 32, 1, 131072, "split"),       # decode: 32 query blocks for 264 block slots
+    (1, 32, 1, 131072, "split"),       # decode: 32 query blocks for 528 block slots
     (1, 32, 16, 131072, "split"),
-    (8, 32, 1, 4096, "split"),          # 256 blocks < 264 slots, 64 key tiles
+    (1, 40, 1, 131072, "split"),       # 13 shares: 520 blocks; 14 would leave a second wave
+    (8, 32, 1, 4096, "split"),          # 256 blocks < 528 slots, 64 key tiles
     (4, 32, 4096, 4096, 1),             # training sizes fill the GPU
     (1, 1, 1, 100, 1),                  # too few key tiles to share
 ])
 def test_split_count_fills_the_gpu(B, H, Nq, Nk, want):
     from numflash.cuda.mma import config
-    from numflash.cuda.mma.config import MAX_SPLITS, MIN_SPLIT_TILES, split_count
+    from numflash.cuda.mma.config import (MAX_SPLITS, MIN_SPLIT_TILES, SPLIT_SLOTS_PER_SM,
+                                          split_count)
     dev = _h100()
     p = _problem(B, H, Nq, Nk)
     cfg = config(p, dev)
@@ -163,7 +165,29 @@ def test_split_count_fills_the_gpu(B, H, Nq, Nk, want):
         blocks = -(-Nq // cfg.BR) * B * H
         assert cfg.SPLIT and 1 < n <= MAX_SPLITS
         assert n * blocks >= 2 * dev.sm_count or n == -(-Nk // cfg.BC) // MIN_SPLIT_TILES
+        slots = SPLIT_SLOTS_PER_SM * dev.sm_count   # one wave: no share left to a second
+        assert n * blocks <= slots < (n + 1) * blocks or n == MAX_SPLITS \
+            or n == -(-Nk // cfg.BC) // MIN_SPLIT_TILES
         assert -(-Nk // cfg.BC) // n >= MIN_SPLIT_TILES
+
+
+def test_a_kv_cache_plans_its_split_from_the_capacity():
+    """config() decides on the split variant from a KV cache's capacity (plans are memoized
+    without the lengths, and a decode loop's cache fills), while each launch's share count
+    follows the longest entry's keys: one share for a short cache, as many as fill the GPU for a
+    full one."""
+    from numflash.cuda.mma import config
+    from numflash.cuda.mma.config import split_count
+    from numflash.kvcache import KVCache
+    dev = _h100()
+    p = _problem(1, 32, 1, 131072)
+    cfg = config(p, dev)
+    full = split_count(p, cfg, dev)
+    assert cfg.SPLIT and full > 1
+    for max_len, want in ((100, 1), (131072, full)):
+        p.kvcache = KVCache(np.array([max_len], np.int32), None, None, max_len)
+        assert split_count(p, cfg, dev) == want
+        assert split_count(p, cfg, dev, in_use=False) == full
 
 
 def test_forced_and_refused_splits():

@@ -119,13 +119,15 @@ class Replay:
     """A recorded call: allocate out (and lse, if returned) like the full path did, relaunch.
 
     ``steps``: (recipe, mapping) per launch, in order; mapping gives for each of the recipe's
-    array arguments where its pointer comes from: an index into (q, k, v, out, lse, scratch...)
-    or None (an array kept for the process)."""
+    array arguments where its pointer comes from: an index into (q, k, v, out, lse, inputs...,
+    scratch...) or None (an array kept for the process). ``inputs``: the count of further
+    arrays each call passes after q, k, v (a KV cache's lengths and block table)."""
     __slots__ = ("steps", "out_shape", "dtype", "lse_shape", "lse_dtype", "return_lse",
-                 "scratch_lse", "scratch_stream", "scratch", "scratch_thread")
+                 "scratch_lse", "scratch_stream", "scratch", "scratch_thread", "inputs")
 
-    def __init__(self, steps, problem, lse, scratch=()):
+    def __init__(self, steps, problem, lse, scratch=(), inputs=0):
         self.steps = steps
+        self.inputs = inputs
         self.dtype = problem.dtype
         self.out_shape = tuple(problem.result.shape)
         self.lse_shape = tuple(problem.q.shape[:3])
@@ -138,7 +140,7 @@ class Replay:
         self.scratch_stream = stream if small or self.scratch else None
         self.scratch_thread = threading.get_ident()
 
-    def __call__(self, q, k, v):
+    def __call__(self, q, k, v, *inputs):
         cupy = _cupy
         stream = cupy.cuda.get_current_stream().ptr
         out = cupy.empty(self.out_shape, self.dtype)
@@ -146,7 +148,11 @@ class Replay:
         lse = self.scratch_lse if same_stream else None
         if lse is None:
             lse = cupy.empty(self.lse_shape, self.lse_dtype)
+        if len(inputs) != self.inputs:
+            raise TypeError(f"this replay takes {self.inputs} arrays after q, k, v; got "
+                            f"{len(inputs)}")
         pointers = [q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, lse.data.ptr]
+        pointers += [a.data.ptr for a in inputs]
         if self.scratch:   # reused only by the recording's thread on its stream: another
             # thread's launches on the same stream could fall between this call's two
             scratch = self.scratch if same_stream and \
@@ -176,10 +182,10 @@ def replayable(launches, pointers):
 
 
 def replay_steps(launches, pointers, scratch=()):
-    """[(recipe, mapping)] replaying ``launches`` with new ``pointers`` (q, k, v, out, lse) and
-    ``scratch`` arrays (see Replay), or None if some launch passes an array that is none of
-    those and not kept, or a pointer that could be two of them (q is k) anywhere but in its
-    own position."""
+    """[(recipe, mapping)] replaying ``launches`` with new ``pointers`` (q, k, v, out, lse and
+    any further inputs) and ``scratch`` arrays (see Replay), or None if some launch passes an
+    array that is none of those and not kept, or a pointer that could be two of them (q is k)
+    anywhere but in its own position."""
     known = list(pointers) + [a.data.ptr for a in scratch]
     steps = []
     for recipe in launches:
@@ -196,21 +202,22 @@ def replay_steps(launches, pointers, scratch=()):
     return steps
 
 
-def remember(key, launches, problem, lse):
+def remember(key, launches, problem, lse, inputs=()):
     """Keep the call's launches for replay if they can be (replay_steps; scratch up to
-    SCRATCH_BYTES). Returns the Replay, or None if the call cannot be one."""
+    SCRATCH_BYTES). ``inputs``: the further arrays the call passed after q, k, v, which a
+    replay takes anew each call. Returns the Replay, or None if the call cannot be one."""
     if key is None or not launches:
         return None
     scratch = getattr(launches, "scratch", ())
     if sum(a.nbytes for a in scratch) > SCRATCH_BYTES:
         return None
     steps = replay_steps(launches, [a.data.ptr for a in (problem.q, problem.k, problem.v,
-                                                          problem.out, lse)], scratch)
+                                                          problem.out, lse, *inputs)], scratch)
     if steps is None:
         return None
     if len(_replays) >= _MAX_REPLAYS:
         _replays.clear()
-    replay = _replays[key] = Replay(steps, problem, lse, scratch)
+    replay = _replays[key] = Replay(steps, problem, lse, scratch, len(inputs))
     return replay
 
 

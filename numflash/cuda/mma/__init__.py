@@ -96,6 +96,8 @@ def notes(problem, cfg, device):
     blocks = -(-Nq // cfg.BR) * B * H
     why = ("num_splits was given" if getattr(problem, "num_splits", None) is not None else
            f"{blocks} query blocks for {device.sm_count} SMs")
+    if cfg.KVLEN:
+        why += "; planned for the cache's capacity, the shares counted from the longest entry"
     return lines + [f"split-KV: each query block's keys in {n} shares ({why}); the partial "
                     f"results are merged by cuda.merge (one more launch, "
                     f"{'float64' if cfg.DT == 'f64' else 'float32'} partials: "

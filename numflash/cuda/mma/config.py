@@ -76,31 +76,41 @@ MAX_SPLITS = 128
 MIN_SPLIT_TILES = 4
 
 
-def split_count(problem, cfg, device):
+def split_count(problem, cfg, device, in_use=True):
     """How many shares of its keys each query block of ``problem`` takes (1: no split): the
-    call's ``num_splits`` if given (at most one share per key tile), else as many as fill the
-    GPU's block slots (SPLIT_SLOTS_PER_SM a multiprocessor) while every share keeps
+    call's ``num_splits`` if given (at most one share per key tile), else as many as the GPU's
+    block slots (SPLIT_SLOTS_PER_SM a multiprocessor) hold in one wave while every share keeps
     MIN_SPLIT_TILES key tiles, up to MAX_SPLITS -- flash-attn's num_splits idea (one query block
-    cannot fill a GPU, decoding most of all). A KV cache counts its longest entry's keys, not
-    its capacity. Never with a block mask (its lists are walked whole) or for a GPU of unknown
-    size."""
+    cannot fill a GPU, decoding most of all). One wave, not one more share: at B1 H32 on the
+    H100 (528 slots) 17 shares left 16 blocks to a second wave and ran 2-4% slower than 16
+    (bench/NOTES.md, "Split count"). A KV cache counts its longest entry's keys, not its
+    capacity, unless ``in_use`` is False: config() plans the split variant from the capacity,
+    so that a plan (memoized without the lengths) stays right as a decode loop's cache fills,
+    and each launch takes the shares its longest entry needs, one included. Never with a block
+    mask (its lists are walked whole) or for a GPU of unknown size."""
     B, H, Nq, Nk, d, dv = problem.shape
     if getattr(problem, "varlen", None) is not None:   # config() refuses num_splits > 1
         return 1
     cache = getattr(problem, "kvcache", None)
-    if cache is not None:   # a KV cache's capacity may far exceed the keys in use
+    if cache is not None and in_use:   # a KV cache's capacity may far exceed the keys in use
         Nk = cache.max_len
+    block_mask = getattr(getattr(problem, "mods", None), "block", None) is not None
+    return share_count(B, H, Nq, Nk, getattr(problem, "num_splits", None), cfg, device,
+                       block_mask)
+
+
+def share_count(B, H, Nq, Nk, forced, cfg, device, block_mask=False):
+    """split_count's rule on the numbers it reads (the KV cache's replay asks it each call)."""
     tiles = -(-Nk // cfg.BC)
-    forced = getattr(problem, "num_splits", None)
     if forced is not None:   # a share per key tile at most
         return max(1, min(forced, tiles))
-    if device.sm_count is None or getattr(getattr(problem, "mods", None), "block", None) is not None:
+    if device.sm_count is None or block_mask:
         return 1
     blocks = -(-Nq // cfg.BR) * B * H
     slots = SPLIT_SLOTS_PER_SM * device.sm_count
     if blocks >= slots:
         return 1
-    return max(1, min(MAX_SPLITS, -(-slots // blocks), tiles // MIN_SPLIT_TILES))
+    return max(1, min(MAX_SPLITS, slots // blocks, tiles // MIN_SPLIT_TILES))
 
 
 #: CUDA's limit on grid y, which the packed kernels give each sequence's heads
@@ -187,7 +197,7 @@ def config(problem, device):
     if getattr(problem, "varlen", None) is not None:
         check_packed(problem)
         cfg = MmaConfig(**{**dict(cfg), "VARLEN": 1})
-    if split_count(problem, cfg, device) > 1:
+    if split_count(problem, cfg, device, in_use=False) > 1:
         if getattr(getattr(problem, "mods", None), "block", None) is not None:
             raise Unsupported(f"{NAME} does not split the keys (num_splits="
                               f"{problem.num_splits}) of a call with a block mask yet: leave "
