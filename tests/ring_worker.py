@@ -181,7 +181,7 @@ def _bad_cases(rank, world, device):
         "mismatched precision": lambda: ring_attention(
             x(4), x(4), x(4), precision="ieee" if rank == 0 else "auto"),
         "GQA heads not dividing": lambda: ring_attention(
-            torch.randn(1, 3, 4, 8), x(4), x(4)),
+            torch.randn(1, 3, 4, 8, device=device), x(4), x(4)),
         "bfloat16 on the CPU": lambda: ring_attention(
             *(x(4).to(torch.bfloat16) for _ in range(3))),
     }
