@@ -25,12 +25,14 @@ def run_without_simulator(code):
 
 @pytest.fixture(scope="module")
 def report():
-    """ptxas' report for every kernel's default config at each size, dtype and architecture."""
+    """ptxas' report for every kernel's default config at each size, dtype and architecture
+    (d = 96 is where cuda.row splits the output columns with q held, d >= 128 where q moves to
+    shared memory; d = 64 left out for CI time)."""
     out = run_without_simulator(f"""
         import io, json
         from numflash.inspect import inspect
         archs = [(int(a[0]), int(a[1:])) for a in "{ARCHS}".split(",")]
-        rows = inspect(archs, head_dims=(1, 59, 64, 96, 128, 256), out=io.StringIO())
+        rows = inspect(archs, head_dims=(1, 59, 96, 128, 256), out=io.StringIO())
         print(json.dumps([dict(r, cc=list(r["cc"])) for r in rows]))
     """)
     return json.loads(out.splitlines()[-1])

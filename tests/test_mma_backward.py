@@ -37,7 +37,7 @@ EMULATED = {
     # batches with GQA: b and the K/V head come from different grid indices in the two passes
     "gqa-batches": (2, 4, 2, 33, 21, 16, 16, True, None),
     # the d128 key-pass tile the planner ships: 8 warps, 64 queries staged, 16 at a time
-    "shipped-d128-keys": (1, 1, 1, 80, 150, 128, 128, "bottom_right",
+    "shipped-d128-keys": (1, 1, 1, 80, 90, 128, 128, "bottom_right",
                           {"queries": (4, 64), "keys": (8, 64, 16)}),
     # the word kinds' 8-query sub-tiles (one k-step of m16n8k8), GQA and a causal edge
     "word-sub-tiles": (1, 2, 1, 50, 45, 16, 24, True, {"queries": (2, 16), "keys": (2, 32, 8)}),
@@ -159,8 +159,9 @@ def test_float32_gradient_stores_emulated_on_cpu(rng, DT, case):
     _emulated("f16", "one-warp", fast=True),
     _emulated("bf16", "sub-tiles"),            # two dS tiles, alternating by sub-tile
     _emulated("f16", "gqa-batches"),           # a group's query heads add into their own rows
-    _emulated("bf16", "shipped-d128-keys"),    # 8 warps, one column pair each
     _emulated("f16", "causal-dv"),
+    # (the shipped d128 tile with adds, 8 warps: 384 s here on 2 cores; it runs on the GPU in
+    # test_gpu_* and its compile and spills are held by the DQADD_SPILLS case below)
 ])
 def test_dq_adds_emulated_on_cpu(rng, DT, case):
     """DQADD: the key pass stores its dS^T tile, multiplies it by its K rows and adds dQ into a
@@ -633,23 +634,24 @@ def _compile(cases):
     pytest.param([((9, 0), 64, "float16", False)], id="sm90-d64-f16", marks=pytest.mark.extended),
     pytest.param([((9, 0), 128, "float16", False)], id="sm90-d128-f16",
                  marks=pytest.mark.extended),
-    pytest.param([((8, 0), 128, "bfloat16", False), ((8, 0), 64, "float16", False),
-                  ((9, 0), 64, "bfloat16", False)],
-                 id="sm80-d128-bf16-sm80-d64-f16-sm90-d64-bf16", marks=pytest.mark.extended),
-    pytest.param([((9, 0), 128, "float16", True), ((8, 0), 128, "bfloat16", True),
-                  ((9, 0), 64, "float16", True)], id="window-sm90-sm80",
+    # sm_80 once (no dQ adds there; bfloat16 d128 and float16 d64 on sm_80 and bfloat16 d64 on
+    # sm_90, compiled here until session 24, no spill: 192 s, left out for CI time)
+    pytest.param([((8, 0), 64, "bfloat16", False)], id="sm80-d64-bf16",
+                 marks=pytest.mark.extended),
+    # the window's d128 tile on sm_90 (sm_80 bfloat16 d128 and sm_90 float16 d64, compiled
+    # until session 24 with no spill, left out for CI time)
+    pytest.param([((9, 0), 128, "float16", True)], id="window-sm90-d128",
                  marks=pytest.mark.extended),
     pytest.param([((8, 0), 64, "float32", False)], id="3xtf32-d64-sm80",
                  marks=pytest.mark.extended),
     # d = 256: the gradients' columns in two slices (CHUNKS)
-    pytest.param([((9, 0), 256, "float16", False), ((8, 0), 256, "bfloat16", False)],
-                 id="column-slices-d256-sm90-f16-sm80-bf16", marks=pytest.mark.extended),
+    pytest.param([((9, 0), 256, "float16", False)],
+                 id="column-slices-d256-sm90-f16", marks=pytest.mark.extended),
     # packed sequences in one launch per pass (VARLEN; d128's key pass: PACKED_SPILLS)
     pytest.param([((9, 0), 64, "float16", False, True)], id="varlen-sm90-d64-f16",
                  marks=pytest.mark.extended),
     # float32 gradients of 16-bit inputs (GRAD32: grad_dtype, ring attention's steps)
-    pytest.param([((9, 0), 128, "float16", False, False, True),
-                  ((8, 0), 64, "bfloat16", False, False, True)], id="grad32-sm90-d128-sm80-d64",
+    pytest.param([((9, 0), 128, "float16", False, False, True)], id="grad32-sm90-d128",
                  marks=pytest.mark.extended),
     # dQ added by the key pass (DQADD, sm_90's default for 16-bit); d128: DQADD_SPILLS
     pytest.param([((9, 0), 64, "float16", False, False, False, True),
@@ -697,9 +699,14 @@ PACKED_SPILLS = {((9, 0), 128, "float16", False, True): (0, 64),
 DQADD_SPILLS = {((9, 0), 128, "float16", False, False, False, True): (0, 80)}
 
 
+#: measured cases left out of CI for time (168 s on 2 cores); sm_90's twins stay
+NOT_IN_CI = {((8, 0), 128, "float32", False, False), ((8, 0), 128, "bfloat16", False, True)}
+
+
 @pytest.mark.extended
-@pytest.mark.parametrize("case", [c + (False, False) for c in KNOWN_SPILLS] + list(PACKED_SPILLS)
-                         + list(DQADD_SPILLS),
+@pytest.mark.parametrize("case", [c for c in [c + (False, False) for c in KNOWN_SPILLS]
+                                  + list(PACKED_SPILLS) + list(DQADD_SPILLS)
+                                  if c not in NOT_IN_CI],
                          ids=lambda c: f"sm{c[0][0]}{c[0][1]}-d{c[1]}-{c[2]}"
                                        f"{'-varlen' if c[4] else ''}"
                                        f"{'-dq-adds' if len(c) > 6 and c[6] else ''}")

@@ -98,14 +98,12 @@ VARIANTS = [
     _variant("f16", 128, cc=SM90, VEC=1, WINDOW=1, fast=True),
     _variant("bf16", 256, cc=SM90, VEC=1, WINDOW=1),
     _variant("f64", 64, cc=SM90, VEC=1, WINDOW=1),
-    _variant("3xtf32", 64, cc=SM90, WINDOW=1),
-    _variant("3xtf32", 128, cc=SM90, WINDOW=1),
+    _variant("3xtf32", 128, cc=SM90, WINDOW=1),   # (d64's window: no spill, left out: CI time)
     # packed sequences in one launch (VARLEN): each block's sequence bounds from cu_seqlens
     _variant("f16", 128, cc=SM90, VEC=1, VARLEN=1),
     _variant("bf16", 64, cc=SM80, VEC=1, VARLEN=1),
-    _variant("3xtf32", 128, cc=SM90, VARLEN=1, xfail=(
-        "the packed 3xTF32 d128 forward sits at 255 registers and spills 52 bytes (the unpacked "
-        "one fits): bench/NOTES.md, packed sequences")),
+    # (the packed 3xTF32 d128 forward sits at 255 registers and spills 52 bytes, bench/NOTES.md
+    # "Packed sequences in one launch"; its 96 s compile is left out for CI time)
     _variant("f64", 64, cc=SM90, VEC=1, VARLEN=1),
 ]
 
