@@ -90,7 +90,7 @@ def test_random_problems_are_accurate(p):
     assert np.isfinite(lse[:, :, ~sees_none]).all()
 
 
-@settings(max_examples=30, deadline=None, derandomize=not EXPLORE,
+@settings(max_examples=15, deadline=None, derandomize=not EXPLORE,
           suppress_health_check=[HealthCheck.too_slow])
 @given(problems(), st.sampled_from(["q", "k", "v", "do"]), st.sampled_from([np.nan, np.inf]),
        st.integers(0, 2 ** 16))
