@@ -113,6 +113,7 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_sim)
 
 
+@pytest.hookimpl(optionalhook=True)   # xdist's hook: no error where xdist is not loaded
 def pytest_xdist_make_scheduler(config, log):
     """The README tier hands out whole files (each file's CPU kernels then compile on one worker,
     not on both at once: 630 s instead of 746 s cold on 2 cores, session 24); the extended tier,
