@@ -179,7 +179,8 @@ def test_dq_adds_emulated_on_cpu(rng, DT, case):
 
 
 @pytest.mark.parametrize("option", [
-    pytest.param("window", id="window"),
+    # every option extended (10-19 s each on 2 cores); the README tier adds dQ in f16-one-warp
+    pytest.param("window", id="window", marks=pytest.mark.extended),
     pytest.param("mods", id="mods", marks=pytest.mark.extended),
     pytest.param("dropout", id="dropout", marks=pytest.mark.extended),
     pytest.param("bias-grad", id="bias-grad", marks=pytest.mark.extended),
