@@ -82,7 +82,7 @@ def split_count(problem, cfg, device, in_use=True):
     block slots (SPLIT_SLOTS_PER_SM a multiprocessor) hold in one wave while every share keeps
     MIN_SPLIT_TILES key tiles, up to MAX_SPLITS -- flash-attn's num_splits idea (one query block
     cannot fill a GPU, decoding most of all). One wave, not one more share: at B1 H32 on the
-    H100 (528 slots) 17 shares left 16 blocks to a second wave and ran 2-4% slower than 16
+    H100 (528 slots) 17 shares left 16 blocks to a second wave and ran 1.7-4.2% slower than 16
     (bench/NOTES.md, "Split count"). A KV cache counts its longest entry's keys, not its
     capacity, unless ``in_use`` is False: config() plans the split variant from the capacity,
     so that a plan (memoized without the lengths) stays right as a decode loop's cache fills,
