@@ -115,9 +115,9 @@ def pytest_collection_modifyitems(config, items):
 @pytest.hookimpl(optionalhook=True)   # xdist's hook: no error where xdist is not loaded
 def pytest_xdist_make_scheduler(config, log):
     """The README tier hands out whole files (each file's CPU kernels then compile on one worker,
-    not on both at once: 630 s instead of 746 s cold on 2 cores, session 24); the extended tier,
-    whose long tests crowd a few files, hands out tests one by one (xdist's default). An explicit
-    --dist keeps its own."""
+    not on both at once: 630 s cold on 2 cores with it and another change, 746 s before them,
+    session 24); the extended tier, whose long tests crowd a few files, hands out tests one by
+    one (xdist's default). An explicit --dist keeps its own."""
     from xdist.scheduler import LoadFileScheduling
     if config.getoption("dist") == "load" and config.option.markexpr == "not extended" \
             and "--dist" not in " ".join(config.invocation_params.args):
