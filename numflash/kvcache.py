@@ -152,15 +152,17 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=No
                          "measured from the newest rows); a window without causal is not "
                          "supported yet")
     lengths = _lengths(cache_seqlens, B, new, capacity, block_table)
-    pages = None if page is None else _pages(block_table, lengths + new, page, k_cache.shape[0])
+    ends = lengths + new
+    pages = None if page is None else _pages(block_table, ends, page, k_cache.shape[0])
     if known is not None:
-        replay = known.replay(lengths + new)
+        replay = known.replay(ends)
         if replay is not None:
-            return _replayed(replay, known, q, k_cache, v_cache, k, v, lengths, pages, block_table)
+            return _replayed(replay, known, q, k_cache, v_cache, k, v, lengths, ends, pages,
+                             block_table)
     xp = np if array_kind(q) == "numpy" else __import__("cupy")
     flat = None if page is None else _flat_pages(k_cache, v_cache)
     # every option checked (a plan chosen) before anything is written
-    one = _one_launch_plan(xp, q, k_cache, v_cache, flat, lengths + new, pages, page,
+    one = _one_launch_plan(xp, q, k_cache, v_cache, flat, ends, pages, page,
                            block_table, causal, return_lse, options)
     if one is None:
         from .api import explain
@@ -364,16 +366,15 @@ def _run_and_record(key, problem, plan, q, k_cache, v_cache, options, capacity):
     return lse
 
 
-def _replayed(replay, known, q, k_cache, v_cache, k, v, lengths, pages, block_table):
+def _replayed(replay, known, q, k_cache, v_cache, k, v, lengths, ends, pages, block_table):
     """A recorded call again: the checked lengths (and table) to the GPU, the append, the
     launches with their new arrays."""
     import cupy
-    new = 0 if k is None else k.shape[1]
-    inputs = (cupy.asarray((lengths + new).astype(np.int32)),)
+    inputs = (cupy.asarray(ends.astype(np.int32)),)
     flat = None
     if known.page is not None:
         inputs += (_device_table(cupy, block_table, pages),)
-        flat = tuple(c.reshape((-1,) + c.shape[2:]) for c in (k_cache, v_cache))
-    if new:
+        flat = _flat_pages(k_cache, v_cache)
+    if k is not None and k.shape[1]:   # rows to append
         _append(cupy, k_cache, v_cache, flat, k, v, lengths, pages, known.page)
     return replay(q, k_cache, v_cache, *inputs)
