@@ -11,8 +11,10 @@ whose device is not known here, and GPU data would be staged through the host by
 
 Gradients use numflash's backward (:func:`numflash.attention_backward`), so ``jax.grad`` and
 ``jax.vjp`` of :func:`attention` run in O(N) memory, eagerly and under ``jax.jit``. The built-in
-modifications (a window, softcap, ALiBi, a bias, with its gradient, and a boolean mask) and
-attention dropout run too; their arrays travel as inputs of the call (traced under ``jax.jit``).
+modifications (a window, softcap, ALiBi, a bias, with its gradient, and a boolean mask), a user's
+score_mod / mask_mod with their mod_args (gradients to the float ones that score_mod_args_grad
+names) and attention dropout run too; their arrays travel as inputs of the call (traced under
+``jax.jit``), the functions as static parts of it.
 """
 import dataclasses
 import functools
@@ -87,21 +89,31 @@ def _attention_bwd(static, residuals, cotangents):
     causal, scale, layout, options = static
     q, k, v, extras, out, lse = residuals
     d_out = cotangents[0]  # the lse's cotangent is ignored: it is not differentiable
+    # the arrays that get a gradient: attn_bias, and the mod_args score_mod_args_grad names
+    trained = [n for n, name in enumerate(options.arrays) if name == "attn_bias"
+               or name in options.trained_mod_args]
     bias_grad = "attn_bias" in options.arrays
+    args_grad = bool(options.trained_mod_args)
 
     def host(do, q, k, v, o, lse, *extra):
-        return _api.attention_backward(np.ascontiguousarray(do), q, k, v, o, lse, causal=causal,
-                                       softmax_scale=scale, layout=layout, backend="cpu",
-                                       return_bias_grad=bias_grad,
-                                       **_host_options(options, extra))
-    shapes = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (q, k, v))
-    if bias_grad:
-        bias = extras[options.arrays.index("attn_bias")]
-        shapes += (jax.ShapeDtypeStruct(bias.shape, bias.dtype),)
+        result = _api.attention_backward(
+            np.ascontiguousarray(do), q, k, v, o, lse, causal=causal, softmax_scale=scale,
+            layout=layout, backend="cpu", return_bias_grad=bias_grad,
+            return_mod_args_grad=args_grad, **_host_options(options, extra))
+        if not args_grad:
+            return result
+        *grads, arg_grads = result   # aligned with mod_args: pick the trained arrays'
+        return tuple(grads) + tuple(arg_grads[int(name[len("mod_args["):-1])]
+                                    for name in options.arrays
+                                    if name in options.trained_mod_args)
+    shapes = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in
+                   (q, k, v) + tuple(extras[n] for n in trained))
     grads = _run(host, shapes, d_out.astype(q.dtype), q, k, v, out, lse, *extras)
-    # no gradient reaches the other arrays: ALiBi slopes, a boolean mask, dropout's seed words
-    d_extras = tuple(grads[3] if name == "attn_bias" else _zero_cotangent(a)
-                     for name, a in zip(options.arrays, extras))
+    # no gradient reaches the other arrays: ALiBi slopes, a boolean mask, untrained mod_args,
+    # dropout's seed words
+    by_array = dict(zip(trained, grads[3:]))
+    d_extras = tuple(by_array[n] if n in by_array else _zero_cotangent(a)
+                     for n, a in enumerate(extras))
     return tuple(grads[:3]) + (d_extras,)
 
 
@@ -117,23 +129,52 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 @dataclasses.dataclass(frozen=True)
 class _Options:
     """A call's modification and dropout options, split for jax.custom_vjp: ``arrays`` names the
-    array-valued ones, passed as traced inputs (their values in ``extras``); ``scalars`` holds
-    the rest as a hashable tuple of (name, value)."""
+    array-valued ones, passed as traced inputs (their values in ``extras``; mod_args' arrays as
+    "mod_args[n]"); ``scalars`` holds the rest as a hashable tuple of (name, value): functions,
+    a block mask (by identity), and mod_args' scalars as ("mod_args", ((n, value), ...));
+    ``trained_mod_args`` names the arrays whose gradient the backward returns."""
     arrays: tuple
     scalars: tuple
+    trained_mod_args: tuple = ()
 
 
 def _host_options(options, extra):
-    """numflash's keyword options on the host: the scalars, the arrays as NumPy views, and
-    dropout's seed from its two 32-bit words."""
+    """numflash's keyword options on the host: the scalars, the arrays as NumPy views,
+    mod_args put back in order, and dropout's seed from its two 32-bit words."""
     kwargs = dict(options.scalars)
+    mod_args = dict(kwargs.pop("mod_args", ()))
     for name, a in zip(options.arrays, extra):
         if name == "dropout_seed":
             words = np.asarray(a).astype(np.uint64)
             kwargs[name] = int(words[0] | (words[1] << np.uint64(32)))
+        elif name.startswith("mod_args["):
+            mod_args[int(name[len("mod_args["):-1])] = np.asarray(a)
         else:
             kwargs[name] = np.asarray(a)
+    if mod_args:
+        kwargs["mod_args"] = tuple(mod_args[n] for n in range(len(mod_args)))
     return kwargs
+
+
+def _split_mod_args(mod_args, score_mod_args_grad):
+    """mod_args as {"mod_args[n]": array} (traced inputs), ((n, scalar), ...) (static), and the
+    names of the float arrays score_mod_args_grad differentiates."""
+    if not isinstance(mod_args, (tuple, list)):
+        raise TypeError(f"mod_args must be a tuple; got {type(mod_args).__name__}")
+    derivatives = tuple(score_mod_args_grad or ())
+    arrays, scalars, trained = {}, [], []
+    for n, a in enumerate(mod_args):
+        if isinstance(a, (jax.Array, np.ndarray)):
+            arrays[f"mod_args[{n}]"] = a
+            if n < len(derivatives) and derivatives[n] is not None \
+                    and jnp.issubdtype(a.dtype, jnp.inexact):
+                trained.append(f"mod_args[{n}]")
+        elif isinstance(a, (bool, int, float, np.number)):
+            scalars.append((n, a))
+        else:
+            raise TypeError(f"mod_args[{n}] must be a jax or NumPy array or a scalar; got "
+                            f"{type(a).__name__}")
+    return arrays, tuple(scalars), tuple(trained)
 
 
 def _seed_words(seed):
@@ -154,7 +195,8 @@ def _seed_words(seed):
 
 def attention(q, k, v, *, causal=False, softmax_scale=None, layout="bhsd", return_lse=False,
               window_size=None, softcap=None, alibi_slopes=None, attn_bias=None, attn_mask=None,
-              dropout_p=0.0, dropout_seed=None):
+              dropout_p=0.0, dropout_seed=None, score_mod=None, mask_mod=None, mod_args=(),
+              score_mod_grad=None, score_mod_args_grad=None, block_mask=None):
     """:func:`numflash.attention` for jax arrays (CPU), differentiable (``jax.grad``,
     ``jax.vjp``) and usable under ``jax.jit`` and ``jax.vmap``. Options mean what they mean
     there; the lse is not differentiable. Returns jax arrays.
@@ -164,7 +206,12 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, layout="bhsd", retur
     broadcasts along) and ``attn_mask`` (boolean, True = take part), jax or NumPy arrays.
     No gradient is computed for the ALiBi slopes: ``jax.grad`` with respect to them gives zeros
     (train a bias through ``attn_bias`` instead).
-    User score_mod / mask_mod functions are not taken here (numflash.attention takes them).
+    A user's ``score_mod`` / ``mask_mod`` (with ``score_mod_grad`` for gradients), their
+    ``mod_args`` (jax or NumPy arrays and Python scalars) and a ``block_mask`` mean what they
+    mean for numflash.attention. The functions are static: a new function is a new trace, and
+    a new kernel compile. ``jax.grad`` with respect to a float mod_args array gives its
+    gradient where ``score_mod_args_grad`` names that argument's derivative (see
+    numflash.attention_backward), zeros for the other arrays.
     ``dropout_p`` with ``dropout_seed``: an int, or an integer jax array of shape () or (2,)
     (low and high 32-bit words; under ``jax.jit`` pass it as an argument, e.g.
     ``jax.random.bits(key, (2,), jnp.uint32)``, so each step draws a new mask without a
@@ -173,6 +220,9 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, layout="bhsd", retur
     arrays = {name: a for name, a in (("alibi_slopes", alibi_slopes), ("attn_bias", attn_bias),
                                       ("attn_mask", attn_mask)) if a is not None}
     _check(**arrays)
+    margs, marg_scalars, trained = _split_mod_args(mod_args, score_mod_args_grad)
+    _check(**margs)
+    arrays.update(margs)
     if dropout_p:
         if dropout_seed is None:
             raise ValueError("dropout_p > 0 needs a dropout_seed (an int, or an integer jax "
@@ -182,19 +232,22 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, layout="bhsd", retur
         raise ValueError("dropout_seed was given without dropout_p")
     scalars = tuple((name, value) for name, value in (
         ("window_size", None if window_size is None else tuple(int(w) for w in window_size)),
-        ("softcap", softcap), ("dropout_p", float(dropout_p) if dropout_p else None))
+        ("softcap", softcap), ("dropout_p", float(dropout_p) if dropout_p else None),
+        ("score_mod", score_mod), ("mask_mod", mask_mod), ("score_mod_grad", score_mod_grad),
+        ("score_mod_args_grad", None if score_mod_args_grad is None
+         else tuple(score_mod_args_grad)),
+        ("block_mask", block_mask), ("mod_args", marg_scalars or None))
         if value is not None)
     # Every check numflash makes, now (under jit the call runs later, inside a callback): on
     # zero-stride stand-ins with the arrays' shapes and dtypes, which hold no memory.
     def stand_in(a):
         return np.broadcast_to(np.zeros((), np.dtype(a.dtype)), a.shape)
     checked = {name: stand_in(a) for name, a in arrays.items() if name != "dropout_seed"}
-    if dropout_p:
-        checked["dropout_seed"] = 0
     _api.explain(*(stand_in(a) for a in (q, k, v)), causal=causal, softmax_scale=softmax_scale,
-                 layout=layout, backend="cpu", **dict(scalars), **checked)
+                 layout=layout, backend="cpu", dropout_seed=0 if dropout_p else None,
+                 **_host_options(_Options(tuple(checked), scalars), tuple(checked.values())))
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
-    options = _Options(tuple(arrays), scalars)
+    options = _Options(tuple(arrays), scalars, trained)
     out, lse = _attention(q, k, v, tuple(arrays.values()),
                           (causal or False, float(scale), layout, options))
     return (out, lse) if return_lse else out

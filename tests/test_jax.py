@@ -131,3 +131,55 @@ def test_bad_modification_and_dropout_arguments_are_refused(rng):
         nj.attention(q, k, v, attn_bias=jnp.zeros((3, 5)))
     with pytest.raises(TypeError, match="attn_mask must be a boolean"):
         nj.attention(q, k, v, attn_mask=jnp.zeros((5, 5)))
+    with pytest.raises(TypeError, match=r"mod_args\[1\] must be a jax or NumPy array"):
+        nj.attention(q, k, v, score_mod=_scattered, mod_args=(jnp.zeros(3), [1.0]))
+    with pytest.raises(TypeError, match="mod_args must be a tuple"):
+        nj.attention(q, k, v, score_mod=_scattered, mod_args=jnp.zeros(3))
+    with pytest.raises(ValueError, match="score_mod_args_grad"):   # numflash's own check
+        nj.attention(q, k, v, mask_mod=_scattered, mod_args=(jnp.zeros((2, 9)), 0, 0, 4),
+                     score_mod_args_grad=(lambda *a: (0, 1.0), None, None, None))
+
+
+def _scattered(b, h, i, j, table, slopes, temperature, shift):
+    """A mask_mod reading the score_mod's arguments (they share mod_args)."""
+    return (i + j + b) % 7 != 3 or table[h, i - j + shift] > 0
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_user_mods_and_their_mod_args_gradients(rng, jit):
+    """A user's score_mod (test_mod_args_grad's relative-bias table, learned slopes and
+    temperature, and a Python scalar) and a mask_mod reading the same mod_args:
+    the output, and jax.grad with respect to q, k, v and each mod_args array, equal
+    numflash.attention / attention_backward on the same NumPy arrays bit for bit (the same CPU
+    kernels; tests/test_mod_args_grad.py holds those to the rule); the output within the rule
+    of the reference; an array score_mod_args_grad does not name gets zeros."""
+    from test_mod_args_grad import _arrays, _options
+    Nq, Nk = 19, 23
+    q, k, v, do = _arrays(rng, np.float32, Nq, Nk, d=8, Bn=2)
+    opts = _options(rng, Nq, Nk, trained=(True, True, False), arg_dtype=np.float32)
+    host = dict(opts, mask_mod=_scattered, causal="bottom_right")
+    o, lse = numflash.attention(q, k, v, return_lse=True, **host)
+    want = numflash.attention_backward(do, q, k, v, o, lse, return_mod_args_grad=True, **host)
+    testing.assert_accurate(o, q, k, v, **host)
+
+    table, slopes, temperature, shift = opts["mod_args"]
+
+    def run(q, k, v, table, slopes, temperature):
+        return nj.attention(q, k, v, causal="bottom_right", score_mod=opts["score_mod"],
+                            score_mod_grad=opts["score_mod_grad"], mask_mod=_scattered,
+                            mod_args=(table, slopes, temperature, shift),
+                            score_mod_args_grad=opts["score_mod_args_grad"])
+
+    def loss(*args):
+        return (run(*args) * jnp.asarray(do)).sum()
+    f, grad = run, jax.grad(loss, argnums=tuple(range(6)))
+    if jit:
+        f, grad = jax.jit(f), jax.jit(grad)
+    args = [jnp.asarray(a) for a in (q, k, v, table, slopes, temperature)]
+    np.testing.assert_array_equal(np.asarray(f(*args)), o)
+    got = [np.asarray(g) for g in grad(*args)]
+    for g, w in zip(got[:3], want[:3]):
+        np.testing.assert_array_equal(g, w)
+    np.testing.assert_array_equal(got[3], want[3][0])
+    np.testing.assert_array_equal(got[4], want[3][1])
+    assert want[3][2] is None and not got[5].any() and got[5].shape == temperature.shape
