@@ -128,6 +128,11 @@ GPU_CASES = [  # (B, H, Nq, Nk, d, dv, dtype, causal)
     (1, 2, 513, 700, 256, 256, "float16", False),
     (1, 2, 300, 260, 1, 1, "float64", False),
     (2, 4, 1024, 999, 64, 64, "bfloat16", True),
+    # float32 sums over many rows (dV, dK: 4097 queries to one key; dQ: 4097 keys), found by
+    # the GPU property test: one float32 accumulator missed the rule (dV 9.96e-5 against a
+    # bound of 4.69e-5 at 1025 queries); two levels (RowBackwardConfig.SUMS) meet it
+    (1, 1, 4097, 1, 59, 59, "float32", False),
+    (1, 2, 3, 4097, 59, 59, "float32", False),
 ]
 
 

@@ -43,7 +43,10 @@ class RowBackwardConfig(SimtConfig):
     the key pass, query rows in the query pass; BC: the rows of the other side a tile (query
     tiles in the key pass, key tiles in the query pass). DT: "f32" or "f64", the accumulators'
     type. CW_KEY, CW_QUERY: the accumulated columns a block of the key pass ([dK | dV]) and of
-    the query pass (dQ) computes (grid z covers the rest).
+    the query pass (dQ) computes (grid z covers the rest). SUMS: 2 for float32 inputs, whose
+    gradients are summed a tile at a time and the tiles' sums then added (a float32 sum over
+    thousands of rows in one accumulator misses the accuracy rule: the naive baseline's BLAS
+    sums in blocks), for ~40 more registers; 1 (one accumulator) for the others.
     """
     D: int
     DV: int
@@ -52,12 +55,13 @@ class RowBackwardConfig(SimtConfig):
     DT: str
     CW_KEY: int
     CW_QUERY: int
+    SUMS: int = 1
 
     def pass_config(self, kernel):
         """The compile-time config of the "keys" or "queries" kernel."""
         cw = self.CW_KEY if kernel == "keys" else self.CW_QUERY
         return {"D": self.D, "DV": self.DV, "CW": cw, "BR": self.BR, "BC": self.BC,
-                "DT": self.DT}
+                "DT": self.DT, "SUMS": self.SUMS}
 
 
 def _own_rows_loader(D, BR, ACC):
@@ -85,14 +89,15 @@ def _pass_pieces(BC, D, DV, BR, acc):
             _own_rows_loader(DV, BR, ACC))
 
 
-def make_key_kernel(D, DV, CW, BR, BC, DT):
+def make_key_kernel(D, DV, CW, BR, BC, DT, SUMS=1):
     """dK and dV: BR key rows a block, query tiles of BC rows, CW accumulated columns of the
-    concatenated [dK | dV] (D + DV padded columns) per block (grid z)."""
+    concatenated [dK | dV] (D + DV padded columns) per block (grid z); SUMS levels of sums."""
     acc = SIMT_ACC[DT]
     ACC = compute_type(acc)
     exp = exp_for(acc)
     u = np.uint64
     uD, uDV, uBR, uBC, uCW = u(D), u(DV), u(BR), u(BC), u(CW)
+    two_level, CW_T = SUMS == 2, CW if SUMS == 2 else 1
     KT, VT = u(0), u(D * BR)                    # own k, v rows (transposed)
     QS = u((D + DV) * BR)                       # then the Q tile, the dO tile, lse and D
     DOS = QS + u(BC * D)
@@ -116,7 +121,8 @@ def make_key_kernel(D, DV, CW, BR, BC, DT):
         regs = cuda.local.array(STAGE_REGS, ACC)
         load_own_row(k, b, hk, j, Nk, d, smem, KT, tid)
         load_own_v(v, b, hk, j, Nk, dvd, smem, VT, tid)
-        acc_g = cuda.local.array(CW, ACC)
+        acc_g = cuda.local.array(CW, ACC)  # the gradient sums; with two levels, acc_t sums
+        acc_t = cuda.local.array(CW_T, ACC)  # a tile's rows and acc_g the tiles' sums
         for c in range(uCW):
             acc_g[c] = 0
         # The first query row that sees key j_first (causal), rounded down to a tile.
@@ -134,6 +140,9 @@ def make_key_kernel(D, DV, CW, BR, BC, DT):
                 smem[DS + t] = ACC(delta[b, h, i0 + t]) if inside else ACC(0)
             cuda.syncthreads()
             rows = min(uBC, Nq - i0)
+            if two_level:
+                for w in range(uCW):
+                    acc_t[w] = 0
             for r in range(rows):
                 m = smem[LS + r]
                 if j >= Nk or m == NEG_INF or j >= u(key_end(i0 + r, Nk, causal, causal_offset)):
@@ -149,9 +158,18 @@ def make_key_kernel(D, DV, CW, BR, BC, DT):
                 for w in range(uCW):
                     c = col0 + w
                     if c < uD:
-                        acc_g[w] += ds * smem[QS + r * uD + c]
+                        x = ds * smem[QS + r * uD + c]
                     elif c < uD + uDV:
-                        acc_g[w] += p * smem[DOS + r * uDV + (c - uD)]
+                        x = p * smem[DOS + r * uDV + (c - uD)]
+                    else:
+                        continue
+                    if two_level:
+                        acc_t[w] += x
+                    else:
+                        acc_g[w] += x
+            if two_level:
+                for w in range(uCW):
+                    acc_g[w] += acc_t[w]
         if j < Nk:
             for w in range(uCW):
                 c = col0 + w
@@ -163,13 +181,15 @@ def make_key_kernel(D, DV, CW, BR, BC, DT):
     return key_gradients
 
 
-def make_query_kernel(D, DV, CW, BR, BC, DT):
-    """dQ: BR query rows a block, key tiles of BC rows, CW columns of dQ per block (grid z)."""
+def make_query_kernel(D, DV, CW, BR, BC, DT, SUMS=1):
+    """dQ: BR query rows a block, key tiles of BC rows, CW columns of dQ per block (grid z);
+    SUMS levels of sums."""
     acc = SIMT_ACC[DT]
     ACC = compute_type(acc)
     exp = exp_for(acc)
     u = np.uint64
     uD, uDV, uBR, uBC, uCW = u(D), u(DV), u(BR), u(BC), u(CW)
+    two_level, CW_T = SUMS == 2, CW if SUMS == 2 else 1
     QT, DOT = u(0), u(D * BR)                   # own q, dO rows (transposed)
     KS = u((D + DV) * BR)                       # then the K tile and the V tile
     VS = KS + u(BC * D)
@@ -192,7 +212,8 @@ def make_query_kernel(D, DV, CW, BR, BC, DT):
         load_own_do(do, b, h, i, Nq, dvd, smem, DOT, tid)
         m = ACC(lse[b, h, i]) if i < Nq else ACC(NEG_INF)
         di = ACC(delta[b, h, i]) if i < Nq else ACC(0)
-        acc_g = cuda.local.array(CW, ACC)
+        acc_g = cuda.local.array(CW, ACC)    # as in the key pass
+        acc_t = cuda.local.array(CW_T, ACC)
         for c in range(uCW):
             acc_g[c] = 0
         row_keys = u(key_end(i, Nk, causal, causal_offset)) if i < Nq and m != NEG_INF else zero
@@ -205,6 +226,9 @@ def make_query_kernel(D, DV, CW, BR, BC, DT):
             stage_v(vbh, j0, Nk, dvd, regs, smem, VS, tid)
             cuda.syncthreads()
             keys = min(uBC, row_keys - j0) if row_keys > j0 else zero
+            if two_level:
+                for w in range(uCW):
+                    acc_t[w] = 0
             for jj in range(keys):
                 s = ACC(0)
                 for c in range(uD):
@@ -216,7 +240,13 @@ def make_query_kernel(D, DV, CW, BR, BC, DT):
                 for w in range(uCW):
                     c = col0 + w
                     if c < uD:
-                        acc_g[w] += ds * smem[KS + jj * uD + c]
+                        if two_level:
+                            acc_t[w] += ds * smem[KS + jj * uD + c]
+                        else:
+                            acc_g[w] += ds * smem[KS + jj * uD + c]
+            if two_level:
+                for w in range(uCW):
+                    acc_g[w] += acc_t[w]
         if i < Nq:
             for w in range(uCW):
                 c = col0 + w
@@ -246,7 +276,8 @@ def config(problem, device):
     for rows in ((32,) if device.simulator else (128, 64, 32)):
         for tile in (64, 32, 16, 8):
             cfg = RowBackwardConfig(D, DV, rows, tile, DT,
-                                    _chunk_width(D + DV, words), _chunk_width(D, words))
+                                    _chunk_width(D + DV, words), _chunk_width(D, words),
+                                    2 if problem.dtype_name == "float32" else 1)
             if tile * (D + DV) * esize <= TILE_BYTES and (
                     limit is None or shared_bytes(cfg) <= limit):
                 return cfg
