@@ -131,7 +131,7 @@ class _Options:
     """A call's modification and dropout options, split for jax.custom_vjp: ``arrays`` names the
     array-valued ones, passed as traced inputs (their values in ``extras``; mod_args' arrays as
     "mod_args[n]"); ``scalars`` holds the rest as a hashable tuple of (name, value): functions,
-    a block mask (by identity), and mod_args' scalars as ("mod_args", ((n, value), ...));
+    and mod_args' scalars as ("mod_args", ((n, value), ...));
     ``trained_mod_args`` names the arrays whose gradient the backward returns."""
     arrays: tuple
     scalars: tuple
@@ -196,7 +196,7 @@ def _seed_words(seed):
 def attention(q, k, v, *, causal=False, softmax_scale=None, layout="bhsd", return_lse=False,
               window_size=None, softcap=None, alibi_slopes=None, attn_bias=None, attn_mask=None,
               dropout_p=0.0, dropout_seed=None, score_mod=None, mask_mod=None, mod_args=(),
-              score_mod_grad=None, score_mod_args_grad=None, block_mask=None):
+              score_mod_grad=None, score_mod_args_grad=None):
     """:func:`numflash.attention` for jax arrays (CPU), differentiable (``jax.grad``,
     ``jax.vjp``) and usable under ``jax.jit`` and ``jax.vmap``. Options mean what they mean
     there; the lse is not differentiable. Returns jax arrays.
@@ -207,9 +207,9 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, layout="bhsd", retur
     No gradient is computed for the ALiBi slopes: ``jax.grad`` with respect to them gives zeros
     (train a bias through ``attn_bias`` instead).
     A user's ``score_mod`` / ``mask_mod`` (with ``score_mod_grad`` for gradients), their
-    ``mod_args`` (jax or NumPy arrays and Python scalars) and a ``block_mask`` mean what they
-    mean for numflash.attention. The functions are static: a new function is a new trace, and
-    a new kernel compile. ``jax.grad`` with respect to a float mod_args array gives its
+    ``mod_args`` (jax or NumPy arrays and Python scalars) mean what they mean for
+    numflash.attention (a ``block_mask`` is not taken here yet). The functions are static: a new
+    function is a new trace, and a new kernel compile. ``jax.grad`` with respect to a float mod_args array gives its
     gradient where ``score_mod_args_grad`` names that argument's derivative (see
     numflash.attention_backward), zeros for the other arrays.
     ``dropout_p`` with ``dropout_seed``: an int, or an integer jax array of shape () or (2,)
@@ -236,7 +236,7 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, layout="bhsd", retur
         ("score_mod", score_mod), ("mask_mod", mask_mod), ("score_mod_grad", score_mod_grad),
         ("score_mod_args_grad", None if score_mod_args_grad is None
          else tuple(score_mod_args_grad)),
-        ("block_mask", block_mask), ("mod_args", marg_scalars or None))
+        ("mod_args", marg_scalars or None))
         if value is not None)
     # Every check numflash makes, now (under jit the call runs later, inside a callback): on
     # zero-stride stand-ins with the arrays' shapes and dtypes, which hold no memory.
