@@ -167,15 +167,15 @@ def gpu_problems(draw):
     return dict(B=draw(st.integers(1, 2)), Hk=Hk, H=Hk * draw(st.sampled_from([1, 3])),
                 Nq=draw(sizes), Nk=draw(sizes), d=d, dv=d,
                 dtype=dtype, causal=draw(st.sampled_from(CAUSAL)),
-                layout=draw(st.sampled_from(["bhsd", "bshd"])), strided=False,
+                layout=draw(st.sampled_from(["bhsd", "bshd"])),
                 magnitude=draw(st.sampled_from([0.1, 1.0, 4.0])),
                 scale=draw(st.one_of(st.none(), st.floats(1e-2, 2.0))),
                 seed=draw(st.integers(0, 2 ** 32 - 1)))
 
 
 def _gpu_inputs(p, poison=None):
-    """q, k, v, dO on the device for a drawn problem, in its layout and strides; with
-    ``poison`` = (which, value, at), that array holds the value at flat index ``at``."""
+    """q, k, v, dO on the device for a drawn problem, in its layout; with ``poison`` =
+    (which, value, at), that array holds the value at flat index ``at``."""
     rng = np.random.default_rng(p["seed"])
     B, H, Hk, Nq, Nk, d, dv = (p[n] for n in ("B", "H", "Hk", "Nq", "Nk", "d", "dv"))
     shapes = {"q": (B, H, Nq, d), "k": (B, Hk, Nk, d), "v": (B, Hk, Nk, dv),
@@ -187,12 +187,7 @@ def _gpu_inputs(p, poison=None):
             a.reshape(-1)[poison[2] % a.size] = poison[1]
         if p["layout"] == "bshd":  # the same values, in (B, N, H, d) memory
             a = np.ascontiguousarray(a.transpose(0, 2, 1, 3))
-        if p["strided"]:  # every other element of a bigger buffer along the last two axes
-            buf = np.zeros(a.shape[:2] + (2 * a.shape[2], 2 * a.shape[3]))
-            buf[:, :, ::2, ::2] = a
-            arrays[name] = _on_device(buf, p["dtype"])[:, :, ::2, ::2]
-        else:
-            arrays[name] = _on_device(a, p["dtype"])
+        arrays[name] = _on_device(a, p["dtype"])
     return arrays
 
 
