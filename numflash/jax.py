@@ -103,8 +103,7 @@ def _attention_bwd(static, residuals, cotangents):
         if not args_grad:
             return result
         *grads, arg_grads = result   # aligned with mod_args: pick the trained arrays'
-        return tuple(grads) + tuple(arg_grads[int(name[len("mod_args["):-1])]
-                                    for name in options.arrays
+        return tuple(grads) + tuple(arg_grads[_mod_arg_index(name)] for name in options.arrays
                                     if name in options.trained_mod_args)
     shapes = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in
                    (q, k, v) + tuple(extras[n] for n in trained))
@@ -148,12 +147,17 @@ def _host_options(options, extra):
             words = np.asarray(a).astype(np.uint64)
             kwargs[name] = int(words[0] | (words[1] << np.uint64(32)))
         elif name.startswith("mod_args["):
-            mod_args[int(name[len("mod_args["):-1])] = np.asarray(a)
+            mod_args[_mod_arg_index(name)] = np.asarray(a)
         else:
             kwargs[name] = np.asarray(a)
     if mod_args:
         kwargs["mod_args"] = tuple(mod_args[n] for n in range(len(mod_args)))
     return kwargs
+
+
+def _mod_arg_index(name):
+    """n of an array's name "mod_args[n]" (as _split_mod_args names them)."""
+    return int(name[len("mod_args["):-1])
 
 
 def _split_mod_args(mod_args, score_mod_args_grad):
@@ -209,9 +213,9 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, layout="bhsd", retur
     A user's ``score_mod`` / ``mask_mod`` (with ``score_mod_grad`` for gradients), their
     ``mod_args`` (jax or NumPy arrays and Python scalars) mean what they mean for
     numflash.attention (a ``block_mask`` is not taken here yet). The functions are static: a new
-    function is a new trace, and a new kernel compile. ``jax.grad`` with respect to a float mod_args array gives its
-    gradient where ``score_mod_args_grad`` names that argument's derivative (see
-    numflash.attention_backward), zeros for the other arrays.
+    function is a new trace, and a new kernel compile. ``jax.grad`` with respect to a float
+    mod_args array gives its gradient where ``score_mod_args_grad`` names that argument's
+    derivative (see numflash.attention_backward), zeros for the other arrays.
     ``dropout_p`` with ``dropout_seed``: an int, or an integer jax array of shape () or (2,)
     (low and high 32-bit words; under ``jax.jit`` pass it as an argument, e.g.
     ``jax.random.bits(key, (2,), jnp.uint32)``, so each step draws a new mask without a

@@ -24,19 +24,24 @@ def _attention_options(name):
 
 
 def _device_array(rng, shape, dtype):
-    """Standard normal values on the device; bfloat16 through ml_dtypes, else torch, else skip."""
+    """Standard normal values on the device (see _on_device)."""
+    return _on_device(rng.standard_normal(shape), dtype)
+
+
+def _on_device(values, dtype):
+    """Host float values as a device array of ``dtype``; bfloat16 through ml_dtypes, else torch,
+    else skip."""
     import cupy
     if dtype != "bfloat16":
-        return cupy.asarray(rng.standard_normal(shape).astype(dtype))
+        return cupy.asarray(values.astype(dtype))
     try:
         import ml_dtypes
-        return cupy.asarray(rng.standard_normal(shape).astype(np.float32)).astype(
-            ml_dtypes.bfloat16)
+        return cupy.asarray(values.astype(np.float32)).astype(ml_dtypes.bfloat16)
     except Exception:
         pass
     try:
         import torch
-        return cupy.from_dlpack(torch.randn(*shape, device="cuda", dtype=torch.bfloat16))
+        return cupy.from_dlpack(torch.tensor(values, dtype=torch.bfloat16, device="cuda"))
     except Exception as e:
         pytest.skip(f"no way to hold bfloat16 on the device here ({e})")
 

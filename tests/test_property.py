@@ -176,6 +176,7 @@ def gpu_problems(draw):
 def _gpu_inputs(p, poison=None):
     """q, k, v, dO on the device for a drawn problem, in its layout; with ``poison`` =
     (which, value, at), that array holds the value at flat index ``at``."""
+    from test_mma_gpu import _on_device
     rng = np.random.default_rng(p["seed"])
     B, H, Hk, Nq, Nk, d, dv = (p[n] for n in ("B", "H", "Hk", "Nq", "Nk", "d", "dv"))
     shapes = {"q": (B, H, Nq, d), "k": (B, Hk, Nk, d), "v": (B, Hk, Nk, dv),
@@ -189,20 +190,6 @@ def _gpu_inputs(p, poison=None):
             a = np.ascontiguousarray(a.transpose(0, 2, 1, 3))
         arrays[name] = _on_device(a, p["dtype"])
     return arrays
-
-
-def _on_device(a, dtype):
-    """float64 host values as a device array of ``dtype`` (bfloat16 through ml_dtypes or
-    torch)."""
-    import cupy
-    if dtype != "bfloat16":
-        return cupy.asarray(a.astype(dtype))
-    try:
-        import ml_dtypes
-        return cupy.asarray(a.astype(ml_dtypes.bfloat16))
-    except ImportError:
-        import torch
-        return cupy.from_dlpack(torch.tensor(a, dtype=torch.bfloat16, device="cuda"))
 
 
 def _tensor_core_algorithm(q, k, v, backward=False, **kw):
