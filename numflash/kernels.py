@@ -39,6 +39,9 @@ class Operator:
     dropout: bool = False             # attention dropout (dropout_p > 0, numflash.dropout)
     bias_grad: bool = False           # the backward returns attn_bias's gradient
     mod_args_grad: bool = False       # the backward returns trainable mod_args' gradients
+    auto_passes: object = None        # (problem, device) -> why "auto" takes the next operator
+    #                                   although this one runs the problem (where it is the
+    #                                   slower), or None
     summary: str = ""
 
     @property
@@ -128,6 +131,16 @@ def _cuda_mma():
     return mma
 
 
+def _cuda_wgmma():
+    from .cuda import wgmma
+    return wgmma
+
+
+def _wgmma_passes(problem, device):
+    from .cuda.wgmma import auto_passes
+    return auto_passes(problem, device)
+
+
 def _cuda_block():
     from .cuda import block
     return block
@@ -149,6 +162,17 @@ def _cuda_row_backward():
 
 
 FORWARD = (
+    Operator("cuda.wgmma", "cuda", "wgmma", _cuda_wgmma,
+             dtypes=("float16", "bfloat16"), max_head_dim=128, min_cc=(9, 0),
+             min_cc_why="Hopper's wgmma, sm_90a", runs_in_simulator=False,
+             auto_passes=_wgmma_passes,
+             summary="FlashAttention-3's forward loop on Hopper warpgroup products: wgmma "
+                     "m64nNk16 with S = Q K^T from shared memory and P V with P from "
+                     "registers, the softmax of one key tile overlapped with the P V of the "
+                     "one before, K/V in three cp.async buffers in the 128-byte swizzled "
+                     "layout; compute capability 9.0 only; 'auto' takes it for the 16-bit "
+                     "forward where it runs, but for calls whose query blocks do not fill the "
+                     "GPU (cuda.mma splits their keys)"),
     Operator("cuda.mma", "cuda", "mma", _cuda_mma,
              dtypes=("float16", "bfloat16", "float32", "float64"), max_head_dim=256,
              min_cc=(8, 0), min_cc_why="mma.sync bf16 / f64, cp.async", runs_in_simulator=False,

@@ -11,7 +11,7 @@ from .device import Device, Unsupported, simulator_enabled  # noqa: F401 (tests'
 from .kernels import operators
 
 BACKENDS = ("auto", "cpu", "cuda")
-ALGORITHMS = ("auto", "block", "row", "mma")
+ALGORITHMS = ("auto", "block", "row", "mma", "wgmma")
 
 
 @dataclass
@@ -225,7 +225,12 @@ def _choose(problem, backend, algorithm, device=None):
         if why is None and chosen is None:
             try:
                 config = op.module.config(problem, device)
-                chosen = op
+                passed = (op.auto_passes(problem, device) if algorithm == "auto"
+                          and op.auto_passes else None)
+                if passed:   # it runs the problem, but the next one is the faster
+                    why = f"'auto' passes it over: {passed}"
+                else:
+                    chosen = op
             except Unsupported as e:
                 why = str(e)
         if why is not None:
@@ -236,7 +241,7 @@ def _choose(problem, backend, algorithm, device=None):
     if chosen is None:
         asked = f"algorithm={algorithm!r} on backend={backend!r}"
 
-        if backend == "cpu" and algorithm in ("row", "mma"):
+        if backend == "cpu" and algorithm in ("row", "mma", "wgmma"):
             raise ValueError(f"{asked} does not exist: the CPU path implements the block-tiled "
                              f"loop only (algorithm='block' or 'auto')")
         reasons = "; ".join(f"{n}: {w}" for n, w in rejected.items()

@@ -93,7 +93,7 @@ def _build_one(name, config, module, factory_name, sig, cc, ship):
     kernel = launch.get_kernel(name, factory, config)
     t = time.perf_counter()
     if ship:
-        ptx = prebuilt.portable(launch.compile_ptx(kernel.pyfunc, sig, cc, kernel.fastmath), cc)
+        ptx = prebuilt.portable(launch.kernel_ptx(kernel.pyfunc, sig, cc, kernel.fastmath), cc)
         return kernel.prebuilt_key(sig), ptx, time.perf_counter() - t
     kernel.build(sig, cc, quiet=True)
     return None, None, time.perf_counter() - t

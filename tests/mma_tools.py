@@ -10,6 +10,7 @@ tests/test_gqa.py:
   ``split_tf32_bits``, ``tf32_operand``: the emulator's tf32 roundings, bit for bit.
 - ``run_forced_config``: run a config other than the planner's on whatever GPU runs the tests.
 """
+import ctypes
 import dataclasses
 import json
 import math
@@ -92,6 +93,34 @@ def compile_variant(cfg, cc, ops=()):
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 
+_COMPILE_WGMMA = textwrap.dedent("""
+    import json, re, sys
+    from numflash.cuda import launch, wgmma
+    from numflash.cuda.mma import signature
+    cfg = json.loads(sys.argv[1])
+    fn = wgmma.make_kernel(**cfg)
+    dtype = "float16" if cfg["DT"] == "f16" else "bfloat16"
+    cubin, entry, ptx, res = launch.compile_to_cubin(fn, signature(dtype), (9, 0))
+    ops = {m: ptx.count(m) for m in set(re.findall(r"wgmma\\.mma_async[\\w.]+", ptx))}
+    ops.update({op: ptx.count(op) for op in ("ld.local", "st.local")})
+    print(json.dumps({"resources": res, "ops": ops, "cubin_bytes": len(cubin),
+                      "target": re.search(r"^\\.target \\S+", ptx, re.M).group(0),
+                      "serialized": str(res.get("wgmma_serialized", ""))}))
+""")
+
+
+def compile_wgmma_variant(cfg):
+    """Compile one cuda.wgmma variant (a mapping of WgmmaConfig's fields) for sm_90a in a
+    subprocess: ptxas's resources, the PTX target, how often each wgmma and ld / st.local
+    occur, and ptxas's wgmma-serialization code ("" when it serializes nothing)."""
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0")
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    run = subprocess.run([sys.executable, "-c", _COMPILE_WGMMA, json.dumps(dict(cfg))], env=env,
+                         capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
 def assert_register_resident(got):
     """Fragments stayed in registers: no local memory in the PTX, no spills or stack in ptxas."""
     ops, res = got["ops"], got["resources"]
@@ -154,6 +183,21 @@ def _f(bits):
 class _Dim:
     def __init__(self, x):
         self.x, self.y, self.z = x, 0, 0
+
+
+class _Ptr:
+    """A byte address inside a NumPy array (the emulator's global pointers)."""
+
+    def __init__(self, array, off):
+        self.array, self.off = array, int(off)
+        # the bytes from the array's first element to one past its last
+        self.extent = sum((n - 1) * st for n, st in zip(array.shape, array.strides)) + \
+            array.itemsize
+
+    def __add__(self, n):
+        return _Ptr(self.array, self.off + int(n))
+
+    __radd__ = __add__
 
 
 class Emu:
@@ -295,6 +339,91 @@ class Emu:
             out.append(np.uint32(lo | hi << 16))
         return tuple(out)
 
+    # wgmma (numflash.cuda.ptx_wgmma): a warpgroup's product, operands in shared memory through
+    # no-swizzle descriptors (LBO: the next core matrix along K, SBO: along M / N) or A in
+    # registers (mma.sync's A layout, warp w giving rows 16 w ..); the warpgroup's first thread
+    # computes D (float64 sums rounded to float32 once) and each thread takes its C-layout part
+    def _wg_exchange(self, value):
+        wg = self.tls.tid // 128
+        slots = self.gslots[wg]
+        slots[self.tls.tid % 128] = value
+        self.gbar[wg].wait()
+        got = list(slots)
+        self.gbar[wg].wait()
+        return got
+
+    def _desc_matrix(self, desc, rows, cols, halves, mn_major=False):
+        """The rows x cols 16-bit matrix a descriptor addresses (K-major: rows along M / N, cols
+        along K; ``mn_major``: rows along K, cols along N). No swizzle: 8 x 8 core matrices of
+        128 contiguous bytes (LBO: the next one along K, SBO: along M / N). 128-byte swizzle:
+        128-byte rows (K-major: a row's elements along K; MN-major: along N), 8 rows an atom
+        (SBO: the next atom along M / N, K-major, or along K, MN-major; LBO: MN-major's next
+        64 columns), each 16-byte chunk at chunk ^ (address bits 7-9), absolute addresses."""
+        desc = int(desc)
+        start, lbo, sbo = (desc & 0x3FFF) << 4, ((desc >> 16) & 0x3FFF) << 4, \
+            ((desc >> 32) & 0x3FFF) << 4
+        mode = desc >> 62
+        assert mode in (0, 1), "the emulator reads no-swizzle and 128-byte swizzled layouts"
+        i, j = np.meshgrid(np.arange(rows), np.arange(cols), indexing="ij")
+        if mode == 1 and mn_major:   # i: k, j: n
+            byte = start + (i // 8) * sbo + (i % 8) * 128 + (j // 64) * lbo + (j % 64) * 2
+        elif mode == 1:              # i: m / n, j: k (one k-step stays inside a 128-byte row)
+            assert cols * 2 + start % 128 <= 128
+            byte = start + (i // 8) * sbo + (i % 8) * 128 + j * 2
+        elif mn_major:
+            byte = start + (j // 8) * sbo + (j % 8) * 2 + (i // 8) * lbo + (i % 8) * 16
+        else:
+            byte = start + (i // 8) * sbo + (i % 8) * 16 + (j // 8) * lbo + (j % 8) * 2
+        if mode == 1:
+            byte = byte ^ (((byte >> 7) & 7) << 4)
+        assert byte.max() + 2 <= self.smem.nbytes, "a descriptor reads past shared memory"
+        bits = self.smem.view(np.uint16)[byte // 2]
+        return halves(bits)
+
+    def _wg_fragment(self, D):
+        w, lane = (self.tls.tid % 128) // 32, self.tls.tid % 32
+        g, t = lane // 4, lane % 4
+        out = []
+        for j in range(D.shape[1] // 8):
+            for row, col in ((g, 2 * t), (g, 2 * t + 1), (g + 8, 2 * t), (g + 8, 2 * t + 1)):
+                out.append(np.float32(D[16 * w + row, 8 * j + col]))
+        return tuple(out)
+
+    def wgmma_ss(self, n, halves):
+        def product(a_descs, b_descs):
+            D = None
+            if self.tls.tid % 128 == 0:
+                D = sum(self._desc_matrix(a, 64, 16, halves) @
+                        self._desc_matrix(b, n, 16, halves).T
+                        for a, b in zip(a_descs, b_descs))
+            return self._wg_fragment(self._wg_exchange(D)[0])
+        return product
+
+    def wgmma_rs(self, n, halves, trans_b):
+        def product(acc, a, b_descs):
+            got = self._wg_exchange(tuple(a))
+            D = None
+            if self.tls.tid % 128 == 0:
+                steps = len(b_descs)
+                A = np.zeros((64, 16 * steps))
+                for tid, words in enumerate(got):
+                    w, lane = tid // 32, tid % 32
+                    g, t = lane // 4, lane % 4
+                    for s in range(steps):
+                        for r, (row, col) in enumerate(((g, 2 * t), (g + 8, 2 * t),
+                                                        (g, 2 * t + 8), (g + 8, 2 * t + 8))):
+                            lo, hi = halves(np.array([int(words[4 * s + r])], np.uint32)
+                                            .view(np.uint16))
+                            A[16 * w + row, 16 * s + col:16 * s + col + 2] = lo, hi
+                B = np.concatenate([self._desc_matrix(b, 16, n, halves, trans_b)
+                                    if trans_b else self._desc_matrix(b, n, 16, halves).T
+                                    for b in b_descs])
+                D = A @ B
+            D = self._wg_exchange(D)[0]
+            mine = self._wg_fragment(D)
+            return tuple(np.float32(np.float64(c) + x) for c, x in zip(acc, mine))
+        return product
+
     # cp.async: a copy reads its source when issued and lands in shared memory only when a
     # cp_async_wait lets its commit group complete (per thread), as on the GPU; addresses are
     # (array, row, column) and shared byte addresses, both checked for 16-byte alignment
@@ -305,7 +434,21 @@ class Emu:
     def global_addr2(a, i, j):
         return a, int(i), int(j)
 
+    @staticmethod
+    def global_ptr(a, i, j):
+        """global_addr2 as an address that takes byte offsets (cuda.wgmma's staging)."""
+        return _Ptr(a, int(i) * a.strides[0] + int(j) * a.strides[1])
+
     def cp_async_16(self, dst, src, nbytes):
+        if isinstance(src, _Ptr):
+            assert dst % 16 == 0 and src.off % 16 == 0, "cp.async misaligned"
+            raw = np.zeros(16, np.uint8)
+            if int(nbytes):
+                assert 0 <= src.off and src.off + 16 <= src.extent, "cp.async reads past the array"
+                raw[:] = np.frombuffer(ctypes.string_at(src.array.ctypes.data + src.off, 16),
+                                       np.uint8)
+            self.tls.pending.append((dst // self.smem.itemsize, raw.view(self.smem.dtype)))
+            return
         a, i, j = src
         assert dst % 16 == 0, f"cp.async destination byte {dst} is not 16-byte aligned"
         assert (i * a.strides[0] + j * a.strides[1]) % 16 == 0, "cp.async source misaligned"
@@ -338,6 +481,9 @@ class Emu:
                 nw = self.NT // 32
                 self.wbar = [threading.Barrier(32) for _ in range(nw)]
                 self.wslots = [[None] * 32 for _ in range(nw)]
+                ng = max(1, self.NT // 128)   # warpgroups (wgmma's unit)
+                self.gbar = [threading.Barrier(min(128, self.NT)) for _ in range(ng)]
+                self.gslots = [[None] * 128 for _ in range(ng)]
                 errs = []
                 blk = _Dim(bx); blk.y, blk.z = by, bz
 
@@ -350,7 +496,7 @@ class Emu:
                         import traceback
                         errs.append(traceback.format_exc())
                         self.bar.abort()
-                        for b in self.wbar:
+                        for b in self.wbar + self.gbar:
                             b.abort()
                 ths = [threading.Thread(target=body, args=(i,)) for i in range(self.NT)]
                 for th in ths:
@@ -364,6 +510,15 @@ class Emu:
 def f16_halves(word):
     """The two float16 values of a packed register (low half first)."""
     return tuple(float(x) for x in np.array([int(word)], np.uint32).view(np.float16))
+
+
+def f16_values(bits):
+    """float16 bit patterns (uint16 array) -> float64 values."""
+    return np.asarray(bits, np.uint16).view(np.float16).astype(np.float64)
+
+
+def bf16_values(bits):
+    return (np.asarray(bits, np.uint32) << 16).view(np.float32).astype(np.float64)
 
 
 def bf16_halves(word):
@@ -608,4 +763,37 @@ def run_forward_kernel(q, k, v, DT, causal=False, causal_offset=0, scale=None, V
     with np.errstate(all="ignore"):
         emu.run(ns["mma_attention"], args + (lse, None, scale * math.log2(math.e), scale,
                                              int(causal), int(causal_offset)) + tuple(extra))
+    return out, lse
+
+
+def run_wgmma_forward(q, k, v, causal=False, causal_offset=0, scale=None, tile=(1, 32)):
+    """Run cuda.wgmma's generated forward source under the emulator (wgmma as Emu.wgmma_*,
+    in-flight products computed at issue); q, k, v float16 or ml_dtypes.bfloat16; ``tile``:
+    (NWG, BC). Returns (out, lse)."""
+    from numflash.cuda.wgmma import WgmmaConfig, kernel_source, shared_bytes
+    from numflash.cuda.wgmma.tiles import HEAD_DIMS
+    B, H, Nq, d = q.shape
+    dv = v.shape[3]
+    DT = "f16" if q.dtype == np.float16 else "bf16"
+    D, DV = (next(n for n in HEAD_DIMS if x <= n) for x in (d, dv))
+    cfg = WgmmaConfig(D, DV, *tile, DT)
+    scale = 1 / math.sqrt(d) if scale is None else scale
+    emu = Emu(cfg.NT, (-(-Nq // cfg.BR), B * H), shared_bytes(cfg))
+    ns = emulator_namespace(emu, DT)
+    halves = f16_values if DT == "f16" else bf16_values
+    ns.update(wgmma_qk=emu.wgmma_ss(cfg.BC, halves), wgmma_pv=emu.wgmma_rs(cfg.DV, halves, True),
+              wgmma_qk_async=emu.wgmma_ss(cfg.BC, halves),
+              wgmma_pv_async=emu.wgmma_rs(cfg.DV, halves, True),
+              wgmma_wait_s=tuple, wgmma_wait_o=tuple, fence_proxy_async=lambda: None,
+              div_u32=lambda a, b: np.uint32(int(a) // int(b)), global_addr2=emu.global_ptr,
+              rcp_approx=lambda x: np.float32(1) / np.float32(x))
+    exec(compile(kernel_source(cfg), f"<wgmma {DT} emu>", "exec"), ns)
+    out = np.full((B, H, Nq, dv), np.nan, q.dtype)
+    lse = np.full((B, H, Nq), np.nan, np.float32)
+    with np.errstate(all="ignore"):
+        emu.run(ns["wgmma_attention"], (as_kernel_array(q, DT), as_kernel_array(k, DT),
+                                        as_kernel_array(v, DT), as_kernel_array(out, DT), lse,
+                                        np.zeros((1, 1, 1, 1), np.float32),
+                                        scale * math.log2(math.e), scale, int(causal),
+                                        int(causal_offset)))
     return out, lse

@@ -216,6 +216,8 @@ _RESOURCE_PATTERNS = {
     "spill_load_bytes": r"(\d+) bytes spill loads",
     "static_smem_bytes": r"(\d+) bytes smem",
     "local_bytes": r"(\d+) bytes lmem",
+    # ptxas's code when it serializes a kernel's wgmma (C7509: a subroutine call in it)
+    "wgmma_serialized": r"\(C(\d+)\) Potential Performance Loss: wgmma",
 }
 
 
@@ -262,6 +264,14 @@ def compile_ptx(pyfunc, argtypes, cc, fastmath=FASTMATH):
     return ptx
 
 
+def arch_specific(ptx, cc):
+    """PTX retargeted from sm_<cc> to sm_<cc>a, the architecture-specific features that run on
+    that compute capability alone (Hopper's wgmma: numflash.cuda.wgmma); link_ptx then links
+    for it. Kept out of compile_ptx, whose source is part of every kernel's identity."""
+    target = f"sm_{cc[0]}{cc[1]}"
+    return re.sub(rf"^\.target {target}$", f".target {target}a", ptx, count=1, flags=re.M)
+
+
 def link_ptx(ptx, cc):
     """PTX -> cubin for sm_<cc> with nvJitLink (which runs ptxas). Returns (cubin bytes, entry
     name, resources from ptxas' report)."""
@@ -271,15 +281,23 @@ def link_ptx(ptx, cc):
         from cuda.core.experimental import Linker, LinkerOptions, ObjectCode
     entry = re.search(r"\.entry\s+(\S+)\s*\(", ptx).group(1)
     arch = f"sm_{cc[0]}{cc[1]}"
+    if re.search(rf"^\.target {arch}a$", ptx, re.M):   # arch_specific's
+        arch += "a"
     linker = Linker(ObjectCode.from_ptx(ptx.encode()),
                     options=LinkerOptions(arch=arch, verbose=True, ptxas_options="-v"))
     cubin = linker.link("cubin")
     return bytes(cubin.code), entry, parse_ptxas_report(linker.get_info_log() or "")
 
 
+def kernel_ptx(pyfunc, argtypes, cc, fastmath=FASTMATH):
+    """compile_ptx, retargeted to sm_<cc>a for a kernel function marked ``arch_specific``."""
+    ptx = compile_ptx(pyfunc, argtypes, cc, fastmath)
+    return arch_specific(ptx, cc) if getattr(pyfunc, "arch_specific", False) else ptx
+
+
 def compile_to_cubin(pyfunc, argtypes, cc, fastmath=FASTMATH):
     """numba -> PTX -> cubin for sm_<cc>. Returns (cubin bytes, entry name, ptx, resources)."""
-    ptx = compile_ptx(pyfunc, argtypes, cc, fastmath)
+    ptx = kernel_ptx(pyfunc, argtypes, cc, fastmath)
     cubin, entry, resources = link_ptx(ptx, cc)
     return cubin, entry, ptx, resources
 

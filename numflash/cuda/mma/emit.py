@@ -68,18 +68,25 @@ def emit_thread_indices(s, flt):
 
 
 def emit_prologue(s, BR, flt, word, views=("qh = q[b, h]", "kh = k[b, hk]", "vh = v[b, hk]",
-                                           "oh = out[b, h]"), packed=False):
+                                           "oh = out[b, h]"), packed=False, div32=None):
     """Emit the thread / block indices of a kernel whose blocks own BR query rows, the per-head
     ``views`` and the shared array (``word`` elements); ``packed``: b is a packed sequence
-    (emit_sequence)."""
+    (emit_sequence). ``div32``: the name of a 32-bit unsigned division to split the block's
+    batch, head and K/V head with (a 64-bit division is a subroutine call on the GPU, which
+    makes ptxas serialize wgmma: cuda.wgmma)."""
     emit_thread_indices(s, flt)
     s(  # last Q block first: under causal masking it is the longest, so the tail is short
       f"qb = U(cuda.gridDim.x) - {U(1)} - U(cuda.blockIdx.x)",
-      "bh = U(cuda.blockIdx.y)",
-      "b = bh // U(H)",
-      "h = bh % U(H)",
-      "hk = kv_head(h, U(H), U(Hkv))",
-      f"i0 = qb * {U(BR)}")
+      "bh = U(cuda.blockIdx.y)")
+    if div32:
+        s(f"b = U({div32}(bh, H))",
+          "h = bh - b * U(H)",
+          f"hk = U({div32}(h, {div32}(H, Hkv)))")
+    else:
+        s("b = bh // U(H)",
+          "h = bh % U(H)",
+          "hk = kv_head(h, U(H), U(Hkv))")
+    s(f"i0 = qb * {U(BR)}")
     if packed:
         emit_sequence(s, "i0", "Nq_u")
     s(*views,

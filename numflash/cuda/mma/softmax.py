@@ -38,15 +38,18 @@ def emit_online_update(s, NN, NVN, rescale_o=True):
                 s(f"o_{n}_{r} *= alpha{half}")
 
 
-def emit_epilogue(s, NVN, store, lse_at="lse[b, h, ru]", factor="ONE"):
+def emit_epilogue(s, NVN, store, lse_at="lse[b, h, ru]", factor="ONE", reciprocal=None):
     """Emit the quad sums of l, ``factor`` / l, the O stores (``store(n, ra, rb, half)`` writes O
     tile n's registers ra, rb of row half, in scope: ru, cbase, inv0 / inv1) and lse (into
-    ``lse_at``). ``factor``: what O is scaled by besides 1 / l (dropout's 1 / (1 - p))."""
+    ``lse_at``). ``factor``: what O is scaled by besides 1 / l (dropout's 1 / (1 - p)).
+    ``reciprocal``: a function name to take 1 / l with instead of a division (cuda.wgmma: an
+    IEEE division has a subroutine slow path, which makes ptxas serialize wgmma)."""
     for half, row in ((0, "r0"), (1, "r1")):
         s(f"l{half} += cuda.shfl_xor_sync(FULL, l{half}, 1)",
           f"l{half} += cuda.shfl_xor_sync(FULL, l{half}, 2)",
           # l is 0 for a row that saw no key, NaN if an input was: NaN must reach the output
-          f"inv{half} = ZERO if l{half} == ZERO else {factor} / l{half}")
+          f"inv{half} = ZERO if l{half} == ZERO else " +
+          (f"{factor} * {reciprocal}(l{half})" if reciprocal else f"{factor} / l{half}"))
         s(f"if {row} < Nq:")
         with s.block():
             s(f"ru = U({row})", f"cbase = t * {U(2)}")

@@ -1,0 +1,90 @@
+"""cuda.wgmma: the forward on Hopper's warpgroup matrix products (wgmma, sm_90a), float16 and
+bfloat16, head dims that are multiples of 8 up to 128 (zero-padded to 64 or 128), causal in
+both alignments, GQA. The kernel (forward.py) is generated as Python source per config from
+cuda.mma's pieces (row bounds, masking, online softmax, epilogue); the products and their
+descriptors are ptx_wgmma's. "auto" takes it for a 16-bit forward on compute capability 9.0
+wherever it runs, but for calls whose query blocks do not fill the GPU (auto_passes).
+
+Not yet here (explain says so, and cuda.mma runs them): score / mask modifications, dropout,
+split-KV, KV caches, packed sequences, strided or misaligned rows, odd head dims, head dims
+past 128, the backward. wgmma exists on compute capability 9.0 only: not on 8.x, and not on
+10.x / 12.x.
+"""
+import math
+
+from ...device import Unsupported
+from .forward import kernel_source, make_kernel
+from .tiles import HEAD_DIMS, NAME, TILES, WgmmaConfig, shared_bytes
+
+__all__ = ["NAME", "HEAD_DIMS", "WgmmaConfig", "config", "auto_passes", "run", "compiled_kernels",
+           "kernel_source", "make_kernel", "shared_bytes"]
+
+_dummy = {}
+
+
+def config(problem, device):
+    """The WgmmaConfig for ``problem`` on ``device`` (what the operator's declarations admit);
+    raises Unsupported saying why not."""
+    from ..mma.config import padded_dims, vector_ok
+    if device.cc is not None and tuple(device.cc) != (9, 0):
+        raise Unsupported(f"{NAME}: wgmma runs on compute capability 9.0 only (sm_90a: H100, "
+                          f"H200, GH200); {device.name} is {device.cc[0]}.{device.cc[1]}: "
+                          f"cuda.mma runs it")
+    B, H, Nq, Nk, d, dv = problem.shape
+    padded_dims(problem)   # refuses query heads that do not divide into the K/V heads
+    if not problem.on_device or vector_ok(problem) is not None:
+        raise Unsupported(f"{NAME} stages rows with 16-byte cp.async only, and "
+                          f"{vector_ok(problem) if problem.on_device else 'these are not device arrays'}"
+                          f": cuda.mma takes it")
+    D, DV = (next(n for n in HEAD_DIMS if x <= n) for x in (d, dv))
+    NWG, BC = TILES[max(D, DV)]
+    cfg = WgmmaConfig(D, DV, NWG, BC, "bf16" if problem.dtype_name == "bfloat16" else "f16")
+    need = shared_bytes(cfg)
+    if device.smem_per_block_optin is not None and need > device.smem_per_block_optin:
+        raise Unsupported(f"{NAME}: needs {need} bytes of shared memory for d={d}, dv={dv}, more "
+                          f"than the {device.smem_per_block_optin} a block may use on "
+                          f"{device.name}")
+    return cfg
+
+
+def auto_passes(problem, device):
+    """Why "auto" should take cuda.mma although this kernel runs the problem, or None: a call
+    whose query blocks do not fill the GPU (decoding, short queries) runs faster where cuda.mma
+    splits each block's keys over several blocks (split-KV), which this kernel does not."""
+    if device.sm_count is None or getattr(problem, "num_splits", None) is not None:
+        return None
+    B, H, Nq, Nk, d, dv = problem.shape
+    NWG = TILES[64 if max(d, dv) <= 64 else 128][0]
+    blocks = -(-Nq // (64 * NWG)) * B * H
+    if blocks >= device.sm_count:
+        return None
+    return (f"{blocks} query blocks for {device.sm_count} SMs: cuda.mma splits the keys over "
+            f"more blocks (split-KV)")
+
+
+def compiled_kernels(cfg, dtype):
+    """[(Kernel, numba argument types)] that run() launches (cuda.mma's argument list)."""
+    from .. import launch
+    from ..mma import signature
+    return [(launch.get_kernel(NAME, make_kernel, cfg), signature(dtype))]
+
+
+def run(problem, cfg, device):
+    """Launch; returns lse."""
+    import cupy
+    from .. import fastpath
+    p = problem
+    B, H, Nq, Nk, d, dv = p.shape
+    kernel = compiled_kernels(cfg, p.dtype_name)[0][0]
+    lse = p.empty_lse()
+    key = p.q.device.id
+    if key not in _dummy:   # the debug dump argument cuda.mma's ABI has
+        _dummy[key] = fastpath.keep(cupy.zeros((1, 1, 1, 1), dtype=cupy.float32))
+
+    def bits(a):
+        return a.view(cupy.uint16)
+    kernel((-(-Nq // cfg.BR), B * H), (cfg.NT,), shared_bytes(cfg),
+           (bits(p.q), bits(p.k), bits(p.v), bits(p.out), lse, _dummy[key],
+            float(p.scale * math.log2(math.e)), float(p.scale), int(p.causal),
+            int(p.causal_offset)), device)
+    return lse

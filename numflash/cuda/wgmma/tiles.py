@@ -1,0 +1,78 @@
+"""The wgmma forward's compile-time config, its tiles and its shared memory."""
+from collections import namedtuple
+from dataclasses import dataclass
+
+from ..config import TileConfig
+
+NAME = "cuda.wgmma"
+#: head dims are zero-padded up to the next of these
+HEAD_DIMS = (64, 128)
+
+
+#: the swizzled layout (numflash.cuda.ptx_wgmma): rows of 128 bytes (64 16-bit elements), 8 of
+#: them a 1024-byte atom
+SWIZZLE = 128
+ATOM = 8 * SWIZZLE
+
+
+def region_bytes(rows, width):
+    """Bytes of a rows x width tile of 16-bit elements: width / 64 column slabs of rows x 128
+    bytes."""
+    return rows * width * 2
+
+
+@dataclass(frozen=True)
+class WgmmaConfig(TileConfig):
+    """One compile-time variant of the wgmma forward.
+
+    D, DV: padded head dims of q / k and v. NWG warpgroups a block, each owning 64 query rows
+    (BR = 64 NWG, NT = 128 NWG threads); BC keys a K/V tile (the N of S = Q K^T's wgmma and the
+    contraction of P V's). DT: "f16" or "bf16"."""
+    D: int
+    DV: int
+    NWG: int
+    BC: int
+    DT: str
+
+    #: what cuda.mma's shared pieces read off a config: no packed sequences here
+    VARLEN = 0
+
+    @property
+    def NW(self):
+        return 4 * self.NWG
+
+    @property
+    def BR(self):
+        return 64 * self.NWG
+
+    @property
+    def NT(self):
+        return 128 * self.NWG
+
+    @property
+    def pack(self):
+        """The generated source's f32 pair -> packed 16-bit pair function."""
+        return f"pack_{self.DT}x2"
+
+
+#: Shared memory in bytes: the Q tile (kept: wgmma reads it from shared memory every tile), one
+#: K + V buffer (three rotate), the whole block with the padding that aligns the tiles to 1024
+#: bytes.
+SharedLayout = namedtuple("SharedLayout", "q_bytes kv_bytes total")
+
+
+def layout(cfg):
+    q_bytes = region_bytes(cfg.BR, cfg.D)
+    kv_bytes = region_bytes(cfg.BC, cfg.D) + region_bytes(cfg.BC, cfg.DV)
+    return SharedLayout(q_bytes, kv_bytes, ATOM + q_bytes + 3 * kv_bytes)
+
+
+def shared_bytes(cfg):
+    return layout(cfg).total
+
+
+#: (NWG, BC) by the larger padded head dim, from the H100 sweeps (bench/NOTES.md, "cuda.wgmma"):
+#: one warpgroup a block (NWG=1) ran 1.3-1.6x slower than two; three at d64 were faster with
+#: the no-swizzle layout but need <= 168 registers a thread (384 threads), and the swizzled
+#: kernel takes 178 there. d128 with BC=128 fills 226 of the 227 KB a block may use.
+TILES = {64: (2, 128), 128: (2, 128)}

@@ -1,0 +1,184 @@
+"""cuda.wgmma without a GPU: its generated source run on the CPU under the warp emulator
+(tests/mma_tools.py: wgmma from 128-byte swizzled shared memory, the cp.async copies, the
+warpgroup products) against the float64 reference; its PTX for sm_90a (wgmma present, nothing
+in local memory, no spills, no subroutine that would make ptxas serialize the products); and
+what the planner does with it (auto on compute capability 9.0, the refusals and their reasons).
+On the GPU: tests/test_wgmma_gpu.py."""
+import dataclasses
+
+import numpy as np
+import pytest
+
+import numflash
+from numflash.device import Device
+from numflash.testing import check
+
+HOPPER = Device("h100", cc=(9, 0), smem_per_block_optin=227 * 1024, sm_count=132)
+
+
+def _inputs(rng, B, H, Hkv, Nq, Nk, d, dv, dtype):
+    q = rng.standard_normal((B, H, Nq, d)).astype(dtype)
+    k = rng.standard_normal((B, Hkv, Nk, d)).astype(dtype)
+    v = rng.standard_normal((B, Hkv, Nk, dv)).astype(dtype)
+    return q, k, v
+
+
+EMULATED = [  # B, H, Hkv, Nq, Nk, d, dv, causal, (NWG, BC)
+    (1, 1, 1, 70, 100, 64, 64, False, (1, 32)),         # a partial last key tile
+    (1, 2, 2, 33, 70, 40, 64, "bottom_right", (1, 32)),  # d padded to 64
+    (1, 1, 1, 150, 90, 64, 64, "top_left", (2, 32)),     # two warpgroups; rows past Nk's end
+    (1, 1, 1, 200, 75, 128, 64, "bottom_right", (3, 32)),  # rows that see no key; three
+    (2, 2, 1, 1, 37, 72, 128, False, (1, 48)),          # one query row, GQA, dv padded to 128
+]
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("case", EMULATED, ids=lambda c: "B{}H{}Hkv{}-{}x{}-d{}dv{}-{}-{}".format(
+    *c[:7], c[7], "x".join(map(str, c[8]))))
+def test_emulated_wgmma_forward_is_accurate(rng, case, dtype):
+    from mma_tools import run_wgmma_forward
+    B, H, Hkv, Nq, Nk, d, dv, causal, tile = case
+    if dtype == "bfloat16":
+        dtype = pytest.importorskip("ml_dtypes").bfloat16
+        if case != EMULATED[1]:   # bfloat16 shares the source but for the pack: one case
+            pytest.skip("bfloat16 runs one case")
+    q, k, v = _inputs(rng, B, H, Hkv, Nq, Nk, d, dv, dtype)
+    offset = Nk - Nq if causal == "bottom_right" else 0
+    out, lse = run_wgmma_forward(q, k, v, bool(causal), offset, tile=tile)
+    rep = check(out, q, k, v, lse=lse, causal=causal)
+    assert rep.ok, str(rep)
+
+
+def test_emulated_swizzle_is_what_the_descriptor_reads(rng):
+    """The copies' swizzled placement and the emulator's descriptor decoding are written apart:
+    one product of a staged tile against the plain matrix product."""
+    from mma_tools import Emu, f16_values
+    from numflash.cuda.wgmma.tiles import ATOM, SWIZZLE
+    from numflash.cuda.ptx_wgmma import descriptor_fields
+    a = rng.standard_normal((64, 128)).astype(np.float16)   # two 64-column slabs
+    b = rng.standard_normal((32, 128)).astype(np.float16)
+    emu = Emu(128, (1,), 64 * 256 + 32 * 256)
+    emu.smem = np.zeros(emu.shared_bytes // 4, np.uint32)
+    halves = emu.smem.view(np.uint16)
+
+    def place(x, base):   # row r, chunk c of slab s -> r * 128 + ((c ^ r % 8) * 16)
+        rows = x.shape[0]
+        for r in range(rows):
+            for col in range(x.shape[1]):
+                slab, c, e = col // 64, (col % 64) // 8, col % 8
+                byte = base + slab * rows * SWIZZLE + r * SWIZZLE + ((c ^ (r % 8)) * 16) + 2 * e
+                halves[byte // 2] = x[r, col].view(np.uint16)
+    place(a, 0)
+    place(b, 64 * 256)
+    fields = descriptor_fields(16, ATOM, swizzle=SWIZZLE)
+    total = 0
+    for kk in range(8):   # k-steps of 16 columns: 32 bytes a step, a slab every 4
+        off = kk // 4 * 64 * SWIZZLE + kk % 4 * 32
+        off_b = kk // 4 * 32 * SWIZZLE + kk % 4 * 32
+        total = total + emu._desc_matrix((off >> 4) | fields, 64, 16, f16_values) @ \
+            emu._desc_matrix(((64 * 256 + off_b) >> 4) | fields, 32, 16, f16_values).T
+    assert np.allclose(total, a.astype(np.float64) @ b.astype(np.float64).T)
+
+
+# ------------------------------------------------------------------------------- compiled PTX
+
+def _compile(cfg):
+    from mma_tools import compile_wgmma_variant
+    return compile_wgmma_variant(cfg)
+
+
+@pytest.mark.parametrize("cfg", [
+    pytest.param(dict(D=64, DV=64, NWG=2, BC=128, DT="f16"), id="f16-d64"),
+    pytest.param(dict(D=128, DV=128, NWG=2, BC=128, DT="bf16"), id="bf16-d128",
+                 marks=pytest.mark.extended),
+    pytest.param(dict(D=128, DV=64, NWG=2, BC=128, DT="f16"), id="f16-d128-dv64",
+                 marks=pytest.mark.extended),
+])
+def test_wgmma_compiles_for_sm90a_without_spills_or_serialization(cfg):
+    got = _compile(cfg)
+    assert got["target"] == ".target sm_90a"
+    # the steady state's asynchronous products, the first tile's S and the last tile's P V
+    steps = 2 * (cfg["D"] // 16) + 2 * (cfg["BC"] // 16)
+    kind = "f16" if cfg["DT"] == "f16" else "bf16"
+    assert got["ops"][f"wgmma.mma_async.sync.aligned.m64n{cfg['BC']}k16.f32.{kind}.{kind}"] \
+        == cfg["D"] // 8 and got["ops"][
+            f"wgmma.mma_async.sync.aligned.m64n{cfg['DV']}k16.f32.{kind}.{kind}"] >= \
+        cfg["BC"] // 8, got["ops"]
+    assert sum(v for k, v in got["ops"].items() if k.startswith("wgmma.mma_async")) >= steps
+    assert got["ops"]["ld.local"] == 0 and got["ops"]["st.local"] == 0
+    res = got["resources"]
+    assert res.get("spill_store_bytes", 0) == 0 and res.get("stack_bytes", 0) == 0, res
+    assert not got["serialized"], "ptxas serializes the wgmma (C7509): " + got["serialized"]
+    # 128 threads a warpgroup must fit the register file with every warpgroup of the block
+    assert res["registers"] * 128 * cfg["NWG"] <= 65536, res
+
+
+# ------------------------------------------------------------------------------- planning
+
+class _DeviceView:
+    """A NumPy array as planning sees a device array (nothing is launched)."""
+
+    def __init__(self, a):
+        self.shape, self.dtype, self.strides, self.itemsize = a.shape, a.dtype, a.strides, \
+            a.itemsize
+        self.data = type("Pointer", (), {"ptr": 0})()
+
+
+def _plan(rng, device=HOPPER, dtype=np.float16, B=4, H=16, Nq=4096, Nk=4096, d=64, dv=None,
+          algorithm="auto", strided=False, **opts):
+    from numflash import plan as planner
+    from numflash.api import _with_mods
+    from numflash.inputs import normalize
+    q, k, v = (np.zeros((B, H, n, w), dtype) for n, w in ((Nq, d), (Nk, d), (Nk, dv or d)))
+    if strided:
+        q = np.repeat(q, 2, axis=-1)[..., ::2]
+    mods = {name: opts.pop(name) for name in ("softcap",) if name in opts}
+    p = _with_mods(normalize(q, k, v, **opts), mods)
+    p = dataclasses.replace(p, kind="cupy", q=_DeviceView(p.q), k=_DeviceView(p.k),
+                            v=_DeviceView(p.v), out=_DeviceView(p.out))
+    return planner._choose(p, "cuda", algorithm, device)
+
+
+@pytest.mark.parametrize("d, dv, want", [(64, 64, (64, 64)), (40, 72, (64, 128)),
+                                         (128, 128, (128, 128))])
+def test_auto_takes_wgmma_for_16_bit_on_compute_capability_9(rng, d, dv, want):
+    plan = _plan(rng, d=d, dv=dv, causal=True)
+    assert plan.kernel == "cuda.wgmma", str(plan)
+    assert (plan.config.D, plan.config.DV) == want
+    from numflash.cuda.wgmma import shared_bytes
+    assert shared_bytes(plan.config) <= HOPPER.smem_per_block_optin
+    assert "cuda.wgmma" in str(plan)
+
+
+def test_auto_passes_wgmma_over_where_cuda_mma_splits_the_keys(rng):
+    plan = _plan(rng, B=1, H=8, Nq=1, Nk=8192)   # decoding: 8 query blocks for 132 SMs
+    assert plan.kernel == "cuda.mma" and plan.config.SPLIT == 1, str(plan)
+    assert "'auto' passes it over: 8 query blocks for 132 SMs" in plan.rejected["cuda.wgmma"]
+    forced = _plan(rng, B=1, H=8, Nq=1, Nk=8192, algorithm="wgmma")   # asked for, it runs
+    assert forced.kernel == "cuda.wgmma"
+
+
+@pytest.mark.parametrize("device, opts, match", [
+    (Device("a100", cc=(8, 0), smem_per_block_optin=163 * 1024), {},
+     "needs compute capability >= 9.0 .Hopper's wgmma, sm_90a."),
+    (Device("b200", cc=(10, 0), smem_per_block_optin=227 * 1024), {},
+     "wgmma runs on compute capability 9.0 only"),
+    (HOPPER, {"d": 256}, "cuda.wgmma takes head dims up to 128"),
+    (HOPPER, {"d": 59}, "head dim 59 is not a multiple of 8: cuda.mma takes it"),
+    (HOPPER, {"strided": True}, "q's last axis is strided"),
+    (HOPPER, {"dtype": np.float32}, "cuda.wgmma takes float16, bfloat16, not float32"),
+    (HOPPER, {"softcap": 30.0}, "cuda.wgmma does not take score/mask modifications"),
+    (HOPPER, {"num_splits": 4}, "cuda.wgmma does not split the keys"),
+])
+def test_wgmma_refuses_with_the_reason_and_auto_takes_another(rng, device, opts, match):
+    with pytest.raises(ValueError, match=match):
+        _plan(rng, device, algorithm="wgmma", **opts)
+    plan = _plan(rng, device, **opts)
+    assert plan.kernel != "cuda.wgmma"
+    assert pytest.importorskip("re").search(match, plan.rejected["cuda.wgmma"])
+
+
+def test_the_simulator_never_plans_wgmma(rng):
+    q = rng.standard_normal((1, 2, 64, 64)).astype(np.float16)
+    with pytest.raises(ValueError, match="inline PTX, which numba's CUDA simulator cannot run"):
+        numflash.explain(q, q, q, backend="cuda", algorithm="wgmma")

@@ -1,0 +1,73 @@
+"""cuda.wgmma on a Hopper GPU (``-m gpu``; they skip without one, or on a GPU that is not
+compute capability 9.0): the forward through the public API against the float64 reference
+(numflash.testing's rule) for float16 and bfloat16 at odd and real sizes, both causal alignments,
+Nq != Nk, GQA and the bshd layout; and that it runs what explain says. Its generated source
+runs on the CPU under the warp emulator in tests/test_wgmma.py."""
+import pytest
+
+import numflash
+from test_mma_gpu import _device_array, _rows
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def hopper():
+    import cupy
+    from numflash.plan import device_of
+    dev = device_of(cupy.zeros(1))
+    if tuple(dev.cc) != (9, 0):
+        pytest.skip(f"cuda.wgmma runs on compute capability 9.0; this GPU is {dev.cc}")
+    return dev
+
+
+CASES = [  # B, H, Hkv, Nq, Nk, d, dv: head dims are multiples of 8 (16-byte rows), padded
+    (1, 1, 1, 1, 1, 64, 64),       # to 64 or 128
+    (1, 2, 2, 97, 1025, 56, 56),
+    (2, 4, 2, 1025, 97, 128, 128),
+    (1, 3, 1, 200, 333, 104, 64),
+    (1, 2, 2, 130, 130, 8, 72),
+    (2, 8, 8, 4096, 4096, 64, 64),
+    (1, 8, 2, 4096, 4096, 128, 128),
+]
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("causal", [False, "top_left", "bottom_right"])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "B{}H{}Hkv{}-{}x{}-d{}dv{}".format(*c))
+def test_wgmma_forward_is_accurate(hopper, rng, case, causal, dtype):
+    B, H, Hkv, Nq, Nk, d, dv = case
+    q = _device_array(rng, (B, H, Nq, d), dtype)
+    k = _device_array(rng, (B, Hkv, Nk, d), dtype)
+    v = _device_array(rng, (B, Hkv, Nk, dv), dtype)
+    plan = numflash.explain(q, k, v, causal=causal, algorithm="wgmma")
+    assert plan.kernel == "cuda.wgmma", str(plan)
+    out, lse = numflash.attention(q, k, v, causal=causal, algorithm="wgmma", return_lse=True)
+    from numflash.testing import check
+    rep = check(out, q, k, v, lse=lse, causal=causal, rows=_rows(Nq, rng))
+    assert rep.ok, str(rep)
+
+
+def test_wgmma_takes_the_bshd_layout_and_a_scale(hopper, rng):
+    q, k, v = (_device_array(rng, (2, 300, 4, 64), "float16") for _ in range(3))
+    out = numflash.attention(q, k, v, layout="bshd", softmax_scale=0.3, algorithm="wgmma")
+    from numflash.testing import check
+    rep = check(out, q, k, v, layout="bshd", softmax_scale=0.3)
+    assert rep.ok, str(rep)
+
+
+def test_wgmma_refuses_what_it_does_not_run_and_says_what_does(hopper, rng):
+    for d in (1, 59, 111):   # rows that are not whole 16-byte chunks: cuda.mma pads those
+        q = _device_array(rng, (1, 2, 64, d), "float16")
+        with pytest.raises(ValueError, match=f"head dim {d} is not a multiple of 8: cuda.mma"):
+            numflash.attention(q, q, q, algorithm="wgmma")
+        assert numflash.explain(q, q, q).kernel == "cuda.mma"
+    q = _device_array(rng, (1, 2, 64, 256), "float16")
+    with pytest.raises(ValueError, match="cuda.wgmma takes head dims up to 128"):
+        numflash.attention(q, q, q, algorithm="wgmma")
+    q = _device_array(rng, (1, 2, 64, 64), "float16")
+    with pytest.raises(ValueError, match="cuda.wgmma does not take score/mask modifications"):
+        numflash.attention(q, q, q, algorithm="wgmma", softcap=30.0)
+    strided = _device_array(rng, (1, 2, 64, 128), "float16")[..., ::2]
+    with pytest.raises(ValueError, match="16-byte cp.async"):
+        numflash.attention(strided, strided, strided, algorithm="wgmma")
