@@ -28,14 +28,14 @@ import math
 
 import numpy as np
 
-from ..mma.emit import Source, define, emit_prologue
+from ..mma.emit import U, Source, define, emit_prologue
+from ..mma.forward import ARGUMENTS, _kv_head_device, kv_head, source_identity
 from ..mma.mask import emit_row_bounds, emit_score_mask
 from ..mma.operands import _OperandKind
 from ..mma.softmax import emit_accumulators, emit_epilogue, emit_online_update
-from ..mma.emit import U
-from ..mma.forward import ARGUMENTS, kv_head, source_identity, _kv_head_device
 from ..ptx_wgmma import descriptor_fields
 from .tiles import ATOM, SWIZZLE, WgmmaConfig, layout, region_bytes
+
 
 def emit_copies_setup(s, name, src, width, dim, NT):
     """Emit what one thread keeps for copying rows of ``src`` (a 2-D view, ``width`` padded
