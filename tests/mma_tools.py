@@ -9,6 +9,9 @@ tests/test_gqa.py:
   (``Emu``), with the PTX ISA fragment layouts; ``tf32_bits``,
   ``split_tf32_bits``, ``tf32_operand``: the emulator's tf32 roundings, bit for bit.
 - ``run_forced_config``: run a config other than the planner's on whatever GPU runs the tests.
+- ``run_wgmma_forward`` / ``compile_wgmma_variant``: the same for cuda.wgmma (the emulator's
+  warpgroup products read the descriptors' swizzled layouts; byte-offset pointers for its
+  copies).
 """
 import ctypes
 import dataclasses
@@ -340,9 +343,9 @@ class Emu:
         return tuple(out)
 
     # wgmma (numflash.cuda.ptx_wgmma): a warpgroup's product, operands in shared memory through
-    # no-swizzle descriptors (LBO: the next core matrix along K, SBO: along M / N) or A in
-    # registers (mma.sync's A layout, warp w giving rows 16 w ..); the warpgroup's first thread
-    # computes D (float64 sums rounded to float32 once) and each thread takes its C-layout part
+    # descriptors (_desc_matrix: no swizzle or 128-byte swizzle) or A in registers (mma.sync's
+    # A layout, warp w giving rows 16 w ..); the warpgroup's first thread computes D (float64
+    # sums rounded to float32 once) and each thread takes its C-layout part
     def _wg_exchange(self, value):
         wg = self.tls.tid // 128
         slots = self.gslots[wg]
