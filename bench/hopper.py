@@ -7,9 +7,9 @@ PyTorch SDPA's flash and cuDNN backends and FlexAttention (torch.compile), on on
 Each row: three input sets rotated (fresh inputs each call), 3 warm-up calls per method, then
 --repeats calls each timed alone with CUDA events on the one default stream; the median is
 reported with TFLOP/s (4 B H N^2 d, halved for causal). Every method's output is compared with
-cuda.wgmma's, and cuda.wgmma's with the float64 reference on sampled rows (numflash.testing's
-rule). ``--tiles D:NWGxBCxPIPE``: cuda.wgmma's tile for padded head dim D (a sweep; the shipped
-table is numflash/cuda/wgmma/tiles.py). Progress goes to stderr; the table to stdout and, with
+the first method's (max_diff in the JSON), and cuda.wgmma's with the float64 reference on
+sampled rows (numflash.testing's rule). ``--tiles D:NWGxBC``: cuda.wgmma's tile for padded head
+dim D (a sweep; the shipped table is numflash/cuda/wgmma/tiles.py). Progress goes to stderr; the table to stdout and, with
 --out, to DIR/hopper.json.
 """
 import argparse

@@ -49,8 +49,9 @@ def config(problem, device):
 
 def auto_passes(problem, device):
     """Why "auto" should take cuda.mma although this kernel runs the problem, or None: a call
-    whose query blocks do not fill the GPU (decoding, short queries) runs faster where cuda.mma
-    splits each block's keys over several blocks (split-KV), which this kernel does not."""
+    whose query blocks do not fill the GPU (decoding, short queries) is left to cuda.mma, which
+    splits each block's keys over several blocks (split-KV) where this kernel would leave SMs
+    idle. The rule is not timed against this kernel at those shapes (bench/NOTES.md)."""
     if device.sm_count is None or getattr(problem, "num_splits", None) is not None:
         return None
     B, H, Nq, Nk, d, dv = problem.shape
