@@ -325,9 +325,10 @@ def test_gpu_causal_skips_tiles(rng, algorithm, shape):
     """Causal does about half the work: it must be clearly faster than non-causal."""
     import cupy
     q, k, v = (_device_array(rng, shape, "float16") for _ in range(3))
-    plan = numflash.explain(q, k, v, causal=True, algorithm=algorithm)
-    if plan.kernel != f"cuda.{algorithm}":
-        pytest.skip(str(plan))
+    try:   # cuda.wgmma runs on compute capability 9.0 only
+        numflash.explain(q, k, v, causal=True, algorithm=algorithm)
+    except ValueError as e:
+        pytest.skip(str(e))
 
     def ms(causal):
         numflash.attention(q, k, v, causal=causal, algorithm=algorithm)
