@@ -188,6 +188,16 @@ class _Dim:
         self.x, self.y, self.z = x, 0, 0
 
 
+class DeviceView:
+    """A NumPy array as planning sees a device array: shape, dtype, strides and a pointer
+    (nothing is launched)."""
+
+    def __init__(self, a, ptr=0):
+        self.shape, self.dtype, self.strides, self.itemsize = a.shape, a.dtype, a.strides, \
+            a.itemsize
+        self.data = type("Pointer", (), {"ptr": ptr})()
+
+
 class _Ptr:
     """A byte address inside a NumPy array (the emulator's global pointers)."""
 
@@ -774,12 +784,11 @@ def run_wgmma_forward(q, k, v, causal=False, causal_offset=0, scale=None, tile=(
     in-flight products computed at issue); q, k, v float16 or ml_dtypes.bfloat16; ``tile``:
     (NWG, BC). Returns (out, lse)."""
     from numflash.cuda.wgmma import WgmmaConfig, kernel_source, shared_bytes
-    from numflash.cuda.wgmma.tiles import HEAD_DIMS
+    from numflash.cuda.wgmma.tiles import head_dim_pad
     B, H, Nq, d = q.shape
     dv = v.shape[3]
     DT = "f16" if q.dtype == np.float16 else "bf16"
-    D, DV = (next(n for n in HEAD_DIMS if x <= n) for x in (d, dv))
-    cfg = WgmmaConfig(D, DV, *tile, DT)
+    cfg = WgmmaConfig(head_dim_pad(d), head_dim_pad(dv), *tile, DT)
     scale = 1 / math.sqrt(d) if scale is None else scale
     emu = Emu(cfg.NT, (-(-Nq // cfg.BR), B * H), shared_bytes(cfg))
     ns = emulator_namespace(emu, DT)

@@ -11,6 +11,7 @@ from numflash import testing
 from numflash.device import Device
 from numflash.inputs import parse_causal
 
+from mma_tools import DeviceView
 from test_backward import make
 
 HOPPER = Device("h100", cc=(9, 0), smem_per_block_optin=227 * 1024)
@@ -368,21 +369,11 @@ def _plan(p, device, algorithm="auto"):
     return planner._choose(p, "cuda", algorithm, device)
 
 
-class _DeviceView:
-    """A NumPy array as planning sees a device array: shape, dtype, strides and a pointer
-    (nothing is launched)."""
-
-    def __init__(self, a, ptr=0):
-        self.shape, self.dtype, self.strides, self.itemsize = a.shape, a.dtype, a.strides, \
-            a.itemsize
-        self.data = type("Pointer", (), {"ptr": ptr})()
-
-
 def _OnDevice(p, misaligned=()):
     import dataclasses
     names = ("q", "k", "v", "do", "o", "lse", "dq", "dk", "dv")
     return dataclasses.replace(p, kind="cupy", **{
-        n: _DeviceView(getattr(p, n), 8 if n in misaligned else 0) for n in names})
+        n: DeviceView(getattr(p, n), 8 if n in misaligned else 0) for n in names})
 
 
 SM86 = Device("rtx", cc=(8, 6), smem_per_block_optin=99 * 1024)

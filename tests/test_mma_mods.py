@@ -271,8 +271,8 @@ def test_the_plan_memo_tells_argument_types_apart(rng, monkeypatch):
 
 
 def _as_device(p):
-    from test_mma_backward import _DeviceView
-    return dataclasses.replace(p, **{n: _DeviceView(getattr(p, n)) for n in ("q", "k", "v")})
+    from mma_tools import DeviceView
+    return dataclasses.replace(p, **{n: DeviceView(getattr(p, n)) for n in ("q", "k", "v")})
 
 
 def test_arrays_of_a_gpu_call_must_be_on_its_gpu_and_named():

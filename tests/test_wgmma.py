@@ -116,17 +116,9 @@ def test_wgmma_compiles_for_sm90a_without_spills_or_serialization(cfg):
 
 # ------------------------------------------------------------------------------- planning
 
-class _DeviceView:
-    """A NumPy array as planning sees a device array (nothing is launched)."""
-
-    def __init__(self, a):
-        self.shape, self.dtype, self.strides, self.itemsize = a.shape, a.dtype, a.strides, \
-            a.itemsize
-        self.data = type("Pointer", (), {"ptr": 0})()
-
-
 def _plan(rng, device=HOPPER, dtype=np.float16, B=4, H=16, Nq=4096, Nk=4096, d=64, dv=None,
           algorithm="auto", strided=False, **opts):
+    from mma_tools import DeviceView
     from numflash import plan as planner
     from numflash.api import _with_mods
     from numflash.inputs import normalize
@@ -135,8 +127,8 @@ def _plan(rng, device=HOPPER, dtype=np.float16, B=4, H=16, Nq=4096, Nk=4096, d=6
         q = np.repeat(q, 2, axis=-1)[..., ::2]
     mods = {name: opts.pop(name) for name in ("softcap",) if name in opts}
     p = _with_mods(normalize(q, k, v, **opts), mods)
-    p = dataclasses.replace(p, kind="cupy", q=_DeviceView(p.q), k=_DeviceView(p.k),
-                            v=_DeviceView(p.v), out=_DeviceView(p.out))
+    p = dataclasses.replace(p, kind="cupy", q=DeviceView(p.q), k=DeviceView(p.k),
+                            v=DeviceView(p.v), out=DeviceView(p.out))
     return planner._choose(p, "cuda", algorithm, device)
 
 

@@ -37,6 +37,16 @@ __all__ = ["NAME", "HEAD_DIMS", "X3_CCS", "MmaConfig", "head_dim_pad", "choose_t
 _dummy = {}
 
 
+def no_debug_dump(device_id):
+    """The placeholder passed as the kernels' ``dbg`` argument (cuda.mma's ABI, which cuda.wgmma
+    shares) when nothing is dumped: one float32, made once per device."""
+    if device_id not in _dummy:
+        import cupy
+        from .. import fastpath
+        _dummy[device_id] = fastpath.keep(cupy.zeros((1, 1, 1, 1), dtype=cupy.float32))
+    return _dummy[device_id]
+
+
 def _as_bits(a):
     import cupy
     return a.view(cupy.uint16)
@@ -122,10 +132,7 @@ def run(problem, cfg, device, debug=None):
     kernel = compiled_kernels(cfg, p.dtype_name)[0][0]
     lse = p.empty_lse()
     if debug is None:
-        key = p.q.device.id
-        if key not in _dummy:
-            _dummy[key] = fastpath.keep(cupy.zeros((1, 1, 1, 1), dtype=cupy.float32))
-        debug = _dummy[key]
+        debug = no_debug_dump(p.q.device.id)
     grid = (-(-Nq // cfg.BR), B * H)
     causal_offset = int(p.causal_offset)
     packed = ()

@@ -14,13 +14,10 @@ import math
 
 from ...device import Unsupported
 from .forward import kernel_source, make_kernel
-from .tiles import HEAD_DIMS, NAME, TILES, WgmmaConfig, shared_bytes
+from .tiles import HEAD_DIMS, NAME, TILES, WgmmaConfig, head_dim_pad, shared_bytes
 
 __all__ = ["NAME", "HEAD_DIMS", "WgmmaConfig", "config", "auto_passes", "run", "compiled_kernels",
            "kernel_source", "make_kernel", "shared_bytes"]
-
-_dummy = {}
-
 
 def config(problem, device):
     """The WgmmaConfig for ``problem`` on ``device`` (what the operator's declarations admit);
@@ -36,7 +33,7 @@ def config(problem, device):
         raise Unsupported(f"{NAME} stages rows with 16-byte cp.async only, and "
                           f"{vector_ok(problem) if problem.on_device else 'these are not device arrays'}"
                           f": cuda.mma takes it")
-    D, DV = (next(n for n in HEAD_DIMS if x <= n) for x in (d, dv))
+    D, DV = head_dim_pad(d), head_dim_pad(dv)
     NWG, BC = TILES[max(D, DV)]
     cfg = WgmmaConfig(D, DV, NWG, BC, "bf16" if problem.dtype_name == "bfloat16" else "f16")
     need = shared_bytes(cfg)
@@ -55,7 +52,7 @@ def auto_passes(problem, device):
     if device.sm_count is None or getattr(problem, "num_splits", None) is not None:
         return None
     B, H, Nq, Nk, d, dv = problem.shape
-    NWG = TILES[64 if max(d, dv) <= 64 else 128][0]
+    NWG = TILES[head_dim_pad(max(d, dv))][0]
     blocks = -(-Nq // (64 * NWG)) * B * H
     if blocks >= device.sm_count:
         return None
@@ -72,20 +69,13 @@ def compiled_kernels(cfg, dtype):
 
 def run(problem, cfg, device):
     """Launch; returns lse."""
-    import cupy
-    from .. import fastpath
+    from ..mma import _as_bits as bits, no_debug_dump
     p = problem
     B, H, Nq, Nk, d, dv = p.shape
     kernel = compiled_kernels(cfg, p.dtype_name)[0][0]
     lse = p.empty_lse()
-    key = p.q.device.id
-    if key not in _dummy:   # the debug dump argument cuda.mma's ABI has
-        _dummy[key] = fastpath.keep(cupy.zeros((1, 1, 1, 1), dtype=cupy.float32))
-
-    def bits(a):
-        return a.view(cupy.uint16)
     kernel((-(-Nq // cfg.BR), B * H), (cfg.NT,), shared_bytes(cfg),
-           (bits(p.q), bits(p.k), bits(p.v), bits(p.out), lse, _dummy[key],
+           (bits(p.q), bits(p.k), bits(p.v), bits(p.out), lse, no_debug_dump(p.q.device.id),
             float(p.scale * math.log2(math.e)), float(p.scale), int(p.causal),
             int(p.causal_offset)), device)
     return lse

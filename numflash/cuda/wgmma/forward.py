@@ -141,7 +141,7 @@ class _Products:
         s(f"{self.acc} = {fn}(({self.acc},), ({self.pa},), ({steps},))")
 
 
-def _stage_tile(s, cfg, L, first, base):
+def _stage_tile(s, cfg, first, base):
     """Emit the cp.async copies of the K and V rows first.. into the buffer at shared byte
     address ``base`` (source)."""
     emit_copies(s, "kc", cfg.BC, cfg.D, first, "Nk_u", base, cfg.NT)
@@ -156,7 +156,7 @@ def _emit_loop(s, cfg, L, products):
         return f"(tiles + U(({it}) % 3) * {U(L.kv_bytes)})"
     s("if block_keys > 0:")
     with s.block():
-        _stage_tile(s, cfg, L, U(0), "tiles")
+        _stage_tile(s, cfg, U(0), "tiles")
     s(f"ntiles = (block_keys + {cfg.BC - 1}) // {cfg.BC}",
       "s_0_0 = ZERO", "alpha0 = ONE", "alpha1 = ONE")
     # P of the tile before the first: never read
@@ -167,7 +167,7 @@ def _emit_loop(s, cfg, L, products):
           "cuda.syncthreads()  # the buffer refilled next held tile it - 2: read by now")
         s("if it + 1 < ntiles:")
         with s.block():
-            _stage_tile(s, cfg, L, f"U(j0 + {cfg.BC})", buffer("it + 1"))
+            _stage_tile(s, cfg, f"U(j0 + {cfg.BC})", buffer("it + 1"))
             s("cp_async_wait_1()")
         s("else:")
         with s.block():

@@ -9,6 +9,11 @@ NAME = "cuda.wgmma"
 HEAD_DIMS = (64, 128)
 
 
+def head_dim_pad(n):
+    """The padded head dim of ``n`` (<= 128: the operator declares the limit)."""
+    return next(size for size in HEAD_DIMS if n <= size)
+
+
 #: the swizzled layout (numflash.cuda.ptx_wgmma): rows of 128 bytes (64 16-bit elements), 8 of
 #: them a 1024-byte atom
 SWIZZLE = 128
