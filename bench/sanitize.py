@@ -1,8 +1,8 @@
 """Every CUDA kernel class on small odd shapes, for compute-sanitizer (issue 22).
 
-    compute-sanitizer --tool memcheck|racecheck|synccheck python bench/sanitize.py [TEXT]
+    compute-sanitizer --tool memcheck|racecheck|synccheck python bench/sanitize.py [TEXT ...]
 
-(TEXT: run only the later cases whose name holds it, e.g. "backward".)
+(TEXT: run only the later cases whose name holds one of them, e.g. "backward".)
 
 Runs the forward of cuda.block, cuda.row and cuda.mma (float16, bfloat16, float32 3xTF32 and
 float64) and cuda.row's backward, causal in both alignments and not, with Nq != Nk, head dims
@@ -233,8 +233,8 @@ LATER_CASES = [  # name, run(rng) -> max error over finite outputs (NaN: wrong p
 ]
 
 
-def main(only=None):
-    """Every case; with ``only``, the later cases whose name holds that text."""
+def main(only=()):
+    """Every case; with ``only`` (texts), the later cases whose name holds one of them."""
     bad = 0
     for i, (algorithm, dtype, shape, causal) in enumerate(() if only else CASES):
         host, (q, k, v, do) = arrays(dtype, shape, i)
@@ -255,7 +255,7 @@ def main(only=None):
         bad += not ok
         print(("ok   " if ok else "BAD  ") + line, flush=True)
     for i, (name, case) in enumerate(LATER_CASES):
-        if only and only not in name:
+        if only and not any(text in name for text in only):
             continue
         err = case(np.random.default_rng(100 + i))
         ok = np.isfinite(err) and err < 2e-2
@@ -266,4 +266,4 @@ def main(only=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else None))
+    sys.exit(main(sys.argv[1:]))

@@ -6,7 +6,7 @@ runs on the CPU under the warp emulator in tests/test_wgmma.py."""
 import pytest
 
 import numflash
-from test_mma_gpu import _device_array, _rows
+from test_mma_gpu import _device_array, _on_device, _rows
 
 pytestmark = pytest.mark.gpu
 
@@ -71,3 +71,37 @@ def test_wgmma_refuses_what_it_does_not_run_and_says_what_does(hopper, rng):
     strided = _device_array(rng, (1, 2, 64, 128), "float16")[..., ::2]
     with pytest.raises(ValueError, match="16-byte cp.async"):
         numflash.attention(strided, strided, strided, algorithm="wgmma")
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_wgmma_nan_scores_poison_exactly_their_rows(hopper, rng, dtype):
+    """A NaN in q poisons its row only, a NaN in k the rows that see that key (output and lse)."""
+    import numpy as np
+    from numflash import reference
+    from numflash.testing import _to_host
+    q, k, v = (rng.standard_normal((1, 2, 300, 64)) for _ in range(3))
+    q[0, 1, 5, 3] = np.nan
+    k[0, 0, 200, 0] = np.nan
+    q, k, v = (_on_device(a, dtype) for a in (q, k, v))
+    out, lse = numflash.attention(q, k, v, causal=True, algorithm="wgmma", return_lse=True)
+    want, want_lse = reference.attention(*(_to_host(a).astype(np.float64) for a in (q, k, v)),
+                                         causal=True, return_lse=True)
+    got = _to_host(out).astype(np.float64)
+    assert np.array_equal(np.isnan(got), np.isnan(want)) and np.isnan(want).any()
+    assert np.array_equal(np.isnan(_to_host(lse)), np.isnan(want_lse))
+
+
+@pytest.mark.xfail(strict=True, reason="cuda.wgmma multiplies the whole V tile by P on tensor "
+                   "cores, as cuda.mma does: 0 * NaN at a key a row does not see reaches that "
+                   "row (issue 22; algorithm='block' is exact there)")
+def test_wgmma_a_nan_value_reaches_only_the_rows_that_see_its_key(hopper, rng):
+    import numpy as np
+    from numflash import reference
+    from numflash.testing import _to_host
+    q, k, v = (rng.standard_normal((1, 2, 300, 64)) for _ in range(3))
+    v[0, 1, 200, 2] = np.nan
+    q, k, v = (_on_device(a, "float16") for a in (q, k, v))
+    out = numflash.attention(q, k, v, causal=True, algorithm="wgmma")
+    want = reference.attention(*(_to_host(a).astype(np.float64) for a in (q, k, v)),
+                               causal=True)
+    assert np.array_equal(np.isnan(_to_host(out).astype(np.float64)), np.isnan(want))

@@ -77,7 +77,8 @@ def shared_bytes(cfg):
 
 
 #: (NWG, BC) by the larger padded head dim, from the H100 sweeps (bench/NOTES.md, "cuda.wgmma"):
-#: one warpgroup a block (NWG=1) ran 1.3-1.6x slower than two; three at d64 were faster with
-#: the no-swizzle layout but need <= 168 registers a thread (384 threads), and the swizzled
-#: kernel takes 178 there. d128 with BC=128 fills 226 of the 227 KB a block may use.
-TILES = {64: (2, 128), 128: (2, 128)}
+#: one warpgroup a block (NWG=1) ran 1.3-1.6x slower than two in the no-swizzle layout. d64 takes
+#: 64-key tiles: 124 registers a thread (167 with BC=128) let two 8-warp blocks share an SM, and
+#: each block's barriers then stall only its own warpgroups (1.08x median over 10 shapes). d128
+#: with BC=128 fills 226 of the 227 KB a block may use.
+TILES = {64: (2, 64), 128: (2, 128)}
