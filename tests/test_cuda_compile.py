@@ -117,3 +117,39 @@ def test_block_configs_for_unequal_head_dims_do_not_spill():
     """)
     rows = json.loads(out.splitlines()[-1])
     assert len(rows) == 6 and not [r for r in rows if r[3] or r[4]], rows
+
+
+def test_faster_numba_analyses_agree_with_numbas_own():
+    """launch.compile_ptx swaps two numba-cuda IR analyses for faster equivalents
+    (launch.singly_assigned_variables, launch.live_variables); while a real kernel and its
+    device functions compile, both must give numba's own results on every call."""
+    out = run_without_simulator("""
+        import contextlib, json
+        from numba.cuda import lowering
+        from numba.cuda.core import analysis, ir_utils
+        from numflash.cuda import launch, mma
+        numbas_sav = lowering.Lower._find_singly_assigned_variable
+        numbas_live = analysis.compute_live_map
+        seen = {"singly": [], "live": []}
+        def sav_both(self):
+            numbas_sav(self)
+            seen["singly"].append([len(self._singly_assigned_vars), self._singly_assigned_vars
+                                   == launch.singly_assigned_variables(self)])
+        def live_both(*args):
+            want = numbas_live(*args)
+            seen["live"].append([sum(map(len, want.values())),
+                                 want == launch.live_variables(*args)])
+            return want
+        lowering.Lower._find_singly_assigned_variable = sav_both
+        analysis.compute_live_map = ir_utils.compute_live_map = live_both
+        launch._faster_numba_analyses = contextlib.nullcontext   # numba's own, checked
+        tile = mma.choose_tile(64, 64, "f16", 227 * 1024, 1, (9, 0), False)
+        kernel, sig = mma.compiled_kernels(mma.MmaConfig(64, 64, *tile, "f16", 1), "float16")[0]
+        launch.compile_ptx(kernel.pyfunc, sig, (9, 0))
+        print(json.dumps(seen))
+    """)
+    seen = json.loads(out.splitlines()[-1])
+    for name, calls in seen.items():
+        assert len(calls) >= 2, (name, calls)              # the kernel and its device functions
+        assert max(n for n, _ in calls) > 100, (name, calls)   # real work: many variables
+        assert all(same for _, same in calls), (name, calls)

@@ -10,6 +10,7 @@ through the simulator's dispatcher instead, on NumPy arrays.
 """
 import contextlib
 import ctypes
+from collections import Counter, defaultdict
 import hashlib
 import json
 import os
@@ -256,10 +257,116 @@ def _device_functions_target(cc):
         dispatcher.get_current_device = original
 
 
+def singly_assigned_variables(lower):
+    """The variables numba's lowering may keep out of stack slots (defined in one block, by one
+    assignment there, used nowhere else, not needing an alloca): the set numba-cuda 0.30's
+    ``Lower._find_singly_assigned_variable`` computes, with one pass over each block's
+    assignments instead of one pass a variable."""
+    from numba.cuda.core import ir
+    from numba.cuda.core.analysis import compute_use_defs, must_use_alloca
+    if lower.func_ir.func_id.is_generator:
+        return set()
+    blocks = lower.func_ir.blocks
+    use_defs = compute_use_defs(blocks)
+    alloca_vars = must_use_alloca(blocks)
+    defined_in = defaultdict(set)
+    for label, names in use_defs.defmap.items():
+        for name in names:
+            defined_in[name].add(label)
+    used_across = set().union(*use_defs.usemap.values())  # read before (or without) a local def
+    assignments = {}  # label -> how often each name is assigned there
+    found = set()
+    for name, labels in defined_in.items():
+        if name in alloca_vars or len(labels) != 1 or name in used_across:
+            continue
+        [label] = labels
+        if label not in assignments:
+            assignments[label] = Counter(stmt.target.name for stmt in
+                                         lower.blocks[label].find_insts(ir.assign_types))
+        if assignments[label][name] == 1:
+            found.add(name)
+    return found
+
+
+def live_variables(cfg, blocks, var_use_map, var_def_map):
+    """numba-cuda 0.30's ``compute_live_map`` (the variables live at each block's entry), the
+    same two fix-point loops in the same order, over Python integers as bit sets instead of sets
+    of names: a union of thousands of names is one integer OR."""
+    bit = {}
+
+    def to_bits(names):
+        out = 0
+        for name in names:
+            out |= 1 << bit.setdefault(name, len(bit))
+        return out
+    defs = {label: to_bits(names) for label, names in var_def_map.items()}
+    uses = {label: to_bits(var_use_map[label]) for label in var_def_map}
+    reach = defaultdict(int)
+    changed = True
+    while changed:   # definitions reaching each block's entry
+        changed = False
+        for label in var_def_map:
+            before = reach[label]
+            reach[label] |= defs[label] | uses[label]
+            for succ, _ in cfg.successors(label):
+                grown = reach[succ] | reach[label]
+                changed |= grown != reach[succ]
+                reach[succ] = grown
+            changed |= reach[label] != before
+    live = {label: to_bits(var_use_map[label]) for label in blocks}
+    changed = True
+    while changed:   # uses pushed backward to where their definitions reach
+        changed = False
+        for label in live:
+            for pred, _ in cfg.predecessors(label):
+                grown = live[pred] | (live[label] & reach[pred] & ~defs.get(pred, 0))
+                changed |= grown != live[pred]
+                live[pred] = grown
+    names = sorted(bit, key=bit.get)
+    return {label: {names[i] for i, one in enumerate(reversed(bin(b))) if one == "1"}
+            for label, b in live.items()}
+
+
+@contextlib.contextmanager
+def _faster_numba_analyses():
+    """Two of numba-cuda's IR analyses, swapped for equivalent faster ones while numflash
+    compiles (bench/NOTES.md, "Compile time"): lowering's search for singly assigned variables
+    scans a block's assignments once for every variable defined there, quadratic in a block's
+    length, and the generated kernels are long straight-line blocks
+    (singly_assigned_variables: one pass); and the live-variable fix point unions sets of
+    thousands of names (live_variables: the same loops on integer bit sets).
+    tests/test_cuda_compile.py checks that both give numba's own results on real kernels. Left
+    alone where numba-cuda's internals differ."""
+    try:
+        from numba.cuda import lowering
+        lower_cls = lowering.Lower
+        original = lower_cls._find_singly_assigned_variable
+    except (ImportError, AttributeError):
+        yield
+        return
+
+    def find(self):
+        self._singly_assigned_vars = singly_assigned_variables(self)
+        self._blk_local_varmap = {}
+
+    from numba.cuda.core import analysis, ir_utils
+    live_map_users = [m for m in (analysis, ir_utils) if hasattr(m, "compute_live_map")]
+    live_maps = [m.compute_live_map for m in live_map_users]
+    lower_cls._find_singly_assigned_variable = find
+    for m in live_map_users:
+        m.compute_live_map = live_variables
+    try:
+        yield
+    finally:
+        lower_cls._find_singly_assigned_variable = original
+        for m, fn in zip(live_map_users, live_maps):
+            m.compute_live_map = fn
+
+
 def compile_ptx(pyfunc, argtypes, cc, fastmath=FASTMATH):
     """numba -> PTX for sm_<cc>, without needing a GPU."""
     from numba import cuda
-    with _compile_lock, _device_functions_target(cc):
+    with _compile_lock, _device_functions_target(cc), _faster_numba_analyses():
         ptx, _ = cuda.compile_ptx(pyfunc, tuple(argtypes), cc=tuple(cc), fastmath=fastmath)
     return ptx
 
