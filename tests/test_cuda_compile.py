@@ -121,8 +121,10 @@ def test_block_configs_for_unequal_head_dims_do_not_spill():
 
 def test_faster_numba_analyses_agree_with_numbas_own():
     """launch.compile_ptx swaps two numba-cuda IR analyses for faster equivalents
-    (launch.singly_assigned_variables, launch.live_variables); while a real kernel and its
-    device functions compile, both must give numba's own results on every call."""
+    (launch.singly_assigned_variables, launch.live_variables). While a real kernel and its
+    device functions compile, both must give numba's own results on every call; then a compile
+    through the swap itself must call them (where numba-cuda's two functions are the checked
+    versions) and leave numba's own in place afterwards."""
     out = run_without_simulator("""
         import contextlib, json
         from numba.cuda import lowering
@@ -130,6 +132,9 @@ def test_faster_numba_analyses_agree_with_numbas_own():
         from numflash.cuda import launch, mma
         numbas_sav = lowering.Lower._find_singly_assigned_variable
         numbas_live = analysis.compute_live_map
+        checked = {"_find_singly_assigned_variable": launch.function_digest(numbas_sav),
+                   "compute_live_map": launch.function_digest(numbas_live)
+                   } == launch.CHECKED_NUMBA_ANALYSES
         seen = {"singly": [], "live": []}
         def sav_both(self):
             numbas_sav(self)
@@ -140,16 +145,39 @@ def test_faster_numba_analyses_agree_with_numbas_own():
             seen["live"].append([sum(map(len, want.values())),
                                  want == launch.live_variables(*args)])
             return want
-        lowering.Lower._find_singly_assigned_variable = sav_both
-        analysis.compute_live_map = ir_utils.compute_live_map = live_both
-        launch._faster_numba_analyses = contextlib.nullcontext   # numba's own, checked
         tile = mma.choose_tile(64, 64, "f16", 227 * 1024, 1, (9, 0), False)
         kernel, sig = mma.compiled_kernels(mma.MmaConfig(64, 64, *tile, "f16", 1), "float16")[0]
+
+        lowering.Lower._find_singly_assigned_variable = sav_both
+        analysis.compute_live_map = ir_utils.compute_live_map = live_both
+        swap = launch._faster_numba_analyses
+        launch._faster_numba_analyses = contextlib.nullcontext   # numba's own, checked
         launch.compile_ptx(kernel.pyfunc, sig, (9, 0))
-        print(json.dumps(seen))
+
+        lowering.Lower._find_singly_assigned_variable = numbas_sav   # now through the swap
+        analysis.compute_live_map = ir_utils.compute_live_map = numbas_live
+        launch._faster_numba_analyses = swap
+        calls = {"singly": 0, "live": 0}
+        sav, live = launch.singly_assigned_variables, launch.live_variables
+        def counted(name, fn):
+            def call(*args):
+                calls[name] += 1
+                return fn(*args)
+            return call
+        launch.singly_assigned_variables = counted("singly", sav)
+        launch.live_variables = counted("live", live)
+        launch.compile_ptx(kernel.pyfunc, sig, (9, 0))
+        restored = (lowering.Lower._find_singly_assigned_variable is numbas_sav
+                    and analysis.compute_live_map is numbas_live
+                    and ir_utils.compute_live_map is numbas_live)
+        print(json.dumps({"seen": seen, "checked": checked, "calls": calls,
+                          "restored": restored}))
     """)
-    seen = json.loads(out.splitlines()[-1])
-    for name, calls in seen.items():
+    got = json.loads(out.splitlines()[-1])
+    for name, calls in got["seen"].items():
         assert len(calls) >= 2, (name, calls)              # the kernel and its device functions
         assert max(n for n, _ in calls) > 100, (name, calls)   # real work: many variables
         assert all(same for _, same in calls), (name, calls)
+    # the swap runs exactly where numba-cuda's two functions are the checked versions
+    assert all((n > 0) == got["checked"] for n in got["calls"].values()), got
+    assert got["restored"], got

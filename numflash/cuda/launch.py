@@ -327,6 +327,39 @@ def live_variables(cfg, blocks, var_use_map, var_def_map):
             for label, b in live.items()}
 
 
+#: The numba-cuda functions the replacements below were checked against (numba-cuda 0.30.4):
+#: sha256 of their source, first 16 hex digits. Any other version of them is left in place.
+CHECKED_NUMBA_ANALYSES = {"_find_singly_assigned_variable": "c3b499f765172885",
+                          "compute_live_map": "cdb51290c1658e92"}
+_analysis_targets = []   # [what _faster_numba_analyses patches, or None], found once
+
+
+def function_digest(fn):
+    """The first 16 hex digits of the sha256 of a function's source, or None."""
+    import inspect
+    try:
+        return hashlib.sha256(inspect.getsource(fn).encode()).hexdigest()[:16]
+    except (OSError, TypeError):
+        return None
+
+
+def _find_analysis_targets():
+    """(Lower class, its original method, [modules holding compute_live_map], the original
+    compute_live_map) when numba-cuda's two functions are the checked ones, else None."""
+    try:
+        from numba.cuda import lowering
+        from numba.cuda.core import analysis, ir_utils
+        find = lowering.Lower._find_singly_assigned_variable
+        live = analysis.compute_live_map
+    except (ImportError, AttributeError):
+        return None
+    if {"_find_singly_assigned_variable": function_digest(find),
+            "compute_live_map": function_digest(live)} != CHECKED_NUMBA_ANALYSES:
+        return None
+    holders = [m for m in (analysis, ir_utils) if getattr(m, "compute_live_map", None) is live]
+    return lowering.Lower, find, holders, live
+
+
 @contextlib.contextmanager
 def _faster_numba_analyses():
     """Two of numba-cuda's IR analyses, swapped for equivalent faster ones while numflash
@@ -335,32 +368,30 @@ def _faster_numba_analyses():
     length, and the generated kernels are long straight-line blocks
     (singly_assigned_variables: one pass); and the live-variable fix point unions sets of
     thousands of names (live_variables: the same loops on integer bit sets).
-    tests/test_cuda_compile.py checks that both give numba's own results on real kernels. Left
-    alone where numba-cuda's internals differ."""
-    try:
-        from numba.cuda import lowering
-        lower_cls = lowering.Lower
-        original = lower_cls._find_singly_assigned_variable
-    except (ImportError, AttributeError):
+    tests/test_cuda_compile.py checks that both give numba's own results on a real kernel.
+    Only numba-cuda's checked versions of the two are replaced (CHECKED_NUMBA_ANALYSES); call
+    within _compile_lock."""
+    if not _analysis_targets:
+        _analysis_targets.append(_find_analysis_targets())
+    targets = _analysis_targets[0]
+    if targets is None:
         yield
         return
+    lower_cls, original_find, holders, original_live = targets
 
     def find(self):
         self._singly_assigned_vars = singly_assigned_variables(self)
         self._blk_local_varmap = {}
 
-    from numba.cuda.core import analysis, ir_utils
-    live_map_users = [m for m in (analysis, ir_utils) if hasattr(m, "compute_live_map")]
-    live_maps = [m.compute_live_map for m in live_map_users]
     lower_cls._find_singly_assigned_variable = find
-    for m in live_map_users:
+    for m in holders:
         m.compute_live_map = live_variables
     try:
         yield
     finally:
-        lower_cls._find_singly_assigned_variable = original
-        for m, fn in zip(live_map_users, live_maps):
-            m.compute_live_map = fn
+        lower_cls._find_singly_assigned_variable = original_find
+        for m in holders:
+            m.compute_live_map = original_live
 
 
 def compile_ptx(pyfunc, argtypes, cc, fastmath=FASTMATH):
