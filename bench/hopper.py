@@ -15,8 +15,8 @@ events, host time to the launch included (numflash called from torch tensors thr
 pays ~0.1 ms there, SDPA ~0.03 ms: bench/NOTES.md). Every method's output is compared with
 the first method's (max_diff in the JSON), and cuda.wgmma's with the float64 reference on
 sampled rows (numflash.testing's rule). ``--tiles D:NWGxBC``: cuda.wgmma's tile for padded head
-dim D (a sweep; the shipped table is numflash/cuda/wgmma/tiles.py). Progress goes to stderr; the table to stdout and, with
---out, to DIR/hopper.json.
+dim D (a sweep; the shipped table is numflash/cuda/wgmma/tiles.py). Progress goes to stderr;
+the table to stdout and, with --out, to DIR/hopper.json.
 """
 import argparse
 import json
@@ -133,7 +133,8 @@ def main(argv=None):
                     causal = causal_name == "yes"
                     flops = 4 * B * H * N * N * d / (2 if causal else 1)
                     row = {"B": B, "H": H, "N": N, "d": d, "dtype": dtype, "causal": causal,
-                           "gpu": name, "timing": args.timing, "ms": {}, "tflops": {}, "max_diff": {}}
+                           "gpu": name, "timing": args.timing, "ms": {}, "tflops": {},
+                           "max_diff": {}}
                     methods = _methods(torch, args.methods, causal)
                     ref_out = None
                     for mname, fn in methods.items():

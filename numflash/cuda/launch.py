@@ -10,7 +10,7 @@ through the simulator's dispatcher instead, on NumPy arrays.
 """
 import contextlib
 import ctypes
-from collections import Counter, defaultdict
+import functools
 import hashlib
 import json
 import os
@@ -19,6 +19,7 @@ import re
 import tempfile
 import struct
 import threading
+from collections import Counter, defaultdict
 
 import numpy as np
 
@@ -331,7 +332,6 @@ def live_variables(cfg, blocks, var_use_map, var_def_map):
 #: sha256 of their source, first 16 hex digits. Any other version of them is left in place.
 CHECKED_NUMBA_ANALYSES = {"_find_singly_assigned_variable": "c3b499f765172885",
                           "compute_live_map": "cdb51290c1658e92"}
-_analysis_targets = []   # [what _faster_numba_analyses patches, or None], found once
 
 
 def function_digest(fn):
@@ -343,6 +343,7 @@ def function_digest(fn):
         return None
 
 
+@functools.lru_cache(maxsize=None)   # found once, before any swap: numba's own functions
 def _find_analysis_targets():
     """(Lower class, its original method, [modules holding compute_live_map], the original
     compute_live_map) when numba-cuda's two functions are the checked ones, else None."""
@@ -371,9 +372,7 @@ def _faster_numba_analyses():
     tests/test_cuda_compile.py checks that both give numba's own results on a real kernel.
     Only numba-cuda's checked versions of the two are replaced (CHECKED_NUMBA_ANALYSES); call
     within _compile_lock."""
-    if not _analysis_targets:
-        _analysis_targets.append(_find_analysis_targets())
-    targets = _analysis_targets[0]
+    targets = _find_analysis_targets()
     if targets is None:
         yield
         return
