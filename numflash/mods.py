@@ -31,9 +31,8 @@ the key tiles outside it, and every other one as CUDA device functions applied s
 (``numflash.explain`` shows it). A ``block_mask`` (numflash.block_mask) is a mask_mod with its
 blocks marked once: kernels skip its EMPTY blocks (cuda.mma also its evaluation in FULL ones). With CuPy inputs the arrays of a modification must be CuPy
 arrays on q's GPU. A new modification compiles a new CPU kernel (a few seconds) once per process
-and combination of argument types; on the GPU a kernel with numflash's built-ins is cached on
-disk, one with a user's function compiles once per process (numba cannot key a disk cache on a
-user's function).
+and combination of argument types; on the GPU kernels are cached on disk, a user's function named
+by its fingerprint (numflash.fingerprint; one it cannot fingerprint compiles once per process).
 """
 import math
 

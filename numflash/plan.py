@@ -68,9 +68,10 @@ class Plan:
         if self.mods and self.backend == "cuda":
             lines.append(f"  modifications: {self.mods} (a window's key tiles outside it are "
                          f"skipped; the others are device functions compiled into the kernel, "
-                         f"applied score by score: numflash's built-ins are cached on disk like "
-                         f"any kernel, one with a user's function compiles once per process, "
-                         f"5-60 s; their arrays and scalars are run-time arguments)")
+                         f"applied score by score and cached on disk like any kernel (a "
+                         f"user's function by its fingerprint; one that reads an object or a "
+                         f"module of the user's compiles once per process, 5-60 s); their "
+                         f"arrays and scalars are run-time arguments)")
         elif self.mods:
             lines.append(f"  modifications: {self.mods} (compiled into the kernel on first use "
                          f"in a process, a few seconds, not cached on disk)")

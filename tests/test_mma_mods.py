@@ -183,17 +183,46 @@ def test_tokens_name_the_functions_and_argument_types_and_leave_the_window_out()
         assert kernel_mods.cacheable(kernel_mods.token_for(built))
 
 
-def test_a_user_function_gets_a_token_of_this_process_and_is_never_cached_on_disk():
+def test_a_user_function_is_named_by_its_fingerprint_and_cached_on_disk():
     from numflash.cuda import launch
     from numflash.cuda.mma import backward, forward, mods as kernel_mods
+    from numflash.fingerprint import fingerprint
     shape = (1, 2, 8, 8, 8, 8)
     m = mods.build(shape, "numpy", 0, score_mod=tanh_cap, score_mod_grad=tanh_cap_grad,
                    mod_args=(2.0,))
     token = kernel_mods.token_for(m)
-    assert token.startswith("score:tanh_cap#") and token.endswith("[f]")
+    assert token.startswith(f"score:tanh_cap~{fingerprint(tanh_cap)[:20]}/tanh_cap_grad~")
+    assert token.endswith("[f]")
     again = mods.build(shape, "numpy", 0, score_mod=tanh_cap, score_mod_grad=tanh_cap_grad,
                        mod_args=(5,))
     assert kernel_mods.token_for(again) == token.replace("[f]", "[i]")  # same function, int
+    assert kernel_mods.cacheable(token)
+    cfg = dict(D=32, DV=32, NW=2, BC=32, HOLDQ=0, DT="f16", VEC=1, MODS=token)
+    for factory in (forward.make_kernel, backward.make_query_kernel, backward.make_key_kernel):
+        kernel = launch.Kernel("cuda.mma test", factory, cfg)
+        assert kernel.cacheable and kernel.cache_key((), (9, 0))
+    with pytest.raises(LookupError, match="no modifications registered"):
+        kernel_mods.composition("score:never#99[f]")
+
+
+class _Settings:  # an object of the user's: the fingerprint cannot vouch for what it holds
+    cap = 3.0
+
+
+_SETTINGS = _Settings()
+
+
+def _opaque_cap(score, b, h, q_idx, kv_idx):
+    return _SETTINGS.cap * score
+
+
+def test_a_user_function_reading_an_object_gets_a_token_of_this_process_and_no_disk_cache():
+    from numflash.cuda import launch
+    from numflash.cuda.mma import backward, forward, mods as kernel_mods
+    shape = (1, 2, 8, 8, 8, 8)
+    token = kernel_mods.token_for(mods.build(shape, "numpy", 0, score_mod=_opaque_cap,
+                                             score_mod_grad=tanh_cap_grad))
+    assert token.startswith("score:opaque_cap#") and "/tanh_cap_grad~" in token
     assert not kernel_mods.cacheable(token)
     cfg = dict(D=32, DV=32, NW=2, BC=32, HOLDQ=0, DT="f16", VEC=1, MODS=token)
     for factory in (forward.make_kernel, backward.make_query_kernel, backward.make_key_kernel):
@@ -201,8 +230,28 @@ def test_a_user_function_gets_a_token_of_this_process_and_is_never_cached_on_dis
         assert not kernel.cacheable and kernel.status((), (9, 0)) == "compile"
     builtin = kernel_mods.token_for(mods.build(shape, "numpy", 0, softcap=2.0))
     assert launch.Kernel("t", forward.make_kernel, dict(cfg, MODS=builtin)).cacheable
-    with pytest.raises(LookupError, match="no modifications registered"):
-        kernel_mods.composition("score:never#99[f]")
+
+
+def test_a_user_mod_kernel_has_the_same_cache_key_in_another_process(tmp_path):
+    """The point of the fingerprint: a second process finds the first one's cubin."""
+    import subprocess
+    import sys
+    script = tmp_path / "key.py"
+    script.write_text(
+        "import sys; sys.path.insert(0, %r)\n"
+        "from numflash import mods\n"
+        "from numflash.cuda import launch\n"
+        "from numflash.cuda.mma import backward, mods as kernel_mods\n"
+        "from test_mods import tanh_cap, tanh_cap_grad\n"
+        "m = mods.build((1, 2, 8, 8, 8, 8), 'numpy', 0, score_mod=tanh_cap,\n"
+        "               score_mod_grad=tanh_cap_grad, mod_args=(2.0,))\n"
+        "cfg = dict(D=32, DV=32, NW=2, BC=32, HOLDQ=0, DT='f16', VEC=1,\n"
+        "           MODS=kernel_mods.token_for(m))\n"
+        "k = launch.Kernel('cuda.mma test', backward.make_key_kernel, cfg)\n"
+        "print(k.cache_key((), (9, 0)))\n" % str(__import__("pathlib").Path(__file__).parent))
+    keys = {subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                           check=True).stdout.strip() for _ in range(2)}
+    assert len(keys) == 1 and len(keys.pop()) == 32
 
 
 def test_a_builtin_variant_identity_follows_the_mod_functions_source(monkeypatch):
@@ -437,6 +486,53 @@ def test_gpu_backward_with_mods_meets_the_rule_and_repeats_bitwise(rng, case):
     runs = [numflash.attention_backward(dog, qg, kg, vg, o, lse, causal=causal,
                                         deterministic=True, **gpu_opts) for _ in range(2)]
     assert all(bool((a == b).all()) for a, b in zip(*runs))
+
+
+_USER_MOD_PROCESS = """
+import sys, time
+sys.path.insert(0, {tests!r})
+import cupy, numpy as np, numflash
+from numflash import testing
+from test_mods import tanh_cap
+rng = np.random.default_rng(7)
+q, k, v = (rng.standard_normal((1, 2, 200, 64)).astype(np.float16) for _ in range(3))
+qg, kg, vg = (cupy.asarray(a) for a in (q, k, v))
+opts = dict(causal=True, score_mod=tanh_cap, mod_args=(20.0,))
+status = numflash.explain(qg, kg, vg, **opts).cache_status()   # before the first call
+start = time.perf_counter()
+o = numflash.attention(qg, kg, vg, **opts)
+cupy.cuda.Device().synchronize()
+print("first call", time.perf_counter() - start)
+print("cache", status)
+assert testing.check(o.get(), q, k, v, **opts).ok
+np.save({out!r}, o.get())
+"""
+
+
+@pytest.mark.gpu
+def test_gpu_a_user_mod_kernel_compiled_in_one_process_is_loaded_from_disk_by_another(tmp_path):
+    """The fingerprint at work: a first process compiles the kernel with a user's score_mod
+    (seconds to a minute), a second one with the same function finds it on disk."""
+    import os
+    import pathlib
+    import subprocess
+    import sys
+    env = dict(os.environ, NUMFLASH_CACHE_DIR=str(tmp_path / "cache"), NUMFLASH_QUIET="1")
+    runs = []
+    for n in range(2):
+        out = tmp_path / f"o{n}.npy"
+        script = _USER_MOD_PROCESS.format(tests=str(pathlib.Path(__file__).parent),
+                                          out=str(out))
+        text = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                              env=env, check=True).stdout
+        lines = dict(line.split(" ", 1) if " " in line else (line, "")
+                     for line in text.splitlines())
+        runs.append((float(lines["first"].split()[-1]), lines["cache"], np.load(out)))
+    (t0, cache0, o0), (t1, cache1, o1) = runs
+    assert "compiles from source" in cache0 and "cached on disk" in cache1, (cache0, cache1)
+    assert np.array_equal(o0, o1)
+    print(f"first call: {t0:.2f} s compiling, {t1:.2f} s from disk")
+    assert t1 < 5.0 and t1 < t0 / 3, (t0, t1)
 
 
 @pytest.mark.gpu

@@ -495,9 +495,9 @@ def _announce(kernel, cc, argtypes, directory):
     import sys
     what = describe(kernel.name, kernel.config, cc, argtypes)
     if directory is None:  # a user's modification: kept for this process only
-        print(f"numflash: compiling {what}: first use in this process, 5-60 s (a kernel with a "
-              f"user's modification function is not cached on disk)", file=sys.stderr,
-              flush=True)
+        print(f"numflash: compiling {what}: first use in this process, 5-60 s (not cached on "
+              f"disk: a modification function reads something numflash.fingerprint cannot "
+              f"describe, such as an object or a module of yours)", file=sys.stderr, flush=True)
         return
     print(f"numflash: compiling {what}: first use of this configuration, 5-60 s; cached "
           f"afterwards in {directory} (python -m numflash.precompile compiles ahead)",

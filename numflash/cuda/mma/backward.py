@@ -734,14 +734,13 @@ def _identity(kernel, **config):
     cfg = MmaConfig(**config)
     return source_identity(SOURCES[kernel](cfg), (_namespace,) + (
         mods.identity_functions(cfg.MODS, bool(cfg.DBIAS or cfg.MARGS)) if cfg.MODS else ()) +
-        (mods.arg_grad_functions(cfg.MARGS) if cfg.MARGS else ()) +
+        (mods.arg_grad_identity_functions() if cfg.MARGS else ()) +
         dropout.identity_functions(cfg) + (
         (_dq_adds_namespace, ptx_reduce._make_red_add_f32x4) if cfg.DQADD else ()))
 
 
 def _cacheable(**config):
-    # score_mod_args_grad's functions are a user's (numba cannot key a disk cache on them)
-    return mods.cacheable(config.get("MODS", "")) and not config.get("MARGS")
+    return mods.cacheable(config.get("MODS", ""), config.get("MARGS", ""))
 
 
 make_query_kernel.code_identity = lambda **config: _identity("queries", **config)

@@ -17,10 +17,13 @@ compiled in, only the scaling.
 A kernel variant names its composition in ``MmaConfig.MODS``: a token made of each function's
 name and its arguments' types (numba compiles one kernel per argument type). numflash's own
 functions give the same token in every process, so their kernels are cached on disk like any
-other (keyed by the functions' source). A user's function gets a number unique to this process
-in its token: numba cannot key a disk cache on it (it may read globals that change), so a kernel
-with a user's function compiles once per process (``cacheable``): define such a function once,
-not per call (each new function object is a new kernel, kept for the process).
+other (keyed by the functions' source). A user's function carries its fingerprint
+(numflash.fingerprint: its bytecode, constants, closure and the globals it reads, frozen at its
+first use as numba freezes them): the same function gives the same token in any process, and its
+kernels are cached on disk too. A function that reads something the fingerprint cannot describe
+(an object of the user's, a user's module) gets a number unique to this process instead, and its
+kernels compile once per process (``cacheable``). Either way, define such a function once, not
+per call (each new function object is looked at again).
 """
 import itertools
 import math
@@ -29,6 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ... import mods as user_mods
+from ...fingerprint import fingerprint
 from .emit import Source
 
 #: what each modification argument is in the kernel: an integer, a float, or an array
@@ -60,9 +64,10 @@ class Composition:
         return bool(self.masks or self.scores)
 
     @property
-    def builtin(self):
-        """Only numflash's own functions: the same token means the same code in any process."""
-        return all(_is_builtin(f) for f in self.functions)
+    def keyed(self):
+        """numflash's own functions or fingerprinted ones: the same token means the same code in
+        any process."""
+        return all(_is_keyed(f) for f in self.functions)
 
     @property
     def parameters(self):
@@ -79,22 +84,33 @@ BLOCK_ARRAYS = ("bm_kv_count", "bm_kv_blocks", "bm_q_count", "bm_q_blocks", "bm_
 
 _registry = {}   # token -> Composition
 _arg_registry = {}  # MARGS token -> ((n, fn), ...) of numflash.mods.Mods.arg_grads
-_user_ids = {}   # a user's function -> its number in this process (the function is kept alive)
+_user_names = {}  # a user's function -> its name in tokens (the function is kept alive)
 _next_id = itertools.count(1)  # next() is atomic: two threads never draw the same number
+FINGERPRINTED, NUMBERED = "~", "#"  # what follows a user's function's name in a token
 
 
 def _is_builtin(fn):
     return getattr(fn, "__module__", None) == user_mods.__name__
 
 
+def _is_keyed(fn):
+    return _is_builtin(getattr(fn, "py_func", fn)) or FINGERPRINTED in _name(fn)
+
+
 def _name(fn):
+    """A function's name in tokens: numflash's own by name; a user's by name and fingerprint
+    (the same in every process), or by a number of this process where it has none."""
     fn = getattr(fn, "py_func", fn)
     name = getattr(fn, "__name__", "fn").lstrip("_")
     if _is_builtin(fn):
         return name
-    if fn not in _user_ids:
-        _user_ids.setdefault(fn, next(_next_id))
-    return f"{name}#{_user_ids[fn]}"
+    known = _user_names.get(fn)
+    if known is None:
+        digest = fingerprint(fn)
+        known = _user_names.setdefault(
+            fn, f"{name}{FINGERPRINTED}{digest[:20]}" if digest
+            else f"{name}{NUMBERED}{next(_next_id)}")
+    return known
 
 
 def _spec(value):
@@ -202,6 +218,12 @@ def arg_grad_ndims(token, arg_token):
     comp = composition(token)
     first = _user_args_first(comp)
     return tuple(comp.specs[first + n][1] for n, _ in _arg_registry[arg_token])
+
+
+def arg_grad_identity_functions():
+    """The code that binds a MARGS token's functions into a key pass (the functions themselves,
+    a user's, are named by their fingerprints in the token)."""
+    return (emit_arg_grads, arg_grad_namespace, arg_grad_ndims)
 
 
 def arg_grad_functions(arg_token):
@@ -462,10 +484,13 @@ def identity_functions(token, extra_grads=False):
     ``extra_grads``, a DBIAS / MARGS key pass's, also grad_source's)."""
     return (composition_source, _functions_source, namespace, _environment, emit_locals,
             *((grad_source, grad_namespace, grad_suffix) if extra_grads else ()),
-            *(getattr(f, "py_func", f) for f in composition(token).functions))
+            *(getattr(f, "py_func", f) for f in composition(token).functions
+              if _is_builtin(getattr(f, "py_func", f))))  # a user's: its fingerprint is in token
 
 
-def cacheable(token):
-    """Whether a variant with these modifications may be cached on disk (and shipped): only
-    numflash's own functions, whose source the cache key holds."""
-    return not token or composition(token).builtin
+def cacheable(token, arg_token=""):
+    """Whether a variant with these modifications (and score_mod_args_grad functions) may be
+    cached on disk: numflash's own functions, whose source the cache key holds, and users'
+    fingerprinted ones, whose fingerprint the token holds."""
+    return (not token or composition(token).keyed) and \
+        (not arg_token or all(_is_keyed(fn) for _, fn in _arg_registry[arg_token]))
