@@ -559,12 +559,16 @@ def attention_backward(do, q, k, v, o, lse, *, causal=False, softmax_scale=None,
                           mod_args_grad=return_mod_args_grad)
 
 
-def attention_probabilities(q, k, *, causal=False, softmax_scale=None, layout="bhsd"):
+def attention_probabilities(q, k, *, causal=False, softmax_scale=None, layout="bhsd",
+                            window_size=None, softcap=None, alibi_slopes=None):
     """The exact attention probabilities softmax(scale q k^T + mask) as a (B, H, Nq, Nk) tensor:
     a second pass, O(Nq Nk) memory by nature (for ``output_attentions`` / ``return_attn_probs``;
     the attention itself never builds it). Masked positions and rows that see no key are 0; a NaN
     score makes its row NaN. Computed in float32 for 16-bit inputs and returned in q's dtype;
-    differentiable through q and k (torch's softmax, so the gradient is exact)."""
+    differentiable through q and k (torch's softmax, so the gradient is exact).
+    ``window_size``, ``softcap`` and ``alibi_slopes`` as :func:`attention` takes them (numflash.
+    mods: the softcap, then ALiBi, on the scaled score; the window from the causal alignment's
+    diagonal)."""
     if layout not in ("bhsd", "bshd"):
         raise ValueError(f"layout must be 'bhsd' or 'bshd'; got {layout!r}")
     if layout == "bshd":
@@ -575,12 +579,25 @@ def attention_probabilities(q, k, *, causal=False, softmax_scale=None, layout="b
     scale = _scale(softmax_scale, q.shape[-1])
     work = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
     s = torch.matmul(q.to(work), k.to(work).transpose(-1, -2)) * scale
-    visible = torch.ones(nq, nk, dtype=torch.bool, device=q.device)
     name = _causal_name(causal)
+    offset = nk - nq if name == "bottom_right" else 0
+    rows = torch.arange(nq, device=q.device)[:, None] + offset   # the key aligned with each row
+    keys = torch.arange(nk, device=q.device)[None, :]
+    visible = torch.ones(nq, nk, dtype=torch.bool, device=q.device)
     if name != "none":
-        offset = 0 if name == "top_left" else nk - nq
-        visible = torch.arange(nk, device=q.device)[None, :] <= (
-            torch.arange(nq, device=q.device)[:, None] + offset)
+        visible = keys <= rows
+    if window_size is not None:
+        left, right = (int(w) for w in window_size)
+        if left >= 0:
+            visible = visible & (keys >= rows - left)
+        if right >= 0:
+            visible = visible & (keys <= rows + right)
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    if alibi_slopes is not None:
+        slopes = torch.as_tensor(alibi_slopes, device=q.device).to(work)
+        slopes = slopes.reshape((1,) * (2 - slopes.dim()) + tuple(slopes.shape))[..., None, None]
+        s = s - slopes * (rows - keys).abs().to(work)
     p = torch.softmax(s.masked_fill(~visible, float("-inf")), dim=-1)
     p = torch.where(visible.any(dim=-1)[:, None], p, 0)  # a row with no key: 0, not NaN
     return p.to(q.dtype)
@@ -715,8 +732,8 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
                          return_lse=True, deterministic=deterministic, dropout_p=dropout_p,
                          **mods)
     if return_attn_probs:
-        probs = attention_probabilities(q, k, causal=causal_mode,
-                                        softmax_scale=softmax_scale, layout="bshd")
+        probs = attention_probabilities(q, k, causal=causal_mode, softmax_scale=softmax_scale,
+                                        layout="bshd", **mods)
         return out, lse, probs
     return out
 

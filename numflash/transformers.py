@@ -10,8 +10,10 @@ kernel and fails to load without flash-attn's own functions, so the name is ``"n
 And without a registered mask function, an attention function gets ``attention_mask=None``: a
 left-padded batch would attend to its padding. The mask function registered here hands numflash
 the most compact mask it can use, the (B, kv_len) key-padding vector (None without padding), and
-refuses mask patterns numflash cannot run yet (sliding windows, chunked or custom masks), never
-dropping them.
+refuses mask patterns numflash cannot run yet (chunked attention, bidirectional windows, custom
+masks), never dropping them. Sliding-window causal layers (Mistral, Qwen2, Gemma 2/3) run with
+numflash's window, taken from the layer's ``sliding_window`` keyword as transformers' flash-attn
+path takes it, and Gemma 2's ``softcap`` as numflash's softcap.
 
 Packed sequences (several sequences in one batch row, found by transformers from position_ids
 that restart) reach the mask function as transformers' packed-sequence mask pattern; it hands on
@@ -37,32 +39,52 @@ def _mask_functions():
             masking_utils.bidirectional_mask_function: False}
 
 
-def _packed_pattern(mask_function):
-    """(sequence ids (B, N), causal) if ``mask_function`` is transformers' packed-sequence
-    pattern over a causal or bidirectional mask, else None: ``and_masks`` of the ids' equality
-    (packed_sequence_mask_function) and the mask, on positions remapped to each sequence
-    (remap_positions_for_packed_sequence, transformers 5.2x) or as it is (older 5.x). Read from
-    the pattern's closures, so any other composition stays refused."""
+def _closure(fn, name):
+    """The closure variables of ``fn`` if it is the inner function that transformers'
+    ``name`` returns, else None."""
     import inspect
+    if getattr(fn, "__qualname__", "") != f"{name}.<locals>." + (
+            "and_mask" if name == "and_masks" else "inner_mask"):
+        return None
+    return inspect.getclosurevars(fn).nonlocals
 
-    def closure(fn, name):
-        if getattr(fn, "__qualname__", "") != f"{name}.<locals>." + (
-                "and_mask" if name == "and_masks" else "inner_mask"):
-            return None
-        return inspect.getclosurevars(fn).nonlocals
 
-    both = closure(mask_function, "and_masks")
+def _base_pattern(mask_function):
+    """(causal, window) of the mask patterns numflash runs: transformers' causal and
+    bidirectional ones (window None) and its sliding-window causal one (and_masks of
+    sliding_window_overlay(W) and the causal mask: key j seen by query i when i - W < j <= i),
+    window W; None for any other."""
+    if mask_function in _mask_functions():
+        return _mask_functions()[mask_function], None
+    both = _closure(mask_function, "and_masks")
     functions = list(both.get("mask_functions", ())) if both else []
-    ids = [closure(f, "packed_sequence_mask_function") for f in functions]
+    if len(functions) == 2 and _mask_functions().get(functions[1]) is True:
+        overlay = _closure(functions[0], "sliding_window_overlay")
+        if overlay is not None:
+            return True, int(overlay["sliding_window"])
+    return None
+
+
+def _packed_pattern(mask_function):
+    """(sequence ids (B, N), (causal, window)) if ``mask_function`` is transformers'
+    packed-sequence pattern over a mask :func:`_base_pattern` takes, else None: ``and_masks`` of
+    the ids' equality (packed_sequence_mask_function) and the mask, on positions remapped to each
+    sequence (remap_positions_for_packed_sequence, transformers 5.2x) or as it is (older 5.x,
+    causal and bidirectional only). Read from the pattern's closures, so any other composition
+    stays refused."""
+    both = _closure(mask_function, "and_masks")
+    functions = list(both.get("mask_functions", ())) if both else []
+    ids = [_closure(f, "packed_sequence_mask_function") for f in functions]
     if len(functions) != 2 or sum(i is not None for i in ids) != 1:
         return None
     same = next(i for i in ids if i is not None)
     other = functions[ids.index(None)]
-    remap = closure(other, "remap_positions_for_packed_sequence")
-    base = remap.get("mask_function") if remap else other
-    if base not in _mask_functions():
+    remap = _closure(other, "remap_positions_for_packed_sequence")
+    base = _base_pattern(remap.get("mask_function")) if remap else \
+        (_base_pattern(other) if other in _mask_functions() else None)
+    if base is None:
         return None
-    return same["packed_sequence_mask"], _mask_functions()[base]
+    return same["packed_sequence_mask"], base
 
 
 def key_padding_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0,
@@ -74,14 +96,16 @@ def key_padding_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0,
     packed = _packed_pattern(mask_function) if mask_function is not None else None
     if packed is not None:
         return packed[0].to(torch.int64)
-    if mask_function is not None and mask_function not in _mask_functions():
+    # None: transformers' default, causal
+    pattern = _base_pattern(mask_function) if mask_function is not None else (True, None)
+    if pattern is None:
         name = getattr(mask_function, "__qualname__", repr(mask_function))
         raise NotImplementedError(
-            f"numflash's transformers attention takes causal or bidirectional masks with key "
-            f"padding; this model asked for the mask pattern {name} (a sliding window, chunked "
-            f"attention, packed sequences or a custom mask), which numflash cannot run yet: use "
-            f"attn_implementation='sdpa' for this model")
-    causal = _mask_functions().get(mask_function, True)  # None: transformers' default, causal
+            f"numflash's transformers attention takes causal, sliding-window causal or "
+            f"bidirectional masks with key padding; this model asked for the mask pattern "
+            f"{name} (chunked attention, a bidirectional window or a custom mask), which "
+            f"numflash cannot run yet: use attn_implementation='sdpa' for this model")
+    causal = pattern[0]
     filled = int(q_offset) + q_length  # cache positions that hold keys (self-attention)
     if causal and kv_length > filled:  # (cross-attention, bidirectional, has its own kv_length)
         raise NotImplementedError(
@@ -97,6 +121,26 @@ def key_padding_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0,
     if mask.shape[1] == kv_length and bool(mask.all()):
         return None
     return mask
+
+
+def _modifications(kwargs, causal):
+    """numflash's options for the layer's ``sliding_window`` (W: query i sees keys i - W < j <=
+    i, what transformers' sliding-window mask pattern says; flash-attn's window_size (W - 1, 0))
+    and ``softcap`` (Gemma 2: cap tanh(score / cap) on the scaled score). The window comes
+    from this keyword, as transformers' flash-attn path takes it: every model with sliding
+    windows that runs on flash-attn passes it."""
+    mods = {}
+    window = kwargs.get("sliding_window")
+    if window is not None:
+        if not causal:
+            raise NotImplementedError(f"numflash's transformers attention takes a sliding "
+                                      f"window with causal attention only; this layer is "
+                                      f"bidirectional with sliding_window={window}: use "
+                                      f"attn_implementation='sdpa' for this model")
+        mods["window_size"] = (int(window) - 1, 0)
+    if kwargs.get("softcap"):
+        mods["softcap"] = float(kwargs["softcap"])
+    return mods
 
 
 def _kept_keys(mask_row):
@@ -124,12 +168,12 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
         raise NotImplementedError("numflash's transformers attention gives the undropped "
                                   "probabilities only: with attention dropout in training, "
                                   "leave output_attentions off (or call model.eval())")
-    for option in ("softcap", "sliding_window", "s_aux"):
-        if kwargs.get(option) is not None:
-            raise NotImplementedError(f"numflash's transformers attention does not support "
-                                      f"{option}={kwargs[option]!r} yet: use "
-                                      f"attn_implementation='sdpa' for this model")
+    if kwargs.get("s_aux") is not None:   # attention sinks (gpt-oss)
+        raise NotImplementedError(f"numflash's transformers attention does not support "
+                                  f"s_aux={kwargs['s_aux']!r} yet: use "
+                                  f"attn_implementation='sdpa' for this model")
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    mods = _modifications(kwargs, causal)
     packed = attention_mask is not None and not attention_mask.dtype.is_floating_point and \
         attention_mask.dtype != torch.bool
     if packed or kwargs.get("cu_seq_lens_q") is not None:
@@ -142,16 +186,17 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
                                       "probabilities for packed sequences (they have no dense "
                                       "form): leave output_attentions off")
         cu = _sequence_offsets(attention_mask) if packed else None
-        return _packed_attention(query, key, value, causal, scaling, cu, kwargs), None
+        return _packed_attention(query, key, value, causal, scaling, cu, kwargs, mods), None
     if attention_mask is not None and attention_mask.dim() != 2:
         raise NotImplementedError("numflash's transformers attention got a dense attention mask: "
                                   "register it with numflash.transformers.register(), which also "
                                   "registers its mask function")
     nq, nk = query.shape[2], key.shape[2]  # key and value: Hk heads, read in place (GQA)
-    mode = "bottom_right" if causal and nq > 1 else False  # a lone new query sees every key
+    # a lone new query sees every key, but for a window's, counted from the last key
+    mode = "bottom_right" if causal and (nq > 1 or "window_size" in mods) else False
     if attention_mask is None:
         out, lse = _nt.attention(query, key, value, causal=mode, softmax_scale=scaling,
-                                 return_lse=True, dropout_p=dropout)
+                                 return_lse=True, dropout_p=dropout, **mods)
         lse_parts = [(lse, key, 0, nk, 0, nq)]
     else:
         outs, lse_parts = [], []
@@ -169,7 +214,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
             if r1 > r0:
                 rows_out, rows_lse = _nt.attention(query[b:b + 1, :, r0:r1], kb, vb, causal=mode,
                                                    softmax_scale=scaling, return_lse=True,
-                                                   dropout_p=dropout)
+                                                   dropout_p=dropout, **mods)
                 if r1 - r0 == nq:
                     o, lse = rows_out, rows_lse
                 else:  # padding rows stay zero; torch.cat keeps the gradient path
@@ -180,7 +225,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
         out = torch.cat(outs)
     weights = None
     if kwargs.get("output_attentions"):
-        weights = _probabilities(query, lse_parts, mode, scaling, nk)
+        weights = _probabilities(query, lse_parts, mode, scaling, nk, mods)
     return out.transpose(1, 2), weights
 
 
@@ -193,7 +238,7 @@ def _sequence_offsets(ids):
     return torch.cat([first, first.new_tensor([ids.numel()])]).to(torch.int32)
 
 
-def _packed_attention(query, key, value, causal, scaling, cu, kwargs):
+def _packed_attention(query, key, value, causal, scaling, cu, kwargs, mods):
     """Every packed sequence in one flash_attn_varlen_func call: query (B, H, N, d), key and
     value (B, Hk, N, .) flattened to (B N, heads, .); ``cu``: the offsets (else flash-attn's
     ``cu_seq_lens_q/k`` keyword arguments). Returns (B, N, H, dv)."""
@@ -205,11 +250,13 @@ def _packed_attention(query, key, value, causal, scaling, cu, kwargs):
             for t, n in ((query, nq), (key, nk), (value, nk))]
     out = _nt.flash_attn_varlen_func(*flat, cu_q, cu_k, kwargs.get("max_length_q"),
                                      kwargs.get("max_length_k"), softmax_scale=scaling,
-                                     causal=bool(causal))
+                                     causal=bool(causal),
+                                     window_size=mods.get("window_size", (-1, -1)),
+                                     softcap=mods.get("softcap", 0.0))
     return out.reshape(B, nq, H, value.shape[3])
 
 
-def _probabilities(query, lse_parts, mode, scaling, nk):
+def _probabilities(query, lse_parts, mode, scaling, nk, mods):
     """The (B, H, Nq, Nk) probabilities, zero on padding keys and padding query rows; each
     sequence's block comes from the same slice its attention ran on (the causal alignment)."""
     rows = []
@@ -218,7 +265,7 @@ def _probabilities(query, lse_parts, mode, scaling, nk):
         p = qb.new_zeros(qb.shape[0], qb.shape[1], qb.shape[2], nk)
         if end > start and r1 > r0:
             p[:, :, r0:r1, start:end] = _nt.attention_probabilities(
-                qb[:, :, r0:r1], keys, causal=mode, softmax_scale=scaling)
+                qb[:, :, r0:r1], keys, causal=mode, softmax_scale=scaling, **mods)
         rows.append(p)
     return torch.cat(rows)
 

@@ -322,6 +322,11 @@ def test_flash_attn_func_window_softcap_alibi(causal, nq, mods):
     do = torch.randn_like(out)
     for a, b in zip(torch.autograd.grad(out, (q, k, v), do), torch.autograd.grad(ref, (q, k, v), do)):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-11)
+    # the probabilities carry the same modifications: P V is the output
+    _, _, probs = nt.flash_attn_func(q, k, v, causal=causal, softmax_scale=0.5,
+                                     return_attn_probs=True, **mods)
+    torch.testing.assert_close(torch.einsum("bhqk,bkhd->bqhd", probs, v), ref, rtol=0,
+                               atol=1e-12)
 
 
 def test_flash_attn_varlen_takes_the_same_modifications():

@@ -179,9 +179,9 @@ def _spy_packed(monkeypatch):
     "kwargs" (cu_seq_lens_q/k)."""
     calls, real = [], ntf._packed_attention
 
-    def spy(query, key, value, causal, scaling, cu, kwargs):
+    def spy(query, key, value, causal, scaling, cu, kwargs, mods):
         calls.append("kwargs" if cu is None else "ids")
-        return real(query, key, value, causal, scaling, cu, kwargs)
+        return real(query, key, value, causal, scaling, cu, kwargs, mods)
     monkeypatch.setattr(ntf, "_packed_attention", spy)
     return calls
 
@@ -216,16 +216,19 @@ def test_flash_kwargs_of_packed_sequences_and_a_training_step(monkeypatch):
 
 def test_the_older_packed_pattern_and_other_compositions():
     """transformers before 5.2x composed packing as and_masks(causal, the ids' equality), with
-    no remapped positions: taken too. A packed sliding window or a causal mask and-ed with
-    anything else stays refused."""
+    no remapped positions: taken too, and so is a packed sliding window (5.2x's form). Other
+    compositions (the older form over a window, a causal mask and-ed with anything else) stay
+    refused."""
     from transformers import masking_utils as mu
     _, positions = packed()
     seq = mu.find_packed_sequence_indices(positions)
     older = mu.and_masks(mu.causal_mask_function, mu.packed_sequence_mask_function(seq))
     assert torch.equal(ntf.key_padding_mask(2, 70, 70, mask_function=older), seq)
     window = mu.sliding_window_causal_mask_function(8)
-    for pattern in (mu.packed_sequence_compatibility_function(window, positions, seq),
-                    mu.and_masks(window, mu.packed_sequence_mask_function(seq)),
+    assert torch.equal(ntf.key_padding_mask(
+        2, 70, 70, mask_function=mu.packed_sequence_compatibility_function(window, positions,
+                                                                           seq)), seq)
+    for pattern in (mu.and_masks(window, mu.packed_sequence_mask_function(seq)),
                     mu.and_masks(mu.causal_mask_function, window)):
         with pytest.raises(NotImplementedError, match="mask pattern"):
             ntf.key_padding_mask(2, 70, 70, mask_function=pattern)
@@ -239,13 +242,101 @@ def test_holes_inside_a_sequence_are_refused():
         ours(ids, attention_mask=mask)
 
 
-def test_a_sliding_window_model_is_refused_not_run_without_its_window():
-    cfg = transformers.MistralConfig(vocab_size=101, hidden_size=64, intermediate_size=96,
-                                     num_hidden_layers=1, num_attention_heads=4,
-                                     num_key_value_heads=2, sliding_window=8)
-    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=NAME)
-    with pytest.raises(NotImplementedError, match="sliding"):
-        model(torch.randint(0, 101, (1, 20)))
+def windowed(arch, impl, dtype, window=8, seed=0, **extra):
+    """A small random Mistral (every layer a sliding window) or Gemma 2 (sliding and full layers
+    alternating, logits soft-capped in attention) from a config."""
+    common = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, sliding_window=window,
+                  max_position_embeddings=256, attention_dropout=0.0)
+    if arch == "mistral":
+        cfg = transformers.MistralConfig(**common, **extra)
+    else:
+        cfg = transformers.Gemma2Config(**common, **{"head_dim": 16, "query_pre_attn_scalar": 16,
+                                                     "attn_logit_softcapping": 2.0, **extra})
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(cfg),
+                                                          attn_implementation=impl, dtype=dtype)
+    return model.eval()
+
+
+def windowed_pair(arch, dtype, **extra):
+    # sdpa takes Mistral's window as a dense mask; Gemma 2's softcap runs in eager only
+    ref = windowed(arch, "sdpa" if arch == "mistral" else "eager", dtype, **extra)
+    ours = windowed(arch, NAME, dtype, **extra)
+    ours.load_state_dict(ref.state_dict())
+    return ref, ours
+
+
+@pytest.mark.parametrize("arch", ["mistral", "gemma2"])
+def test_sliding_window_and_softcap_models_match_transformers(arch):
+    """A left-padded batch longer than the window: the logits match transformers' own, and a
+    model without the window (and softcap) gives others, so both were applied."""
+    ref, ours = windowed_pair(arch, torch.float64)
+    ids, mask = batch(50)
+    if arch == "gemma2":   # eager's rows of padding are NaN and reach every row a layer later
+        mask = torch.ones_like(mask)
+    plain = windowed(arch, NAME, torch.float64, window=None if arch == "mistral" else 4096,
+                     **({} if arch == "mistral" else {"attn_logit_softcapping": None}))
+    plain.load_state_dict(ref.state_dict())
+    with torch.no_grad():
+        want = ref(ids, attention_mask=mask).logits
+        got = ours(ids, attention_mask=mask).logits
+        other = plain(ids, attention_mask=mask).logits
+    kept = mask.bool()
+    # eager (Gemma 2's reference) takes its softmax in float32 even for a float64 model
+    tol = 1e-12 if arch == "mistral" else 1e-5
+    assert (got - want)[kept].abs().max().item() <= tol
+    assert (other - want)[kept].abs().max().item() > 100 * tol
+
+
+@pytest.mark.parametrize("arch", ["mistral", "gemma2"])
+def test_sliding_window_generation_with_the_kv_cache_gives_the_same_tokens(arch):
+    ref, ours = windowed_pair(arch, torch.float64)
+    ids, mask = batch(50)
+    if arch == "gemma2":   # eager's padding rows are NaN (above): Mistral's test pads
+        mask = torch.ones_like(mask)
+    want = ref.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False)
+    got = ours.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False)
+    assert got.shape == (3, 62) and torch.equal(got, want)
+
+
+def test_gemma2_attentions_and_a_training_step_match_eager():
+    """output_attentions carries the window and the softcap; parameter gradients of a step
+    match eager's."""
+    ref, ours = windowed_pair("gemma2", torch.float64)
+    ids, _ = batch(20)
+    with torch.no_grad():
+        got = ours(ids, output_attentions=True).attentions
+        want = ref(ids, output_attentions=True).attentions
+    assert len(got) == 2
+    for g, w in zip(got, want):
+        assert (g - w).abs().max().item() < 1e-6   # eager takes its softmax in float32
+    assert got[0][0, 0, 19, :12].abs().max().item() == 0   # outside the window of 8
+    ref.train(), ours.train()
+    for model in (ref, ours):
+        model(ids, labels=ids).loss.backward()
+    for (name, a), b in zip(ref.named_parameters(), ours.parameters()):   # float32 softmax
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_packed_sequences_with_a_sliding_window_match_sdpa():
+    ref, ours = windowed_pair("mistral", torch.float64)
+    ids, positions = packed()
+    with torch.no_grad():
+        want = ref(ids, position_ids=positions, use_cache=False).logits
+        got = ours(ids, position_ids=positions, use_cache=False).logits
+    assert (got - want).abs().max().item() <= 1e-12
+
+
+def test_a_bidirectional_window_is_refused_not_run_without_it():
+    from transformers import masking_utils as mu
+    with pytest.raises(NotImplementedError, match="mask pattern"):
+        ntf.key_padding_mask(1, 20, 20,
+                             mask_function=mu.sliding_window_bidirectional_mask_function(8))
+    q = torch.randn(1, 4, 20, 16, dtype=torch.float64)
+    module = torch.nn.Module()
+    with pytest.raises(NotImplementedError, match="sliding window with causal"):
+        ntf.attention_forward(module, q, q, q, None, is_causal=False, sliding_window=8)
 
 
 def test_a_name_with_flash_in_it_is_refused():
@@ -277,6 +368,22 @@ def test_cuda_packed_sequences_run_in_one_launch_and_match_sdpa(dtype, tol, monk
                                         (torch.float32, 2e-4)])
 def test_cuda_model_matches_sdpa(dtype, tol):
     ref, ours = (m.to("cuda") for m in pair(dtype, head_dim=64))  # the kernels test_torch uses
+    ids, mask = (t.to("cuda") for t in batch())
+    with torch.no_grad():
+        want = ref(ids, attention_mask=mask).logits.float()
+        got = ours(ids, attention_mask=mask).logits.float()
+    assert (got - want)[mask.bool()].abs().max().item() <= tol
+    ours.train()
+    loss = ours(ids, labels=ids).loss
+    loss.backward()
+    assert torch.isfinite(loss) and all(torch.isfinite(p.grad).all() for p in ours.parameters())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, tol", [(torch.float16, 2e-2), (torch.float32, 2e-4)])
+def test_cuda_sliding_window_model_matches_sdpa(dtype, tol):
+    """Mistral's window on CUDA (the tensor-core kernels' window, forward and backward)."""
+    ref, ours = (m.to("cuda") for m in windowed_pair("mistral", dtype, head_dim=64))
     ids, mask = (t.to("cuda") for t in batch())
     with torch.no_grad():
         want = ref(ids, attention_mask=mask).logits.float()
