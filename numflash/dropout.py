@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["Dropout", "build", "philox4x32_10", "keep_mask", "compiled"]
+__all__ = ["Dropout", "build", "philox4x32_10", "keep_mask", "compiled", "packed_seed"]
 
 MASK32 = np.uint64(0xFFFFFFFF)
 SHIFT32 = np.uint64(32)
@@ -100,6 +100,23 @@ def compiled(jit):
     for fn in FUNCTIONS:
         env[fn.__name__] = jit(types.FunctionType(fn.__code__, env, fn.__name__))
     return {fn.__name__: env[fn.__name__] for fn in FUNCTIONS}
+
+
+#: the last counter word of :func:`packed_seed`'s calls (the masks' is a batch index)
+PACKED_TAG = np.uint64(0xFFFFFFFF)
+
+
+def packed_seed(seed, index):
+    """The seed of packed sequence ``index`` (numflash.attention_varlen) under a call's 64-bit
+    ``seed``: one generator call, at counter (index, 0, 0, PACKED_TAG) keyed by the seed. Every
+    sequence then draws its own mask as a batch of one, and its backward regenerates it from the
+    same seed; the one-launch kernels would need this derivation in the kernel, so dropout on
+    packed sequences runs one call per sequence."""
+    index = int(index)
+    w0, w1, _, _ = philox4x32_10(np.uint64(index & 0xFFFFFFFF), np.uint64(index >> 32),
+                                 np.uint64(0), PACKED_TAG, np.uint64(seed & 0xFFFFFFFF),
+                                 np.uint64(seed >> 32))
+    return int(w0) | (int(w1) << 32)
 
 
 @dataclass(frozen=True)

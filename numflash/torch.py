@@ -683,13 +683,6 @@ def _as_4d(t):
     return t.reshape(-1, t.shape[-3], *t.shape[-2:])
 
 
-def _refuse_dropout(where, dropout_p):
-    if dropout_p:
-        raise NotImplementedError(f"{where}: dropout_p={dropout_p} is not supported with packed "
-                                  f"sequences yet (flash_attn_func and attention take it); pass "
-                                  f"dropout_p=0.0")
-
-
 def _flash_attn_mods(where, window_size, softcap, alibi_slopes, causal, nq, nk):
     """flash-attn's window_size, softcap and alibi_slopes as numflash modification options
     (numflash.mods), or a refusal naming the option."""
@@ -785,18 +778,21 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=Non
 
     ``return_attn_probs=True`` returns (out, softmax_lse (H, total_q), None): the per-sequence
     probabilities have no dense packed form. Takes and refuses what :func:`flash_attn_func`
-    does, and ``dropout_p > 0`` (not with packed sequences yet); ``alibi_slopes`` of shape
-    (B, H) give sequence b its row.
+    does; ``alibi_slopes`` of shape (B, H) give sequence b its row. ``dropout_p > 0`` draws one
+    seed from torch's default generator and sequence b its mask under
+    ``numflash.dropout.packed_seed(seed, b)`` (numflash.attention_varlen's rule), one call per
+    sequence.
     """
+    from .dropout import packed_seed
     from .varlen import _check_packed
     _check_tensors(q=q, k=k, v=v)
     lengths = [c.tolist() if isinstance(c, torch.Tensor) else c
                for c in (cu_seqlens_q, cu_seqlens_k)]
-    _refuse_dropout("flash_attn_varlen_func", dropout_p)
     cq, ck = _check_packed(q, k, v, *lengths, max_seqlen_q, max_seqlen_k, torch_ok=True)
     mode = "bottom_right" if causal else False
+    dropout = _dropout_options(dropout_p, None)
     plain = (window_size is None or tuple(window_size) == (-1, -1)) and not softcap \
-        and alibi_slopes is None
+        and alibi_slopes is None and not dropout
     if plain and q.device.type == "cuda":   # every sequence in one launch where cuda.mma can
         offsets = [c if isinstance(c, torch.Tensor) and c.device == q.device
                    and c.dtype == torch.int32 else torch.tensor(n, dtype=torch.int32,
@@ -816,6 +812,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=Non
             slopes = slopes[b]
         mods = _flash_attn_mods("flash_attn_varlen_func", window_size, softcap, slopes, causal,
                                 eq - sq, ek - sk)
+        if dropout:
+            mods.update(dropout_p=dropout["dropout_p"],
+                        dropout_seed=packed_seed(dropout["dropout_seed"], b))
         out, lse = attention(q[None, sq:eq], k[None, sk:ek], v[None, sk:ek], causal=mode,
                              softmax_scale=softmax_scale, layout="bshd", return_lse=True,
                              deterministic=deterministic, **mods)

@@ -177,16 +177,13 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     packed = attention_mask is not None and not attention_mask.dtype.is_floating_point and \
         attention_mask.dtype != torch.bool
     if packed or kwargs.get("cu_seq_lens_q") is not None:
-        if dropout:
-            raise NotImplementedError(f"numflash has no attention dropout for packed sequences "
-                                      f"yet; this model trains with attention_dropout={dropout}: "
-                                      f"set config.attention_dropout = 0.0, or pad the batch")
         if kwargs.get("output_attentions"):
             raise NotImplementedError("numflash's transformers attention gives no attention "
                                       "probabilities for packed sequences (they have no dense "
                                       "form): leave output_attentions off")
         cu = _sequence_offsets(attention_mask) if packed else None
-        return _packed_attention(query, key, value, causal, scaling, cu, kwargs, mods), None
+        return _packed_attention(query, key, value, causal, scaling, cu, kwargs,
+                                 dict(mods, dropout_p=dropout)), None
     if attention_mask is not None and attention_mask.dim() != 2:
         raise NotImplementedError("numflash's transformers attention got a dense attention mask: "
                                   "register it with numflash.transformers.register(), which also "
@@ -252,7 +249,8 @@ def _packed_attention(query, key, value, causal, scaling, cu, kwargs, mods):
                                      kwargs.get("max_length_k"), softmax_scale=scaling,
                                      causal=bool(causal),
                                      window_size=mods.get("window_size", (-1, -1)),
-                                     softcap=mods.get("softcap", 0.0))
+                                     softcap=mods.get("softcap", 0.0),
+                                     dropout_p=mods.get("dropout_p", 0.0))
     return out.reshape(B, nq, H, value.shape[3])
 
 

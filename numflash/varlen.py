@@ -143,9 +143,18 @@ def _one_launch(problem, cq, ck, cu_seqlens_q, cu_seqlens_k, causal, backend, al
         return None, str(e)
 
 
+def _per_sequence_dropout(dropout_p, dropout_seed):
+    """The call's Dropout (checked as attention checks it; None without), and the reason its
+    sequences then run one call each."""
+    from .dropout import build
+    drop = build(dropout_p, dropout_seed)
+    return drop, ("attention dropout: each sequence draws its mask under its own seed "
+                  "(numflash.dropout.packed_seed)") if drop else None
+
+
 def explain_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None,
                    *, causal=False, softmax_scale=None, backend="auto", algorithm="auto",
-                   precision="auto", backward=False):
+                   precision="auto", backward=False, dropout_p=0.0):
     """The :class:`numflash.plan.Plan` that :func:`attention_varlen` (``backward=True``:
     :func:`attention_varlen_backward`) would run for these arguments: the one launch for every
     sequence, or else the plan of the per-sequence call for the longest sequence, with a note
@@ -154,13 +163,16 @@ def explain_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_s
     from . import plan as _plan
     from .inputs import normalize
     cq, ck = _check_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    drop, why = _per_sequence_dropout(dropout_p, 0 if dropout_p else None)
     options = dict(causal=causal, softmax_scale=softmax_scale, layout="bshd",
                    precision=precision)
     problem = normalize(q[None], k[None], v[None], **options)
     if backward:
         problem.direction = "backward"
-    plan, why = _one_launch(problem, cq, ck, cu_seqlens_q, cu_seqlens_k, causal, backend,
-                            algorithm)
+    plan = None
+    if drop is None:
+        plan, why = _one_launch(problem, cq, ck, cu_seqlens_q, cu_seqlens_k, causal, backend,
+                                algorithm)
     if plan is not None:
         return plan
     b = int(np.argmax(np.diff(cq))) if cq.size > 1 else 0
@@ -169,6 +181,7 @@ def explain_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_s
     one = normalize(q[None, sq:eq], k[None, sk:ek], v[None, sk:ek], **options)
     if backward:
         one.direction = "backward"
+    one.dropout = drop
     plan = _plan.choose(one, backend, algorithm)
     return dataclasses.replace(plan, notes=plan.notes + [
         f"packed sequences: one call per sequence ({cq.size - 1} calls; this is the longest's "
@@ -184,7 +197,8 @@ def _xp(a):
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None,
                      *, causal=False, softmax_scale=None, backend="auto", algorithm="auto",
-                     return_lse=False, out=None, precision="auto"):
+                     return_lse=False, out=None, precision="auto", dropout_p=0.0,
+                     dropout_seed=None):
     """Attention over packed sequences: sequence b is q[cu_seqlens_q[b]:cu_seqlens_q[b + 1]]
     against k, v[cu_seqlens_k[b]:cu_seqlens_k[b + 1]], flash-attn's ``flash_attn_varlen_func``
     layout: q (total_q, H, d), k (total_k, Hk, d), v (total_k, Hk, dv). ``causal`` applies per
@@ -193,12 +207,18 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
     Returns the packed output (total_q, H, dv) in q's dtype and kind (or ``out``), and with
     ``return_lse`` the lse as (H, total_q) (flash-attn's varlen layout).
 
+    ``dropout_p`` and ``dropout_seed``: attention dropout as :func:`numflash.attention` applies
+    it, sequence b drawing its mask as a batch of one under the seed
+    ``numflash.dropout.packed_seed(dropout_seed, b)`` (so its attention call alone, with that
+    seed, gives the same result); with dropout every sequence runs its own call.
+
     CuPy arrays run in one cuda.mma launch where that kernel takes them (see the module's text);
     :func:`explain_varlen` says which kernel runs and how.
     """
     from .api import attention
     from .inputs import normalize
     cq, ck = _check_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    drop, _ = _per_sequence_dropout(dropout_p, dropout_seed)
     xp = _xp(q)
     if out is None:
         out = xp.empty((q.shape[0], q.shape[1], v.shape[2]), dtype=q.dtype)
@@ -207,8 +227,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
                          f"{(q.shape[0], q.shape[1], v.shape[2])}; got {tuple(out.shape)}")
     problem = normalize(q[None], k[None], v[None], causal=causal, softmax_scale=softmax_scale,
                         layout="bshd", return_lse=True, out=out[None], precision=precision)
-    plan, _ = _one_launch(problem, cq, ck, cu_seqlens_q, cu_seqlens_k, causal, backend,
-                          algorithm)
+    plan = None if drop else _one_launch(problem, cq, ck, cu_seqlens_q, cu_seqlens_k, causal,
+                                         backend, algorithm)[0]
     if plan is not None:
         lse = plan.run(problem)[0]
         return (out, lse) if return_lse else out
@@ -220,23 +240,34 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
         res = attention(q[None, sq:eq], k[None, sk:ek], v[None, sk:ek], causal=causal,
                         softmax_scale=softmax_scale, layout="bshd", backend=backend,
                         algorithm=algorithm, return_lse=return_lse, out=out[None, sq:eq],
-                        precision=precision)
+                        precision=precision, **_sequence_dropout(drop, b))
         if return_lse:
             lse[:, sq:eq] = res[1][0]
     return (out, lse) if return_lse else out
 
 
+def _sequence_dropout(drop, b):
+    """The dropout options of packed sequence b's own call ({} without dropout)."""
+    if drop is None:
+        return {}
+    from .dropout import packed_seed
+    return {"dropout_p": drop.p, "dropout_seed": packed_seed(drop.seed, b)}
+
+
 def attention_varlen_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None,
                               max_seqlen_k=None, *, causal=False, softmax_scale=None,
                               backend="auto", algorithm="auto", precision="auto",
-                              deterministic=False, dq=None, dk=None, dv=None):
+                              deterministic=False, dq=None, dk=None, dv=None, dropout_p=0.0,
+                              dropout_seed=None):
     """Gradients (dq, dk, dv) of :func:`attention_varlen`, packed like q, k and v; ``o`` and
-    ``lse`` are what it returned (lse as (H, total_q)). CuPy arrays run in one launch per pass
-    where cuda.mma's backward takes them; otherwise one :func:`numflash.attention_backward` call
-    per sequence, on views, into views of the packed gradients."""
+    ``lse`` are what it returned (lse as (H, total_q)), ``dropout_p`` and ``dropout_seed`` what
+    it was given. CuPy arrays run in one launch per pass where cuda.mma's backward takes them
+    (not with dropout); otherwise one :func:`numflash.attention_backward` call per sequence, on
+    views, into views of the packed gradients."""
     from .api import attention_backward
     from .inputs import normalize_backward
     cq, ck = _check_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    drop, _ = _per_sequence_dropout(dropout_p, dropout_seed)
     xp = _xp(q)
     if tuple(lse.shape) != (q.shape[1], q.shape[0]):
         raise ValueError(f"lse must have shape (H, total_q) = {(q.shape[1], q.shape[0])} (what "
@@ -263,8 +294,8 @@ def attention_varlen_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, m
         softmax_scale=softmax_scale, layout="bshd", precision=precision,
         deterministic=deterministic, **{name: None if g is None else g[None] for name, g in
                                         (("dq", dq), ("dk", dk), ("dv", dv))})
-    plan, _ = _one_launch(problem, cq, ck, cu_seqlens_q, cu_seqlens_k, causal, backend,
-                          algorithm)
+    plan = None if drop else _one_launch(problem, cq, ck, cu_seqlens_q, cu_seqlens_k, causal,
+                                         backend, algorithm)[0]
     # the given buffers themselves, else the ones normalize_backward made
     grads = [r[0] if given is None else given for given, r in zip((dq, dk, dv), problem.result)]
     if plan is not None:   # every row of every gradient is written: no zeroing
@@ -282,7 +313,7 @@ def attention_varlen_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, m
                            layout="bshd", backend=backend, algorithm=algorithm,
                            precision=precision, deterministic=deterministic,
                            dq=grads[0][None, sq:eq], dk=grads[1][None, sk:ek],
-                           dv=grads[2][None, sk:ek])
+                           dv=grads[2][None, sk:ek], **_sequence_dropout(drop, b))
     return tuple(grads)
 
 

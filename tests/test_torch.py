@@ -261,10 +261,30 @@ def test_dropout_through_the_torch_layers_with_gradients(entry):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
-def test_varlen_refuses_dropout_naming_it():
-    q = torch.randn(10, 2, 8)
-    with pytest.raises(NotImplementedError, match="not supported with packed sequences"):
-        nt.flash_attn_varlen_func(q, q, q, [0, 4, 10], [0, 4, 10], dropout_p=0.1)
+def test_varlen_dropout_is_numflash_varlen_dropout_with_a_seed_from_torch():
+    """flash_attn_varlen_func's dropout: one seed from torch's generator, sequence b's mask
+    under packed_seed(seed, b), as attention_varlen draws it; its gradients are that
+    function's backward's."""
+    q, k, v = (torch.randn(10, 2, 8, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    cu = [0, 4, 10]
+    torch.manual_seed(4)
+    out = nt.flash_attn_varlen_func(q, k, v, cu, cu, dropout_p=0.3, causal=True)
+    torch.manual_seed(4)
+    seed = int(torch.randint(0, 2 ** 63 - 1, ()).item())
+    arrays = [t.detach().numpy() for t in (q, k, v)]
+    want, lse = numflash.attention_varlen(*arrays, np.array(cu), np.array(cu),
+                                          causal="bottom_right", dropout_p=0.3,
+                                          dropout_seed=seed, return_lse=True)
+    np.testing.assert_allclose(out.detach().numpy(), want, rtol=0, atol=1e-14)
+    do = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), do)
+    ref = numflash.attention_varlen_backward(do.numpy(), *arrays, want, lse, np.array(cu),
+                                             np.array(cu), causal="bottom_right",
+                                             dropout_p=0.3, dropout_seed=seed)
+    for a, b in zip(grads, ref):
+        np.testing.assert_allclose(a.numpy(), b, rtol=0, atol=1e-13)
+    plain = nt.flash_attn_varlen_func(q, k, v, cu, cu, causal=True)
+    assert not torch.equal(plain, out)
 
 
 @pytest.mark.parametrize("causal", [False, True])

@@ -464,6 +464,30 @@ def test_a_model_trains_with_attention_dropout():
         torch.testing.assert_close(ours(ids).logits, ref(ids).logits, rtol=1e-9, atol=1e-11)
 
 
+def test_packed_rows_train_with_attention_dropout():
+    """Packed sequences in training mode with attention dropout (each sequence its own mask):
+    reproducible under torch.manual_seed, finite gradients, eval mode without dropout."""
+    ref, ours = pair(torch.float64, attention_dropout=0.2)
+    ids, positions = packed()
+    ours.train()
+    losses = []
+    for _ in range(2):
+        torch.manual_seed(3)
+        losses.append(ours(ids, position_ids=positions, labels=ids, use_cache=False).loss)
+    assert losses[0].item() == losses[1].item() and math.isfinite(losses[0].item())
+    losses[0].backward()
+    assert all(torch.isfinite(p.grad).all() for p in ours.parameters() if p.grad is not None)
+    ours.eval()
+    with torch.no_grad():
+        got = ours(ids, position_ids=positions, use_cache=False).logits
+        want = ref(ids, position_ids=positions, use_cache=False).logits
+    assert (got - want).abs().max().item() <= 1e-12
+    ours.train()
+    torch.manual_seed(3)
+    dropped = ours(ids, position_ids=positions, use_cache=False).logits
+    assert (dropped - want).abs().max().item() > 1e-3
+
+
 def test_bidirectional_attention_with_padding_sees_every_kept_key():
     """An encoder or cross-attention (no causal mask, Nq != Nk): every query row attends to all
     kept keys, whatever side the padding is on."""

@@ -44,6 +44,46 @@ def test_cpu_matches_each_sequence_alone(rng, lengths, causal, dtype):
             assert not grads[1][sk:ek].any() and not grads[2][sk:ek].any()
 
 
+@pytest.mark.parametrize("causal", [False, "bottom_right"])
+def test_dropout_draws_each_sequence_its_own_mask_forward_and_backward(rng, causal):
+    """Sequence b runs as a batch of one under packed_seed(seed, b): against the float64
+    reference with that mask, forward and gradients; two equal sequences get different masks."""
+    from numflash.dropout import packed_seed
+    q, k, v, do, cq, ck = packed(rng, [20, 0, 33, 20], [25, 3, 33, 25], dtype=np.float64)
+    q[53:73], k[61:86], v[61:86] = q[:20], k[:25], v[:25]   # sequence 3 repeats sequence 0
+    opts = dict(causal=causal, dropout_p=0.25, dropout_seed=2 ** 40 + 5)
+    out, lse = numflash.attention_varlen(q, k, v, cq, ck, return_lse=True, **opts)
+    grads = numflash.attention_varlen_backward(do, q, k, v, out, lse, cq, ck, **opts)
+    for b in (0, 2, 3):
+        s, e, sk, ek = cq[b], cq[b + 1], ck[b], ck[b + 1]
+        seq = [a[None, lo:hi] for a, lo, hi in ((q, s, e), (k, sk, ek), (v, sk, ek))]
+        mine = dict(causal=causal, dropout_p=0.25, dropout_seed=packed_seed(opts["dropout_seed"], b))
+        testing.assert_accurate(out[None, s:e], *seq, lse=lse[None, :, s:e], layout="bshd",
+                                **mine)
+        testing.assert_gradients_accurate([grads[0][None, s:e], grads[1][None, sk:ek],
+                                           grads[2][None, sk:ek]], do[None, s:e], *seq,
+                                          layout="bshd", **mine)
+    assert not np.array_equal(out[:20], out[53:73])      # dropped differently
+    plain = numflash.attention_varlen(q, k, v, cq, ck, causal=causal)
+    assert np.array_equal(plain[:20], plain[53:73])     # the same sequence without dropout
+    np.testing.assert_array_equal(lse, numflash.attention_varlen(q, k, v, cq, ck, causal=causal,
+                                                                 return_lse=True)[1])
+    assert len({packed_seed(7, b) for b in range(1000)}) == 1000
+
+
+def test_dropout_on_packed_sequences_is_explained_and_checked(rng):
+    q, k, v, do, cq, ck = packed(rng, [5, 6], [5, 6])
+    plan = numflash.explain_varlen(q, k, v, cq, ck, dropout_p=0.1)
+    assert "one call per sequence" in str(plan) and "dropout" in str(plan)
+    with pytest.raises(ValueError, match="dropout_p > 0 needs dropout_seed"):
+        numflash.attention_varlen(q, k, v, cq, ck, dropout_p=0.1)
+    with pytest.raises(ValueError, match=r"dropout_p must be in \[0, 1\)"):
+        numflash.attention_varlen(q, k, v, cq, ck, dropout_p=1.5, dropout_seed=1)
+    out, lse = numflash.attention_varlen(q, k, v, cq, ck, return_lse=True)
+    with pytest.raises(ValueError, match="dropout_p > 0 needs dropout_seed"):
+        numflash.attention_varlen_backward(do, q, k, v, out, lse, cq, ck, dropout_p=0.1)
+
+
 @pytest.mark.simulator
 def test_simulated_cuda_kernels(rng):
     q, k, v, do, cq, ck = packed(rng, [9, 0, 20], [13, 2, 17], d=8, dv=8)
@@ -236,9 +276,8 @@ def test_torch_flash_attn_varlen_func_is_differentiable(rng):
                                              causal="bottom_right")
     for g, r in zip(grads, ref):
         np.testing.assert_allclose(g.numpy(), r, rtol=0, atol=1e-12)
-    with pytest.raises(NotImplementedError, match="flash_attn_varlen_func: dropout_p=0.1 is not "
-                       "supported with packed sequences"):
-        nt.flash_attn_varlen_func(tq, tk, tv, cq, ck, dropout_p=0.1)
+    with pytest.raises(ValueError, match=r"dropout_p must be in \[0, 1\)"):  # checked as ever
+        nt.flash_attn_varlen_func(tq, tk, tv, cq, ck, dropout_p=1.5)
 
 
 def test_backward_checks_come_before_any_write(rng):
@@ -416,6 +455,34 @@ def test_gpu_one_launch_meets_the_rule_for_every_sequence(rng, monkeypatch, dtyp
                     do[None, s:e], *seq, causal=causal, layout="bshd")
             else:
                 assert not grads[0][s:e].any()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_gpu_dropout_on_packed_sequences_meets_the_rule_for_every_sequence(rng, dtype):
+    """CuPy packed sequences with dropout: one cuda.mma call per sequence, each under its
+    packed_seed, forward and backward against the float64 reference with that mask."""
+    import cupy
+    from numflash.dropout import packed_seed
+    q, k, v, do, cq, ck = packed(rng, [100, 1, 257], [90, 5, 300], H=4, Hk=2, d=64, dv=64,
+                                 dtype=np.dtype(dtype))
+    opts = dict(causal="bottom_right", dropout_p=0.2, dropout_seed=99)
+    dev = [cupy.asarray(a) for a in (q, k, v, do, cq, ck)]
+    plan = numflash.explain_varlen(*dev[:3], *dev[4:], causal="bottom_right", dropout_p=0.2)
+    assert plan.kernel == "cuda.mma" and "one call per sequence" in str(plan), str(plan)
+    out, lse = numflash.attention_varlen(*dev[:3], *dev[4:], return_lse=True, **opts)
+    grads = [g.get() for g in numflash.attention_varlen_backward(dev[3], *dev[:3], out, lse,
+                                                                 *dev[4:], **opts)]
+    out, lse = out.get(), lse.get()
+    for b in range(3):
+        s, e, sk, ek = cq[b], cq[b + 1], ck[b], ck[b + 1]
+        seq = [a[None, lo:hi] for a, lo, hi in ((q, s, e), (k, sk, ek), (v, sk, ek))]
+        mine = dict(causal="bottom_right", dropout_p=0.2, dropout_seed=packed_seed(99, b))
+        testing.assert_accurate(out[None, s:e], *seq, lse=lse[None, :, s:e], layout="bshd",
+                                **mine)
+        testing.assert_gradients_accurate([grads[0][None, s:e], grads[1][None, sk:ek],
+                                           grads[2][None, sk:ek]], do[None, s:e], *seq,
+                                          layout="bshd", **mine)
 
 
 @pytest.mark.gpu
