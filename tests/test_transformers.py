@@ -300,6 +300,7 @@ def test_sliding_window_generation_with_the_kv_cache_gives_the_same_tokens(arch)
     assert got.shape == (3, 62) and torch.equal(got, want)
 
 
+@pytest.mark.extended   # (10 s; the README tier keeps Mistral's)
 def test_gemma2_attentions_and_a_training_step_match_eager():
     """output_attentions carries the window and the softcap; parameter gradients of a step
     match eager's."""
@@ -464,6 +465,7 @@ def test_a_model_trains_with_attention_dropout():
         torch.testing.assert_close(ours(ids).logits, ref(ids).logits, rtol=1e-9, atol=1e-11)
 
 
+@pytest.mark.extended   # (6 s; the README tier keeps the padded dropout test)
 def test_packed_rows_train_with_attention_dropout():
     """Packed sequences in training mode with attention dropout (each sequence its own mask):
     reproducible under torch.manual_seed, finite gradients, eval mode without dropout."""
