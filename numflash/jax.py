@@ -11,8 +11,8 @@ whose device is not known here, and GPU data would be staged through the host by
 
 Gradients use numflash's backward (:func:`numflash.attention_backward`), so ``jax.grad`` and
 ``jax.vjp`` of :func:`attention` run in O(N) memory, eagerly and under ``jax.jit``. The built-in
-modifications (a window, softcap, ALiBi, a bias, with its gradient, and a boolean mask), a user's
-score_mod / mask_mod with their mod_args (gradients to the float ones that score_mod_args_grad
+modifications (a window, softcap, ALiBi, a bias, with its gradient, and a boolean mask), a block
+mask, a user's score_mod / mask_mod with their mod_args (gradients to the float ones that score_mod_args_grad
 names) and attention dropout run too; their arrays travel as inputs of the call (traced under
 ``jax.jit``), the functions as static parts of it.
 """
@@ -200,7 +200,7 @@ def _seed_words(seed):
 def attention(q, k, v, *, causal=False, softmax_scale=None, layout="bhsd", return_lse=False,
               window_size=None, softcap=None, alibi_slopes=None, attn_bias=None, attn_mask=None,
               dropout_p=0.0, dropout_seed=None, score_mod=None, mask_mod=None, mod_args=(),
-              score_mod_grad=None, score_mod_args_grad=None):
+              score_mod_grad=None, score_mod_args_grad=None, block_mask=None):
     """:func:`numflash.attention` for jax arrays (CPU), differentiable (``jax.grad``,
     ``jax.vjp``) and usable under ``jax.jit`` and ``jax.vmap``. Options mean what they mean
     there; the lse is not differentiable. Returns jax arrays.
@@ -212,7 +212,9 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, layout="bhsd", retur
     (train a bias through ``attn_bias`` instead).
     A user's ``score_mod`` / ``mask_mod`` (with ``score_mod_grad`` for gradients), their
     ``mod_args`` (jax or NumPy arrays and Python scalars) mean what they mean for
-    numflash.attention (a ``block_mask`` is not taken here yet). The functions are static: a new
+    numflash.attention. A ``block_mask`` (numflash.create_block_mask with ``device="cpu"``: its
+    blocks and arrays are NumPy, made once and reused) is static too: its EMPTY blocks are
+    skipped, forward and backward. The functions are static: a new
     function is a new trace, and a new kernel compile. ``jax.grad`` with respect to a float
     mod_args array gives its gradient where ``score_mod_args_grad`` names that argument's
     derivative (see numflash.attention_backward), zeros for the other arrays.
@@ -240,7 +242,7 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, layout="bhsd", retur
         ("score_mod", score_mod), ("mask_mod", mask_mod), ("score_mod_grad", score_mod_grad),
         ("score_mod_args_grad", None if score_mod_args_grad is None
          else tuple(score_mod_args_grad)),
-        ("mod_args", marg_scalars or None))
+        ("mod_args", marg_scalars or None), ("block_mask", block_mask))   # (hashed by identity)
         if value is not None)
     # Every check numflash makes, now (under jit the call runs later, inside a callback): on
     # zero-stride stand-ins with the arrays' shapes and dtypes, which hold no memory.
