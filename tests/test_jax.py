@@ -189,6 +189,7 @@ def _sliding_doc(b, h, i, j, docs):
     return docs[i] == docs[j] and i - 24 <= j <= i
 
 
+@pytest.mark.extended   # (18 s, most of it the CPU kernel's compile with this mask_mod)
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
 def test_a_block_mask_skips_its_empty_blocks_forward_and_backward(rng, jit):
     """A block mask (document ids and a window, 16 x 16 blocks, most of them EMPTY) from jax:
