@@ -30,37 +30,36 @@ def fingerprint(fn):
     fn = getattr(fn, "py_func", fn)
     if not isinstance(fn, types.FunctionType):
         return None
-    parts = [sys.implementation.name, sys.version_info[:2], np.__version__]
     try:
-        _function(fn, parts, {})
-    except (_Opaque, RecursionError):
-        return None
-    return hashlib.sha256(repr(parts).encode()).hexdigest()
+        tree = [sys.implementation.name, sys.version_info[:2], np.__version__,
+                _function(fn, {})]
+        return hashlib.sha256(repr(tree).encode()).hexdigest()
+    except Exception:  # noqa: BLE001 - _Opaque, deep recursion, a value whose repr or
+        return None    # attributes raise: no fingerprint, never a wrong one
 
 
-def _function(fn, out, seen):
+def _function(fn, seen):
+    """A nested description of a function: every part in its own list, so that no two
+    different walks flatten to the same text (a global belongs to the function that names it)."""
     if fn in seen:          # recursion (direct or mutual): named by its place in the walk
-        out.append(("seen", seen[fn]))
-        return
+        return ("seen", seen[fn])
     seen[fn] = len(seen)
-    out.append(("function", fn.__qualname__))
-    _code(fn.__code__, out, seen)
-    out.append("defaults")
-    _value(fn.__defaults__, out, seen)
-    _value(tuple(sorted((fn.__kwdefaults__ or {}).items())), out, seen)
-    out.append("closure")
-    for cell in fn.__closure__ or ():
-        try:
-            _value(cell.cell_contents, out, seen)
-        except ValueError:  # an empty cell (a name assigned after the function was made)
-            raise _Opaque from None
-    out.append("globals")
+    globals_ = []
     for name in sorted(_names(fn.__code__)):
         if name in fn.__globals__:
-            out.append(name)
-            _value(fn.__globals__[name], out, seen)
+            globals_.append((name, _value(fn.__globals__[name], seen)))
         elif hasattr(builtins, name):
-            out.append(("builtin", name))
+            globals_.append((name, "builtin"))
+    cells = []
+    for cell in fn.__closure__ or ():
+        try:
+            cells.append(_value(cell.cell_contents, seen))
+        except ValueError:  # an empty cell (a name assigned after the function was made)
+            raise _Opaque from None
+    return ("function", fn.__qualname__, _code(fn.__code__, seen),
+            ("defaults", _value(fn.__defaults__, seen),
+             _value(tuple(sorted((fn.__kwdefaults__ or {}).items())), seen)),
+            ("closure", cells), ("globals", globals_))
 
 
 def _names(code):
@@ -72,49 +71,51 @@ def _names(code):
     return names
 
 
-def _code(code, out, seen):
-    out.append((code.co_code, code.co_names, code.co_varnames, code.co_freevars,
-                code.co_cellvars, code.co_argcount, code.co_posonlyargcount,
-                code.co_kwonlyargcount, code.co_flags))
-    for const in code.co_consts:
-        if isinstance(const, types.CodeType):
-            _code(const, out, seen)
-        else:
-            _value(const, out, seen)
+def _code(code, seen):
+    return ("code", code.co_code, getattr(code, "co_exceptiontable", b""), code.co_names,
+            code.co_varnames, code.co_freevars, code.co_cellvars, code.co_argcount,
+            code.co_posonlyargcount, code.co_kwonlyargcount, code.co_flags,
+            [_code(c, seen) if isinstance(c, types.CodeType) else _value(c, seen)
+             for c in code.co_consts])
 
 
-def _value(value, out, seen):
+def _dtype(dtype):
+    return (dtype.str, repr(dtype))   # repr names a structured dtype's fields
+
+
+def _value(value, seen):
     """Describe a constant, a default, a closure value or a global; raise _Opaque if unsure."""
-    if value is None or isinstance(value, (bool, int, float, complex, str, bytes)):
-        out.append((type(value).__name__, repr(value)))
-    elif isinstance(value, (tuple, frozenset)):
-        items = sorted(value, key=repr) if isinstance(value, frozenset) else value
-        out.append((type(value).__name__, len(items)))
-        for item in items:
-            _value(item, out, seen)
-    elif isinstance(value, np.generic):
-        out.append(("numpy scalar", value.dtype.str, value.tobytes()))
-    elif isinstance(value, np.ndarray):
+    kind = type(value)
+    if value is None or kind in (bool, int, float, complex, str, bytes):
+        return (kind.__name__, repr(value))
+    if kind in (tuple, frozenset):
+        items = sorted(value, key=repr) if kind is frozenset else value
+        return (kind.__name__, [_value(item, seen) for item in items])
+    if isinstance(value, np.generic) and type(value).__module__ == "numpy":
+        return ("numpy scalar", _dtype(value.dtype), value.tobytes())
+    if kind is np.ndarray:
         if value.dtype.hasobject or value.nbytes > MAX_ARRAY_BYTES:
             raise _Opaque
-        out.append(("array", value.dtype.str, value.shape,
-                    hashlib.sha256(np.ascontiguousarray(value).tobytes()).hexdigest()))
-    elif isinstance(value, types.ModuleType):
+        return ("array", _dtype(value.dtype), value.shape,
+                hashlib.sha256(np.ascontiguousarray(value).tobytes()).hexdigest())
+    if kind is types.ModuleType:
         if not _trusted(value.__name__):  # a user's module: what numba reads from it is unknown
             raise _Opaque
-        out.append(("module", value.__name__, getattr(value, "__version__", "")))
-    elif isinstance(value, types.FunctionType):
-        _function(value, out, seen)
-    elif hasattr(value, "py_func") and isinstance(value.py_func, types.FunctionType):
-        _function(value.py_func, out, seen)     # a numba dispatcher: compiled from its py_func
-    elif (isinstance(value, types.BuiltinFunctionType) and _trusted(_owner(value))) or \
-            isinstance(value, np.ufunc) or (isinstance(value, type) and _library(value)):
+        return ("module", value.__name__, getattr(value, "__version__", ""))
+    if kind is types.FunctionType:
+        return _function(value, seen)
+    if _is_dispatcher(value):
+        # compiled from its py_func, with its options and any signatures it was given
+        return ("dispatcher", kind.__qualname__, repr(sorted(value.targetoptions.items())),
+                None if value._can_compile else sorted(str(sig) for sig in value.signatures),
+                _function(value.py_func, seen))
+    if (kind is types.BuiltinFunctionType and _trusted(_owner(value))) or \
+            (kind is np.ufunc) or (isinstance(value, type) and _library(value)):
         # math.exp, np.exp, np.float32: named by where they live (their code is the library's)
-        out.append(("library", getattr(value, "__module__", None) or "", value.__name__))
-    elif _library(type(value)) and type(value).__module__.startswith("numba"):
-        out.append(("numba", type(value).__qualname__, str(value)))  # numba.float32 and kin
-    else:
-        raise _Opaque
+        return ("library", getattr(value, "__module__", None) or "", value.__name__)
+    if _is_numba_type(value):
+        return ("numba type", str(value))   # numba.float32 and kin (a type's str is its key)
+    raise _Opaque
 
 
 #: Libraries whose functions and constants the fingerprint names instead of hashing.
@@ -136,3 +137,23 @@ def _owner(builtin_function):
 def _library(cls):
     """Whether a class belongs to Python, NumPy or numba (not to the user's code)."""
     return _trusted(getattr(cls, "__module__", "") or "")
+
+
+def _is_dispatcher(value):
+    """A numba njit / cuda.jit dispatcher (not an intrinsic, a jitclass or a ufunc builder)."""
+    try:
+        from numba.core.dispatcher import Dispatcher
+    except ImportError:
+        return False
+    if isinstance(value, Dispatcher):
+        return True
+    return type(value).__name__ == "CUDADispatcher" and _library(type(value)) and \
+        isinstance(getattr(value, "py_func", None), types.FunctionType)
+
+
+def _is_numba_type(value):
+    try:
+        from numba.core.types import Type
+    except ImportError:
+        return False
+    return isinstance(value, Type) and _library(type(value))

@@ -101,3 +101,43 @@ def test_another_process_gives_the_same_fingerprint(tmp_path):
     prints = {subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                              check=True).stdout.strip() for _ in range(2)}
     assert len(prints) == 1 and len(prints.pop()) == 64
+
+
+def test_each_global_belongs_to_the_function_that_reads_it():
+    """A review's case: the same values under the same names, read by different functions of
+    a call chain (h(x) = x.real, g(x) = h(x) + real, f(x) = g(x).real) compile differently, so
+    the fingerprints differ (a flat list of names and values made them equal)."""
+    def chain(h_real, g_real, f_real):
+        h = _make("def f(x):\n    return x.real\n", **({} if h_real is None else {"real": h_real}))
+        g = _make("def f(x):\n    return h(x) + real\n", h=h, real=g_real)
+        return _make("def f(x):\n    return g(x).real\n", g=g,
+                     **({} if f_real is None else {"real": f_real}))
+    assert fingerprint(chain(1.0, 2.0, None)) != fingerprint(chain(None, 1.0, 2.0))
+
+
+def test_what_changes_numba_code_besides_the_bytecode():
+    numba = __import__("numba")
+    body = "def f(x):\n    return g(x)\n"
+    callee = _make("def f(x):\n    return x / 3\n")
+    plain = fingerprint(_make(body, g=numba.njit(callee)))
+    assert plain != fingerprint(_make(body, g=numba.njit("float32(float32)")(callee)))
+    assert plain != fingerprint(_make(body, g=numba.njit(error_model="numpy")(callee)))
+    fields = [np.zeros(1, [("a", "f4"), ("b", "i4")]), np.zeros(1, [("a", "i4"), ("b", "f4")])]
+    prints = {fingerprint(_make("def f(x):\n    return T[0].a\n", T=t)) for t in fields}
+    assert len(prints) == 2 and None not in prints     # the same bytes, other fields
+    raises = "def f(x):\n    try:\n        y = x\n        raise ValueError\n    except Exception:" \
+             "\n        return -1.0\n    return y\n"
+    in_else = "def f(x):\n    try:\n        y = x\n    except Exception:\n        return -1.0\n" \
+              "    else:\n        raise ValueError\n    return y\n"
+    assert fingerprint(_make(raises)) != fingerprint(_make(in_else))  # the exception table
+
+
+def test_numba_objects_other_than_dispatchers_and_types_and_odd_values_give_none():
+    numba = __import__("numba")
+    ufunc = numba.vectorize(["float64(float64)"])(lambda x: x + 1.0)
+
+    class Raises:
+        def __getattr__(self, name):
+            raise KeyError(name)
+    for value in (ufunc, Raises(), 10 ** 5000, np.ma.masked_array([1.0]), [1.0]):
+        assert fingerprint(_make("def f(x):\n    return x + V\n", V=value)) is None

@@ -368,7 +368,13 @@ def test_cuda_packed_sequences_run_in_one_launch_and_match_sdpa(dtype, tol, monk
 @pytest.mark.parametrize("dtype, tol", [(torch.float16, 2e-2), (torch.bfloat16, 6e-2),
                                         (torch.float32, 2e-4)])
 def test_cuda_model_matches_sdpa(dtype, tol):
-    ref, ours = (m.to("cuda") for m in pair(dtype, head_dim=64))  # the kernels test_torch uses
+    _cuda_logits_and_a_training_step(*pair(dtype, head_dim=64), tol)  # test_torch's kernels
+
+
+def _cuda_logits_and_a_training_step(ref, ours, tol):
+    """On CUDA: a left-padded batch's logits within ``tol`` of the reference model's, and a
+    training step of ours with a finite loss and finite gradients."""
+    ref, ours = ref.to("cuda"), ours.to("cuda")
     ids, mask = (t.to("cuda") for t in batch())
     with torch.no_grad():
         want = ref(ids, attention_mask=mask).logits.float()
@@ -384,16 +390,7 @@ def test_cuda_model_matches_sdpa(dtype, tol):
 @pytest.mark.parametrize("dtype, tol", [(torch.float16, 2e-2), (torch.float32, 2e-4)])
 def test_cuda_sliding_window_model_matches_sdpa(dtype, tol):
     """Mistral's window on CUDA (the tensor-core kernels' window, forward and backward)."""
-    ref, ours = (m.to("cuda") for m in windowed_pair("mistral", dtype, head_dim=64))
-    ids, mask = (t.to("cuda") for t in batch())
-    with torch.no_grad():
-        want = ref(ids, attention_mask=mask).logits.float()
-        got = ours(ids, attention_mask=mask).logits.float()
-    assert (got - want)[mask.bool()].abs().max().item() <= tol
-    ours.train()
-    loss = ours(ids, labels=ids).loss
-    loss.backward()
-    assert torch.isfinite(loss) and all(torch.isfinite(p.grad).all() for p in ours.parameters())
+    _cuda_logits_and_a_training_step(*windowed_pair("mistral", dtype, head_dim=64), tol)
 
 
 def test_a_static_cache_is_refused_not_run_on_its_empty_slots():
