@@ -12,9 +12,9 @@ whose device is not known here, and GPU data would be staged through the host by
 Gradients use numflash's backward (:func:`numflash.attention_backward`), so ``jax.grad`` and
 ``jax.vjp`` of :func:`attention` run in O(N) memory, eagerly and under ``jax.jit``. The built-in
 modifications (a window, softcap, ALiBi, a bias, with its gradient, and a boolean mask), a block
-mask, a user's score_mod / mask_mod with their mod_args (gradients to the float ones that score_mod_args_grad
-names) and attention dropout run too; their arrays travel as inputs of the call (traced under
-``jax.jit``), the functions as static parts of it.
+mask, a user's score_mod / mask_mod with their mod_args (gradients to the float ones that
+score_mod_args_grad names) and attention dropout run too; their arrays travel as inputs of the
+call (traced under ``jax.jit``), the functions and the block mask as static parts of it.
 """
 import dataclasses
 import functools

@@ -57,7 +57,8 @@ def test_dropout_draws_each_sequence_its_own_mask_forward_and_backward(rng, caus
     for b in (0, 2, 3):
         s, e, sk, ek = cq[b], cq[b + 1], ck[b], ck[b + 1]
         seq = [a[None, lo:hi] for a, lo, hi in ((q, s, e), (k, sk, ek), (v, sk, ek))]
-        mine = dict(causal=causal, dropout_p=0.25, dropout_seed=packed_seed(opts["dropout_seed"], b))
+        mine = dict(causal=causal, dropout_p=0.25,
+                    dropout_seed=packed_seed(opts["dropout_seed"], b))
         testing.assert_accurate(out[None, s:e], *seq, lse=lse[None, :, s:e], layout="bshd",
                                 **mine)
         testing.assert_gradients_accurate([grads[0][None, s:e], grads[1][None, sk:ek],
