@@ -3,9 +3,9 @@ that function inside can be cached on disk and found again by another process.
 
 numba compiles a function from its bytecode and freezes, at compile time, the globals and closure
 values it reads (numbers, tuples, arrays, other functions, modules' functions). The fingerprint
-hashes exactly those: the code objects (bytecode, constants, names, argument counts; not file or
-line numbers), the defaults, the closure cells and every global the code names, followed into the
-functions it calls. A value it cannot describe faithfully (an object, a class of the user's, a
+hashes exactly those: the code objects (bytecode, exception table, constants, names, argument
+counts; not file or line numbers), the defaults, the closure cells and every global the code
+names, followed into the functions and numba dispatchers (with their options) it calls. A value it cannot describe faithfully (an object, a class of the user's, a
 large array) makes the function opaque: :func:`fingerprint` returns None and the caller keeps such
 a kernel for its process only, as numba would recompile it.
 """

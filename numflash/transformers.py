@@ -183,7 +183,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
                                       "form): leave output_attentions off")
         cu = _sequence_offsets(attention_mask) if packed else None
         return _packed_attention(query, key, value, causal, scaling, cu, kwargs,
-                                 dict(mods, dropout_p=dropout)), None
+                                 dropout_p=dropout, **mods), None
     if attention_mask is not None and attention_mask.dim() != 2:
         raise NotImplementedError("numflash's transformers attention got a dense attention mask: "
                                   "register it with numflash.transformers.register(), which also "
@@ -235,10 +235,11 @@ def _sequence_offsets(ids):
     return torch.cat([first, first.new_tensor([ids.numel()])]).to(torch.int32)
 
 
-def _packed_attention(query, key, value, causal, scaling, cu, kwargs, mods):
+def _packed_attention(query, key, value, causal, scaling, cu, kwargs, **options):
     """Every packed sequence in one flash_attn_varlen_func call: query (B, H, N, d), key and
     value (B, Hk, N, .) flattened to (B N, heads, .); ``cu``: the offsets (else flash-attn's
-    ``cu_seq_lens_q/k`` keyword arguments). Returns (B, N, H, dv)."""
+    ``cu_seq_lens_q/k`` keyword arguments); ``options``: flash_attn_varlen_func's dropout_p,
+    window_size and softcap. Returns (B, N, H, dv)."""
     B, H, nq = query.shape[:3]
     nk = key.shape[2]
     cu_q = cu if cu is not None else kwargs["cu_seq_lens_q"]
@@ -247,10 +248,7 @@ def _packed_attention(query, key, value, causal, scaling, cu, kwargs, mods):
             for t, n in ((query, nq), (key, nk), (value, nk))]
     out = _nt.flash_attn_varlen_func(*flat, cu_q, cu_k, kwargs.get("max_length_q"),
                                      kwargs.get("max_length_k"), softmax_scale=scaling,
-                                     causal=bool(causal),
-                                     window_size=mods.get("window_size", (-1, -1)),
-                                     softcap=mods.get("softcap", 0.0),
-                                     dropout_p=mods.get("dropout_p", 0.0))
+                                     causal=bool(causal), **options)
     return out.reshape(B, nq, H, value.shape[3])
 
 

@@ -179,9 +179,9 @@ def _spy_packed(monkeypatch):
     "kwargs" (cu_seq_lens_q/k)."""
     calls, real = [], ntf._packed_attention
 
-    def spy(query, key, value, causal, scaling, cu, kwargs, mods):
+    def spy(query, key, value, causal, scaling, cu, kwargs, **options):
         calls.append("kwargs" if cu is None else "ids")
-        return real(query, key, value, causal, scaling, cu, kwargs, mods)
+        return real(query, key, value, causal, scaling, cu, kwargs, **options)
     monkeypatch.setattr(ntf, "_packed_attention", spy)
     return calls
 

@@ -90,11 +90,12 @@ FINGERPRINTED, NUMBERED = "~", "#"  # what follows a user's function's name in a
 
 
 def _is_builtin(fn):
-    return getattr(fn, "__module__", None) == user_mods.__name__
+    """One of numflash's own functions (or an njit dispatcher of one)."""
+    return getattr(getattr(fn, "py_func", fn), "__module__", None) == user_mods.__name__
 
 
 def _is_keyed(fn):
-    return _is_builtin(getattr(fn, "py_func", fn)) or FINGERPRINTED in _name(fn)
+    return _is_builtin(fn) or FINGERPRINTED in _name(fn)
 
 
 def _name(fn):
@@ -485,7 +486,7 @@ def identity_functions(token, extra_grads=False):
     return (composition_source, _functions_source, namespace, _environment, emit_locals,
             *((grad_source, grad_namespace, grad_suffix) if extra_grads else ()),
             *(getattr(f, "py_func", f) for f in composition(token).functions
-              if _is_builtin(getattr(f, "py_func", f))))  # a user's: its fingerprint is in token
+              if _is_builtin(f)))  # a user's: its fingerprint is in the token
 
 
 def cacheable(token, arg_token=""):
