@@ -683,9 +683,10 @@ def _as_4d(t):
     return t.reshape(-1, t.shape[-3], *t.shape[-2:])
 
 
-def _flash_attn_mods(where, window_size, softcap, alibi_slopes, causal, nq, nk):
+def _flash_attn_mods(where, window_size, softcap, alibi_slopes, causal, lengths):
     """flash-attn's window_size, softcap and alibi_slopes as numflash modification options
-    (numflash.mods), or a refusal naming the option."""
+    (numflash.mods), or a refusal naming the option. ``lengths``: (queries, keys) of each
+    sequence the options apply to."""
     mods = {}
     if window_size is not None and tuple(window_size) != (-1, -1):
         mods["window_size"] = tuple(window_size)
@@ -693,12 +694,15 @@ def _flash_attn_mods(where, window_size, softcap, alibi_slopes, causal, nq, nk):
         mods["softcap"] = softcap
     if alibi_slopes is not None:
         mods["alibi_slopes"] = alibi_slopes
-    if not causal and nq != nk and ("window_size" in mods or "alibi_slopes" in mods):
-        # flash-attn measures both from the bottom-right diagonal even without causal masking;
-        # numflash from the causal alignment's diagonal (top-left when not causal)
-        raise NotImplementedError(f"{where}: a window or ALiBi with causal=False and "
-                                  f"{nq} queries != {nk} keys (flash-attn aligns them to the "
-                                  f"bottom right; numflash to the top left without causal)")
+    if not causal and ("window_size" in mods or "alibi_slopes" in mods):
+        for nq, nk in lengths:
+            if nq != nk:
+                # flash-attn measures both from the bottom-right diagonal even without causal
+                # masking; numflash from the causal alignment's diagonal (top-left then)
+                raise NotImplementedError(
+                    f"{where}: a window or ALiBi with causal=False and {nq} queries != {nk} "
+                    f"keys (flash-attn aligns them to the bottom right; numflash to the top "
+                    f"left without causal)")
     return mods
 
 
@@ -719,7 +723,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     """
     _check_tensors(q=q, k=k, v=v)
     mods = _flash_attn_mods("flash_attn_func", window_size, softcap, alibi_slopes, causal,
-                            q.shape[1] if q.dim() == 4 else 0, k.shape[1] if k.dim() == 4 else 0)
+                            [(q.shape[1], k.shape[1])] if q.dim() == k.dim() == 4 else [])
     causal_mode = "bottom_right" if causal else False
     out, lse = attention(q, k, v, causal=causal_mode, softmax_scale=softmax_scale, layout="bshd",
                          return_lse=True, deterministic=deterministic, dropout_p=dropout_p,
@@ -732,22 +736,23 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
 
 
 class _VarlenFunction(torch.autograd.Function):
-    """Packed sequences on CUDA tensors through numflash.attention_varlen and its backward (one
-    cuda.mma launch per pass where that kernel takes them), on torch's current stream;
-    differentiable in q, k and v."""
+    """Packed sequences through numflash.attention_varlen and its backward on the tensors' memory
+    (CUDA tensors: one cuda.mma launch per pass where that kernel takes them, on torch's current
+    stream); differentiable in q, k and v. ``options``: the modifications (arrays viewing their
+    tensors) and dropout, which both passes take."""
 
     @staticmethod
-    def forward(ctx, q, k, v, cu_q, cu_k, causal, scale, deterministic):
+    def forward(ctx, q, k, v, cu_q, cu_k, causal, scale, deterministic, options):
         from .varlen import attention_varlen
         out = torch.empty((q.shape[0], q.shape[1], v.shape[2]), dtype=q.dtype, device=q.device)
         lse = torch.empty((q.shape[1], q.shape[0]), dtype=_lse_dtype(q.dtype), device=q.device)
         with _on_torch_stream(q):   # views made here: DLPack orders them on torch's stream
             views = _views(q, k, v, cu_q, cu_k, out, lse)
             _, got = attention_varlen(*views[:5], causal=causal, softmax_scale=scale,
-                                      return_lse=True, out=views[5])
+                                      return_lse=True, out=views[5], **options)
             views[6][...] = got
         ctx.save_for_backward(q, k, v, cu_q, cu_k, out, lse)
-        ctx.options = (causal, scale, deterministic)
+        ctx.options = (causal, scale, deterministic, options)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -755,14 +760,14 @@ class _VarlenFunction(torch.autograd.Function):
     def backward(ctx, d_out, d_lse):
         from .varlen import attention_varlen_backward
         q, k, v, cu_q, cu_k, out, lse = ctx.saved_tensors
-        causal, scale, deterministic = ctx.options
+        causal, scale, deterministic, options = ctx.options
         grads = [torch.empty_like(x) for x in (q, k, v)]
         with _on_torch_stream(q):
             views = _views(d_out.contiguous(), q, k, v, out, lse, cu_q, cu_k, *grads)
             attention_varlen_backward(*views[:8], causal=causal, softmax_scale=scale,
                                       deterministic=deterministic, dq=views[8], dk=views[9],
-                                      dv=views[10])
-        return (*grads, None, None, None, None, None)
+                                      dv=views[10], **options)
+        return (*grads, None, None, None, None, None, None)
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None,
@@ -771,61 +776,36 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=Non
                            deterministic=False, return_attn_probs=False):
     """flash-attn's ``flash_attn_varlen_func`` on numflash: packed q (total_q, H, d), k and v
     (total_k, Hk, d), cumulative lengths ``cu_seqlens_q/k`` (int32 tensors or lists, B + 1
-    entries), causal aligned to the bottom right of each sequence; differentiable. CUDA tensors
-    without window, softcap or ALiBi run :func:`numflash.attention_varlen` and its backward (one
-    cuda.mma launch per pass where it takes them); otherwise one :func:`attention` call per
-    sequence on views of the packed tensors.
+    entries), causal aligned to the bottom right of each sequence; differentiable. Runs
+    :func:`numflash.attention_varlen` and its backward on the tensors' memory (CUDA tensors
+    without window, softcap, ALiBi or dropout: one cuda.mma launch per pass where it takes
+    them; otherwise one call per sequence on views of the packed tensors).
 
     ``return_attn_probs=True`` returns (out, softmax_lse (H, total_q), None): the per-sequence
     probabilities have no dense packed form. Takes and refuses what :func:`flash_attn_func`
     does; ``alibi_slopes`` of shape (B, H) give sequence b its row. ``dropout_p > 0`` draws one
     seed from torch's default generator and sequence b its mask under
-    ``numflash.dropout.packed_seed(seed, b)`` (numflash.attention_varlen's rule), one call per
-    sequence.
+    ``numflash.dropout.packed_seed(seed, b)`` (numflash.attention_varlen's rule).
     """
-    from .dropout import packed_seed
     from .varlen import _check_packed
     _check_tensors(q=q, k=k, v=v)
     lengths = [c.tolist() if isinstance(c, torch.Tensor) else c
                for c in (cu_seqlens_q, cu_seqlens_k)]
     cq, ck = _check_packed(q, k, v, *lengths, max_seqlen_q, max_seqlen_k, torch_ok=True)
-    mode = "bottom_right" if causal else False
-    dropout = _dropout_options(dropout_p, None)
-    plain = (window_size is None or tuple(window_size) == (-1, -1)) and not softcap \
-        and alibi_slopes is None and not dropout
-    if plain and q.device.type == "cuda":   # every sequence in one launch where cuda.mma can
+    mods = _flash_attn_mods("flash_attn_varlen_func", window_size, softcap, alibi_slopes, causal,
+                            zip((cq[1:] - cq[:-1]).tolist(), (ck[1:] - ck[:-1]).tolist()))
+    options = _mod_arrays(mods)
+    options.update(_dropout_options(dropout_p, None))
+    if q.device.type == "cuda":   # the int32 offsets the one-launch kernels read, on q's GPU
         offsets = [c if isinstance(c, torch.Tensor) and c.device == q.device
                    and c.dtype == torch.int32 else torch.tensor(n, dtype=torch.int32,
                                                                 device=q.device)
                    for c, n in zip((cu_seqlens_q, cu_seqlens_k), (cq, ck))]
-        out, lse = _VarlenFunction.apply(q, k, v, *offsets, mode, softmax_scale,
-                                         bool(deterministic))
-        return (out, lse, None) if return_attn_probs else out
-    outs, lses = [], []
-    for b in range(cq.size - 1):
-        sq, eq, sk, ek = int(cq[b]), int(cq[b + 1]), int(ck[b]), int(ck[b + 1])
-        slopes = alibi_slopes
-        if isinstance(slopes, torch.Tensor) and slopes.dim() == 2:
-            if slopes.shape[0] != cq.size - 1:
-                raise ValueError(f"alibi_slopes of shape {tuple(slopes.shape)}: its first "
-                                 f"dimension must be the {cq.size - 1} sequences")
-            slopes = slopes[b]
-        mods = _flash_attn_mods("flash_attn_varlen_func", window_size, softcap, slopes, causal,
-                                eq - sq, ek - sk)
-        if dropout:
-            mods.update(dropout_p=dropout["dropout_p"],
-                        dropout_seed=packed_seed(dropout["dropout_seed"], b))
-        out, lse = attention(q[None, sq:eq], k[None, sk:ek], v[None, sk:ek], causal=mode,
-                             softmax_scale=softmax_scale, layout="bshd", return_lse=True,
-                             deterministic=deterministic, **mods)
-        outs.append(out[0])
-        lses.append(lse[0])
-    out = torch.cat(outs) if outs else q.new_empty((0, q.shape[1], v.shape[2]))
-    if return_attn_probs:
-        lse = torch.cat(lses, dim=1) if lses else q.new_empty((q.shape[1], 0),
-                                                             dtype=_lse_dtype(q.dtype))
-        return out, lse, None
-    return out
+    else:
+        offsets = [torch.from_numpy(c) for c in (cq, ck)]
+    out, lse = _VarlenFunction.apply(q, k, v, *offsets, "bottom_right" if causal else False,
+                                     softmax_scale, bool(deterministic), options)
+    return (out, lse, None) if return_attn_probs else out
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None,

@@ -6,8 +6,9 @@ packed along one axis, q (total_q, H, d) and k, v (total_k, Hk, d), with cumulat
 and nothing is copied. On the GPU the tensor-core kernels (cuda.mma, compute capability >= 8.0)
 run every sequence in one launch per pass (MmaConfig.VARLEN: grid y walks the sequences' heads,
 each block finds its sequence's rows in cu_seqlens), forward and backward. Everywhere else (the
-CPU, cuda.block / cuda.row, inputs cuda.mma refuses) it runs one :func:`numflash.attention` call
-per sequence on views of the packed arrays, writing into views of the packed outputs.
+CPU, cuda.block / cuda.row, inputs cuda.mma refuses, dropout, modifications) it runs one
+:func:`numflash.attention` call per sequence on views of the packed arrays, writing into views of
+the packed outputs.
 
 :func:`merge_partials` combines results computed over disjoint sets of keys (split-KV, cascade or
 shared-prefix attention, sequence parallelism) into the result over all of them, exactly.
@@ -152,25 +153,58 @@ def _per_sequence_dropout(dropout_p, dropout_seed):
                   "(numflash.dropout.packed_seed)") if drop else None
 
 
+def _packed_mods(window_size, softcap, alibi_slopes, count):
+    """The modification options a packed call was given ({} without), checked where packing
+    adds a rule: alibi_slopes is (H,) for every sequence or (B, H), sequence b reading row b.
+    The rest is checked by each sequence's call, as numflash.attention checks it."""
+    mods = {name: value for name, value in (("window_size", window_size), ("softcap", softcap),
+                                            ("alibi_slopes", alibi_slopes)) if value is not None}
+    slopes = mods.get("alibi_slopes")
+    if slopes is not None and getattr(slopes, "ndim", None) == 2 and slopes.shape[0] != count:
+        raise ValueError(f"alibi_slopes of shape {tuple(slopes.shape)}: a 2-D alibi_slopes has "
+                         f"one row per packed sequence ({count}), or pass (H,) for all")
+    return mods
+
+
+def _sequence_mods(mods, b):
+    """Packed sequence b's own modification options: a (B, H) alibi_slopes gives it row b."""
+    slopes = mods.get("alibi_slopes")
+    if slopes is not None and getattr(slopes, "ndim", None) == 2:
+        return dict(mods, alibi_slopes=slopes[b])
+    return mods
+
+
+def _per_sequence_reason(dropout_reason, mods):
+    """Why a packed call runs one call per sequence (None: it may run in one launch)."""
+    if mods:   # the one-launch kernels were not built or checked with them
+        return (f"modifications ({', '.join(sorted(mods))}): each sequence runs them in a call "
+                f"of its own")
+    return dropout_reason
+
+
 def explain_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None,
                    *, causal=False, softmax_scale=None, backend="auto", algorithm="auto",
-                   precision="auto", backward=False, dropout_p=0.0):
+                   precision="auto", backward=False, dropout_p=0.0, window_size=None,
+                   softcap=None, alibi_slopes=None):
     """The :class:`numflash.plan.Plan` that :func:`attention_varlen` (``backward=True``:
     :func:`attention_varlen_backward`) would run for these arguments: the one launch for every
     sequence, or else the plan of the per-sequence call for the longest sequence, with a note
     saying that one call per sequence runs, and why."""
     import dataclasses
     from . import plan as _plan
+    from .api import _with_mods
     from .inputs import normalize
     cq, ck = _check_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     drop, why = _per_sequence_dropout(dropout_p, 0 if dropout_p else None)
+    mods = _packed_mods(window_size, softcap, alibi_slopes, cq.size - 1)
+    why = _per_sequence_reason(why, mods)
     options = dict(causal=causal, softmax_scale=softmax_scale, layout="bshd",
                    precision=precision)
     problem = normalize(q[None], k[None], v[None], **options)
     if backward:
         problem.direction = "backward"
     plan = None
-    if drop is None:
+    if why is None:
         plan, why = _one_launch(problem, cq, ck, cu_seqlens_q, cu_seqlens_k, causal, backend,
                                 algorithm)
     if plan is not None:
@@ -178,7 +212,8 @@ def explain_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_s
     b = int(np.argmax(np.diff(cq))) if cq.size > 1 else 0
     sq, eq, sk, ek = (int(cq[b]), int(cq[min(b + 1, cq.size - 1)]), int(ck[b]),
                       int(ck[min(b + 1, ck.size - 1)]))
-    one = normalize(q[None, sq:eq], k[None, sk:ek], v[None, sk:ek], **options)
+    one = _with_mods(normalize(q[None, sq:eq], k[None, sk:ek], v[None, sk:ek], **options),
+                     _sequence_mods(mods, b) if cq.size > 1 else {})
     if backward:
         one.direction = "backward"
     one.dropout = drop
@@ -198,7 +233,7 @@ def _xp(a):
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None,
                      *, causal=False, softmax_scale=None, backend="auto", algorithm="auto",
                      return_lse=False, out=None, precision="auto", dropout_p=0.0,
-                     dropout_seed=None):
+                     dropout_seed=None, window_size=None, softcap=None, alibi_slopes=None):
     """Attention over packed sequences: sequence b is q[cu_seqlens_q[b]:cu_seqlens_q[b + 1]]
     against k, v[cu_seqlens_k[b]:cu_seqlens_k[b + 1]], flash-attn's ``flash_attn_varlen_func``
     layout: q (total_q, H, d), k (total_k, Hk, d), v (total_k, Hk, dv). ``causal`` applies per
@@ -212,13 +247,20 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
     ``numflash.dropout.packed_seed(dropout_seed, b)`` (so its attention call alone, with that
     seed, gives the same result); with dropout every sequence runs its own call.
 
+    ``window_size``, ``softcap`` and ``alibi_slopes``: :func:`numflash.attention`'s
+    modifications, applied within each sequence (a window from each sequence's causal diagonal;
+    ``alibi_slopes`` (H,) for every sequence, or (B, H) with row b for sequence b). With any of
+    them every sequence runs its own call.
+
     CuPy arrays run in one cuda.mma launch where that kernel takes them (see the module's text);
     :func:`explain_varlen` says which kernel runs and how.
     """
     from .api import attention
     from .inputs import normalize
     cq, ck = _check_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    drop, _ = _per_sequence_dropout(dropout_p, dropout_seed)
+    drop, why = _per_sequence_dropout(dropout_p, dropout_seed)
+    mods = _packed_mods(window_size, softcap, alibi_slopes, cq.size - 1)
+    why = _per_sequence_reason(why, mods)
     xp = _xp(q)
     if out is None:
         out = xp.empty((q.shape[0], q.shape[1], v.shape[2]), dtype=q.dtype)
@@ -227,8 +269,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
                          f"{(q.shape[0], q.shape[1], v.shape[2])}; got {tuple(out.shape)}")
     problem = normalize(q[None], k[None], v[None], causal=causal, softmax_scale=softmax_scale,
                         layout="bshd", return_lse=True, out=out[None], precision=precision)
-    plan = None if drop else _one_launch(problem, cq, ck, cu_seqlens_q, cu_seqlens_k, causal,
-                                         backend, algorithm)[0]
+    plan = None if why else _one_launch(problem, cq, ck, cu_seqlens_q, cu_seqlens_k, causal,
+                                        backend, algorithm)[0]
     if plan is not None:
         lse = plan.run(problem)[0]
         return (out, lse) if return_lse else out
@@ -240,7 +282,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
         res = attention(q[None, sq:eq], k[None, sk:ek], v[None, sk:ek], causal=causal,
                         softmax_scale=softmax_scale, layout="bshd", backend=backend,
                         algorithm=algorithm, return_lse=return_lse, out=out[None, sq:eq],
-                        precision=precision, **_sequence_dropout(drop, b))
+                        precision=precision, **_sequence_dropout(drop, b),
+                        **_sequence_mods(mods, b))
         if return_lse:
             lse[:, sq:eq] = res[1][0]
     return (out, lse) if return_lse else out
@@ -258,16 +301,20 @@ def attention_varlen_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, m
                               max_seqlen_k=None, *, causal=False, softmax_scale=None,
                               backend="auto", algorithm="auto", precision="auto",
                               deterministic=False, dq=None, dk=None, dv=None, dropout_p=0.0,
-                              dropout_seed=None):
+                              dropout_seed=None, window_size=None, softcap=None,
+                              alibi_slopes=None):
     """Gradients (dq, dk, dv) of :func:`attention_varlen`, packed like q, k and v; ``o`` and
-    ``lse`` are what it returned (lse as (H, total_q)), ``dropout_p`` and ``dropout_seed`` what
-    it was given. CuPy arrays run in one launch per pass where cuda.mma's backward takes them
-    (not with dropout); otherwise one :func:`numflash.attention_backward` call per sequence, on
-    views, into views of the packed gradients."""
+    ``lse`` are what it returned (lse as (H, total_q)), ``dropout_p``, ``dropout_seed`` and the
+    modifications what it was given. CuPy arrays run in one launch per pass where cuda.mma's
+    backward takes them (not with dropout or modifications); otherwise one
+    :func:`numflash.attention_backward` call per sequence, on views, into views of the packed
+    gradients."""
     from .api import attention_backward
     from .inputs import normalize_backward
     cq, ck = _check_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    drop, _ = _per_sequence_dropout(dropout_p, dropout_seed)
+    drop, why = _per_sequence_dropout(dropout_p, dropout_seed)
+    mods = _packed_mods(window_size, softcap, alibi_slopes, cq.size - 1)
+    why = _per_sequence_reason(why, mods)
     xp = _xp(q)
     if tuple(lse.shape) != (q.shape[1], q.shape[0]):
         raise ValueError(f"lse must have shape (H, total_q) = {(q.shape[1], q.shape[0])} (what "
@@ -294,8 +341,8 @@ def attention_varlen_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, m
         softmax_scale=softmax_scale, layout="bshd", precision=precision,
         deterministic=deterministic, **{name: None if g is None else g[None] for name, g in
                                         (("dq", dq), ("dk", dk), ("dv", dv))})
-    plan = None if drop else _one_launch(problem, cq, ck, cu_seqlens_q, cu_seqlens_k, causal,
-                                         backend, algorithm)[0]
+    plan = None if why else _one_launch(problem, cq, ck, cu_seqlens_q, cu_seqlens_k, causal,
+                                        backend, algorithm)[0]
     # the given buffers themselves, else the ones normalize_backward made
     grads = [r[0] if given is None else given for given, r in zip((dq, dk, dv), problem.result)]
     if plan is not None:   # every row of every gradient is written: no zeroing
@@ -313,7 +360,8 @@ def attention_varlen_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, m
                            layout="bshd", backend=backend, algorithm=algorithm,
                            precision=precision, deterministic=deterministic,
                            dq=grads[0][None, sq:eq], dk=grads[1][None, sk:ek],
-                           dv=grads[2][None, sk:ek], **_sequence_dropout(drop, b))
+                           dv=grads[2][None, sk:ek], **_sequence_dropout(drop, b),
+                           **_sequence_mods(mods, b))
     return tuple(grads)
 
 

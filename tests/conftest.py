@@ -81,6 +81,10 @@ FAST_CASES = {  # sweep -> the case ids that stay in the fast tier
         "bhsd-float16-False-H4-Hk2", "bhsd-float32-True-H6-Hk1",
         "bhsd-float64-bottom_right-H8-Hk4", "bshd-float32-bottom_right-H6-Hk1",
         "bshd-float16-True-H8-Hk4", "bshd-float64-False-H4-Hk2"},
+    # modifications on packed sequences: every one together, and ALiBi per sequence, in the fast
+    # tier; the rest (5 s a case on 2 cores: each combination compiles its CPU kernels) extended
+    "test_modifications_apply_within_each_sequence": {"float64-bottom_right-all-shared-alibi",
+                                                      "float32-False-alibi-per-sequence"},
 }
 
 

@@ -357,15 +357,29 @@ def test_flash_attn_func_window_softcap_alibi(causal, nq, mods):
 
 
 def test_flash_attn_varlen_takes_the_same_modifications():
+    """flash-attn's semantics sequence by sequence; the gradients are numflash.attention_varlen's
+    backward with the same modifications (its own accuracy is tested in test_varlen)."""
     q, k, v = tensors((20, 3, 8), (20, 3, 8), torch.float64, grad=True)
     cu = torch.tensor([0, 7, 20], dtype=torch.int32)
     slopes = torch.rand(2, 3, dtype=torch.float64)
-    out = nt.flash_attn_varlen_func(q, k, v, cu, cu, 13, 13, causal=True, window_size=(3, 0),
-                                    softcap=2.0, alibi_slopes=slopes)
+    mods = dict(window_size=(3, 0), softcap=2.0, alibi_slopes=slopes)
+    out = nt.flash_attn_varlen_func(q, k, v, cu, cu, 13, 13, causal=True, **mods)
     for b, (s, e) in enumerate(((0, 7), (7, 20))):
         ref = _flash_reference(q[None, s:e], k[None, s:e], v[None, s:e], True, 8 ** -0.5,
                                (3, 0), 2.0, slopes[b:b + 1])
         torch.testing.assert_close(out[s:e], ref[0], rtol=0, atol=1e-12)
+    do = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), do)
+    arrays, mods["alibi_slopes"] = [np_(t) for t in (q, k, v)], slopes.numpy()
+    want, lse = numflash.attention_varlen(*arrays, cu.numpy(), cu.numpy(), causal="bottom_right",
+                                          return_lse=True, **mods)
+    np.testing.assert_allclose(np_(out), want, rtol=0, atol=1e-14)
+    ref = numflash.attention_varlen_backward(do.numpy(), *arrays, want, lse, cu.numpy(),
+                                             cu.numpy(), causal="bottom_right", **mods)
+    for g, r in zip(grads, ref):
+        np.testing.assert_allclose(g.numpy(), r, rtol=0, atol=1e-14)
+    with pytest.raises(NotImplementedError, match="causal=False and 7 queries != 5 keys"):
+        nt.flash_attn_varlen_func(q, k, v, cu, [0, 5, 20], window_size=(3, 0))
 
 
 @pytest.mark.parametrize("kwargs, match", [

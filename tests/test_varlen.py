@@ -85,6 +85,63 @@ def test_dropout_on_packed_sequences_is_explained_and_checked(rng):
         numflash.attention_varlen_backward(do, q, k, v, out, lse, cq, ck, dropout_p=0.1)
 
 
+def _check_each_sequence(out, lse, grads, q, k, v, do, cq, ck, causal, mods):
+    """Each sequence of a packed result against the float64 reference of that sequence alone,
+    forward and gradients, with its own modifications (row b of a 2-D alibi_slopes)."""
+    for b in range(len(cq) - 1):
+        s, e, sk, ek = cq[b], cq[b + 1], ck[b], ck[b + 1]
+        mine = dict(mods)
+        if getattr(mine.get("alibi_slopes"), "ndim", 0) == 2:
+            mine["alibi_slopes"] = mine["alibi_slopes"][b]
+        seq = [a[None, lo:hi] for a, lo, hi in ((q, s, e), (k, sk, ek), (v, sk, ek))]
+        if e > s:
+            testing.assert_accurate(out[None, s:e], *seq, lse=lse[None, :, s:e], causal=causal,
+                                    layout="bshd", **mine)
+            testing.assert_gradients_accurate([grads[0][None, s:e], grads[1][None, sk:ek],
+                                               grads[2][None, sk:ek]], do[None, s:e], *seq,
+                                              causal=causal, layout="bshd", **mine)
+        else:  # keys of a sequence without queries get no gradient
+            assert not grads[1][sk:ek].any() and not grads[2][sk:ek].any()
+
+
+@pytest.mark.parametrize("mods", [
+    dict(window_size=(3, 1)), dict(softcap=2.5), dict(alibi_slopes="per-sequence"),
+    dict(window_size=(5, 0), softcap=3.0, alibi_slopes="shared")],
+    ids=["window", "softcap", "alibi-per-sequence", "all-shared-alibi"])
+@pytest.mark.parametrize("causal", [False, "bottom_right"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_modifications_apply_within_each_sequence(rng, mods, causal, dtype):
+    """window_size, softcap and alibi_slopes ((H,), or (B, H): row b for sequence b) as each
+    sequence's own call applies them, forward and backward; one call per sequence, explained."""
+    q, k, v, do, cq, ck = packed(rng, [5, 0, 1, 37, 20], [7, 4, 1, 37, 29], dtype=dtype)
+    slopes = {"per-sequence": rng.random((5, 4)), "shared": rng.random(4)}
+    mods = {n: slopes[m] if n == "alibi_slopes" else m for n, m in mods.items()}
+    out, lse = numflash.attention_varlen(q, k, v, cq, ck, causal=causal, return_lse=True, **mods)
+    grads = numflash.attention_varlen_backward(do, q, k, v, out, lse, cq, ck, causal=causal,
+                                               **mods)
+    _check_each_sequence(out, lse, grads, q, k, v, do, cq, ck, causal, mods)
+    plan = str(numflash.explain_varlen(q, k, v, cq, ck, causal=causal, **mods))
+    assert "one call per sequence" in plan and "modifications (" in plan
+    for name in mods:
+        assert name in plan
+    plain = numflash.attention_varlen(q, k, v, cq, ck, causal=causal)
+    assert not np.allclose(plain, out)   # the modifications changed something
+
+
+def test_a_packed_alibi_table_needs_a_row_per_sequence(rng):
+    q, k, v, do, cq, ck = packed(rng, [4, 6], [5, 5])
+    for fn in (lambda s: numflash.attention_varlen(q, k, v, cq, ck, alibi_slopes=s),
+               lambda s: numflash.explain_varlen(q, k, v, cq, ck, alibi_slopes=s),
+               lambda s: numflash.attention_varlen_backward(do, q, k, v, q[..., :16], np.zeros(
+                   (4, 10)), cq, ck, alibi_slopes=s)):
+        with pytest.raises(ValueError, match=r"alibi_slopes of shape \(3, 4\): a 2-D "
+                                             r"alibi_slopes has one row per packed sequence "
+                                             r"\(2\)"):
+            fn(np.ones((3, 4)))
+    with pytest.raises(ValueError, match="alibi_slopes"):   # each call checks the rest
+        numflash.attention_varlen(q, k, v, cq, ck, alibi_slopes=np.ones(3))
+
+
 @pytest.mark.simulator
 def test_simulated_cuda_kernels(rng):
     q, k, v, do, cq, ck = packed(rng, [9, 0, 20], [13, 2, 17], d=8, dv=8)
@@ -484,6 +541,42 @@ def test_gpu_dropout_on_packed_sequences_meets_the_rule_for_every_sequence(rng, 
         testing.assert_gradients_accurate([grads[0][None, s:e], grads[1][None, sk:ek],
                                            grads[2][None, sk:ek]], do[None, s:e], *seq,
                                           layout="bshd", **mine)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_gpu_modifications_on_packed_sequences_meet_the_rule_for_every_sequence(rng, dtype):
+    """CuPy packed sequences with a window, softcap and per-sequence ALiBi: one cuda.mma call
+    per sequence, forward and backward against each sequence's float64 reference; the same
+    through flash_attn_varlen_func on CUDA tensors."""
+    import cupy
+    q, k, v, do, cq, ck = packed(rng, [100, 1, 257], [90, 5, 300], H=4, Hk=2, d=64, dv=64,
+                                 dtype=np.dtype(dtype))
+    slopes = rng.random((3, 4))
+    mods = dict(window_size=(40, 0), softcap=3.0, alibi_slopes=slopes)
+    dev = [cupy.asarray(a) for a in (q, k, v, do, cq, ck)]
+    dev_mods = dict(mods, alibi_slopes=cupy.asarray(slopes))
+    plan = numflash.explain_varlen(*dev[:3], *dev[4:], causal="bottom_right", **dev_mods)
+    assert plan.kernel == "cuda.mma" and "one call per sequence" in str(plan), str(plan)
+    out, lse = numflash.attention_varlen(*dev[:3], *dev[4:], causal="bottom_right",
+                                         return_lse=True, **dev_mods)
+    grads = numflash.attention_varlen_backward(dev[3], *dev[:3], out, lse, *dev[4:],
+                                               causal="bottom_right", **dev_mods)
+    host = [a.get() for a in (out, lse, *grads)]
+    _check_each_sequence(host[0], host[1], host[2:], q, k, v, do, cq, ck, "bottom_right", mods)
+    torch = pytest.importorskip("torch")
+    import numflash.torch as nt
+    tq, tk, tv = (torch.from_dlpack(a).requires_grad_() for a in dev[:3])
+    t_out = nt.flash_attn_varlen_func(tq, tk, tv, torch.from_dlpack(dev[4]),
+                                      torch.from_dlpack(dev[5]), causal=True,
+                                      alibi_slopes=torch.from_dlpack(dev_mods["alibi_slopes"]),
+                                      window_size=(40, 0), softcap=3.0, deterministic=True)
+    t_grads = torch.autograd.grad(t_out, (tq, tk, tv), torch.from_dlpack(dev[3]))
+    grads = numflash.attention_varlen_backward(dev[3], *dev[:3], out, lse, *dev[4:],
+                                               causal="bottom_right", deterministic=True,
+                                               **dev_mods)   # (no dQ adds: bitwise runs)
+    for got, want in zip((t_out, *t_grads), (out, *grads)):   # the same calls, the same bits
+        np.testing.assert_array_equal(got.detach().cpu().numpy(), want.get())
 
 
 @pytest.mark.gpu
