@@ -112,7 +112,8 @@ def _check(q, k_cache, v_cache, k, v, block_table):
 
 
 def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None,
-                           block_table=None, *, causal=False, return_lse=False, **options):
+                           block_table=None, *, causal=False, return_lse=False,
+                           alibi_slopes=None, **options):
     """Append ``k``, ``v`` to the cache at each sequence's length, then attend ``q`` to the
     cached keys and values; flash-attn's ``flash_attn_with_kvcache`` conventions (bshd layout).
 
@@ -125,12 +126,14 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=No
     appended). Sequence b attends to its first cache_seqlens[b] + N_new rows; ``causal=True``
     aligns the queries with the last of them (bottom-right: the query rows are the newest
     positions). Options: softmax_scale, backend, algorithm, precision, window_size (with
-    causal=True), softcap, num_splits, as for :func:`numflash.attention`; all are checked before
-    anything is written.
+    causal=True), softcap, num_splits, as for :func:`numflash.attention`, and alibi_slopes (with
+    causal=True: distances from the newest rows, as flash-attn measures them; (H,), or (B, H)
+    with row b for entry b); all are checked before anything is written.
 
     CuPy arrays run as one cuda.mma launch that reads the cache in place when that kernel takes
-    the call (power-of-two page sizes, rows cp.async can read); otherwise, and for NumPy arrays,
-    one :func:`numflash.attention` call per batch entry (a paged cache's pages gathered).
+    the call (power-of-two page sizes, rows cp.async can read; no alibi_slopes: its distances
+    need each entry's own length); otherwise, and for NumPy arrays, one
+    :func:`numflash.attention` call per batch entry (a paged cache's pages gathered).
 
     Returns the output (B, Nq, H, dv) in q's dtype and kind, and with ``return_lse`` the
     (B, H, Nq) lse.
@@ -140,7 +143,11 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=No
     if unknown:
         raise TypeError(f"attention_with_kvcache does not take {', '.join(unknown)} yet; it "
                         f"takes {', '.join(PASSED_OPTIONS)}, causal and return_lse")
-    key = _replay_key(q, k_cache, v_cache, k, v, block_table, causal, return_lse, options)
+    if alibi_slopes is not None:
+        _check_alibi(alibi_slopes, q.shape[0], causal)
+    key = None if alibi_slopes is not None else _replay_key(q, k_cache, v_cache, k, v,
+                                                             block_table, causal, return_lse,
+                                                             options)
     known = _recorded.get(key) if key is not None else None
     if known is not None:   # the arrays' checks passed with this signature before
         B, page, capacity = known.B, known.page, known.capacity
@@ -162,12 +169,13 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=No
     xp = np if array_kind(q) == "numpy" else __import__("cupy")
     flat = None if page is None else _flat_pages(k_cache, v_cache)
     # every option checked (a plan chosen) before anything is written
-    one = _one_launch_plan(xp, q, k_cache, v_cache, flat, ends, pages, page,
-                           block_table, causal, return_lse, options)
+    one = None if alibi_slopes is not None else _one_launch_plan(
+        xp, q, k_cache, v_cache, flat, ends, pages, page, block_table, causal, return_lse, options)
     if one is None:
         from .api import explain
         explain(q[:1], k_cache[:1], v_cache[:1], layout="bshd", return_lse=return_lse,
-                causal="bottom_right" if causal else False, **options)
+                causal="bottom_right" if causal else False, **options,
+                **_entry_alibi(alibi_slopes, 0))
     if new:
         _append(xp, k_cache, v_cache, flat, k, v, lengths, pages, page)
     Nq, H = q.shape[1], q.shape[2]
@@ -189,10 +197,31 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=No
                             for c in (k_cache, v_cache))
         res = attention(q[b:b + 1], keys, values, layout="bshd",
                         causal="bottom_right" if causal else False, out=out[b:b + 1],
-                        return_lse=return_lse, **options)
+                        return_lse=return_lse, **options, **_entry_alibi(alibi_slopes, b))
         if return_lse:
             lse[b] = res[1][0]
     return (out, lse) if return_lse else out
+
+
+def _check_alibi(alibi_slopes, B, causal):
+    """What attention() cannot check on one entry's call: the alignment, and a row per entry."""
+    if not causal:
+        raise ValueError("attention_with_kvcache takes alibi_slopes with causal=True (distances "
+                         "measured from the newest rows, as flash-attn does); without causal "
+                         "they would be measured from the first row")
+    shape = tuple(getattr(alibi_slopes, "shape", ()))
+    if len(shape) == 2 and shape[0] != B:
+        raise ValueError(f"alibi_slopes of shape {shape}: a 2-D alibi_slopes has one row per "
+                         f"batch entry ({B}), or pass (H,) for all")
+
+
+def _entry_alibi(alibi_slopes, b):
+    """Entry b's alibi_slopes option ({} without): row b of a (B, H) table."""
+    if alibi_slopes is None:
+        return {}
+    if getattr(alibi_slopes, "ndim", 1) == 2:
+        return {"alibi_slopes": alibi_slopes[b]}
+    return {"alibi_slopes": alibi_slopes}
 
 
 def _lengths(cache_seqlens, B, new, capacity, block_table):

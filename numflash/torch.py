@@ -818,12 +818,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     on the tensors' memory): q (B, Nq, H, d), caches (B, S, Hk, d) or paged (pages, page_size,
     Hk, d) with ``block_table``; k, v appended in place at ``cache_seqlens``; causal aligned to
     the bottom right. Inference only, as flash-attn's: no gradients. ``num_splits=0`` lets
-    numflash choose. Refused, naming the argument: rotary embeddings, cache_batch_idx,
-    cache_leftpad, alibi_slopes (not passed through yet)."""
+    numflash choose. ``alibi_slopes`` ((H,) or (B, H)) with causal=True (one call per entry).
+    Refused, naming the argument: rotary embeddings, cache_batch_idx, cache_leftpad."""
     from .kvcache import attention_with_kvcache
     for name, value in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin),
-                        ("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad),
-                        ("alibi_slopes", alibi_slopes)):
+                        ("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad)):
         if value is not None:
             raise NotImplementedError(f"flash_attn_with_kvcache: {name} is not supported by "
                                       f"numflash yet")
@@ -839,6 +838,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if softcap:
         options["softcap"] = softcap
     with _on_torch_stream(q):
+        if alibi_slopes is not None:
+            options.update(_mod_arrays({"alibi_slopes": alibi_slopes}))
         res = attention_with_kvcache(
             arrays["q"], arrays["k_cache"], arrays["v_cache"], arrays.get("k"), arrays.get("v"),
             arrays.get("cache_seqlens", cache_seqlens), arrays.get("block_table", block_table),

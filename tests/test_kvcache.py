@@ -87,6 +87,52 @@ def test_cache_without_lengths_and_options_pass_through(rng):
     assert rep.ok, str(rep)
 
 
+@pytest.mark.parametrize("table", ["shared", "per-entry"])
+@pytest.mark.parametrize("page", [None, 8])
+def test_alibi_counts_distances_from_each_entrys_newest_rows(rng, table, page):
+    """alibi_slopes, (H,) or (B, H) with row b for entry b: each entry against the float64
+    reference of its own cached rows with its slopes, bottom-right aligned (flash-attn's
+    distances), contiguous and paged; refused without causal, and with a row count that is not
+    the batch's, before anything is written."""
+    B, S, H, Hk, d = 3, 32, 4, 2, 16
+    k_cache, v_cache = _cache(rng, B, S, Hk, d)
+    slopes = rng.random((B, H)) if table == "per-entry" else rng.random(H)
+    lengths = np.array([0, 9, 29], np.int32)
+    q = rng.standard_normal((B, 3, H, d)).astype(np.float32)
+    k, v = _cache(rng, B, 3, Hk, d)
+    caches, extra = (k_cache, v_cache), ()
+    if page is not None:
+        kp, vp, pages = _paged(k_cache, v_cache, page, rng)
+        caches, extra = (kp, vp), (pages,)
+    out, lse = numflash.attention_with_kvcache(q, *caches, k, v, lengths, *extra, causal=True,
+                                               alibi_slopes=slopes, return_lse=True)
+    for b in range(B):
+        end = int(lengths[b]) + 3
+        if page is None:
+            keys, values = (c[b:b + 1, :end] for c in (k_cache, v_cache))
+        else:   # the rows in their pages (k_cache itself did not see this append)
+            keys, values = (np.stack([c[pages[b, r // page], r % page] for r in range(end)])[None]
+                            for c in caches)
+        rep = check(out[b:b + 1], q[b:b + 1], keys, values, lse=lse[b:b + 1], layout="bshd",
+                    causal="bottom_right", alibi_slopes=slopes[b] if slopes.ndim == 2 else slopes)
+        assert rep.ok, f"entry {b}: {rep}"
+    plain = numflash.attention_with_kvcache(q, *caches, None, None, lengths + 3, *extra,
+                                            causal=True)
+    assert not np.allclose(plain, out)
+    before = [c.copy() for c in caches]
+    with pytest.raises(ValueError, match="alibi_slopes with causal=True"):
+        numflash.attention_with_kvcache(q, *caches, k, v, lengths, *extra, alibi_slopes=slopes)
+    with pytest.raises(ValueError, match=r"a 2-D alibi_slopes has one row per batch entry "
+                                         r"\(3\)"):
+        numflash.attention_with_kvcache(q, *caches, k, v, lengths, *extra, causal=True,
+                                        alibi_slopes=np.ones((2, H)))
+    with pytest.raises(ValueError, match="alibi_slopes"):   # the entries' call checks the rest
+        numflash.attention_with_kvcache(q, *caches, k, v, lengths, *extra, causal=True,
+                                        alibi_slopes=np.ones(H + 1))
+    for c, old in zip(caches, before):
+        np.testing.assert_array_equal(c, old)
+
+
 def test_empty_queries_still_append(rng):
     B, S, H, d = 2, 10, 1, 8
     k_cache, v_cache = _cache(rng, B, S, H, d)
@@ -187,6 +233,33 @@ def test_gpu_paged_decode_matches_contiguous(rng, monkeypatch, page):
         n = int(lengths[b]) + 1
         rep = check(want[b:b + 1], q_[b:b + 1], kc[b:b + 1, :n], vc[b:b + 1, :n], layout="bshd")
         assert rep.ok, str(rep)
+
+
+@pytest.mark.gpu
+def test_gpu_alibi_runs_each_entry_and_never_replays_a_plain_call(rng, monkeypatch):
+    """CuPy caches with alibi_slopes: one attention call per entry (its own distances), never
+    the launch recorded for the same call without them; each entry meets the rule."""
+    cupy = pytest.importorskip("cupy")
+    from numflash import kvcache
+    from numflash.cuda import fastpath
+    monkeypatch.setattr(kvcache, "_recorded", {})
+    monkeypatch.setattr(fastpath, "_replays", {})
+    B, S, H, Hk, d = 3, 512, 8, 2, 64
+    k_cache, v_cache = _cache(rng, B, S, Hk, d, np.float16)
+    q = rng.standard_normal((B, 1, H, d)).astype(np.float16)
+    slopes = rng.random((B, H)).astype(np.float32)
+    q_, kc, vc, sl = (cupy.asarray(a) for a in (q, k_cache, v_cache, slopes))
+    lengths = np.array([1, 300, 512], np.int32)
+    for _ in range(2):   # the second plain call is a replay
+        plain = numflash.attention_with_kvcache(q_, kc, vc, None, None, lengths, causal=True)
+    got = numflash.attention_with_kvcache(q_, kc, vc, None, None, lengths, causal=True,
+                                          alibi_slopes=sl)
+    assert not cupy.allclose(plain, got)
+    for b in range(B):
+        n = int(lengths[b])
+        rep = check(got[b:b + 1], q[b:b + 1], k_cache[b:b + 1, :n], v_cache[b:b + 1, :n],
+                    layout="bshd", causal="bottom_right", alibi_slopes=slopes[b])
+        assert rep.ok, f"entry {b}: {rep}"
 
 
 @pytest.mark.gpu
@@ -311,6 +384,12 @@ def test_torch_flash_attn_with_kvcache(rng):
     np.testing.assert_array_equal(out.numpy(), want)
     np.testing.assert_array_equal(lse.numpy(), want_lse)
     assert torch.equal(kc[1, 11], torch.from_numpy(new_k[1, 0]))   # appended in place
+    slopes = rng.random((B, H))
+    want = numflash.attention_with_kvcache(q_np, kc.numpy(), vc.numpy(), None, None, [5, 12],
+                                           causal=True, alibi_slopes=slopes)
+    got = flash_attn_with_kvcache(torch.from_numpy(q_np), kc, vc, cache_seqlens=[5, 12],
+                                  causal=True, alibi_slopes=torch.from_numpy(slopes))
+    np.testing.assert_array_equal(got.numpy(), want)
     with pytest.raises(NotImplementedError, match="rotary_cos"):
         flash_attn_with_kvcache(torch.from_numpy(q_np), kc, vc, rotary_cos=torch.zeros(1))
 
