@@ -288,3 +288,28 @@ def test_huge_windows_are_clamped_and_mods_must_say_their_kinds():
     assert m.window == (18, 18) and m.kinds == {"window_size"}
     with pytest.raises(ValueError, match="kinds"):
         _mods.Mods([(_mods._window_mask, (1, 1, 0))], [], ["w"], ())
+
+
+@pytest.mark.extended
+def test_bench_mods_cost_cpu_table_checks_every_row_and_its_sdpa_peer(tmp_path):
+    """bench/mods_cost.py --cpu at a tiny size: every modification row is checked "ok" against
+    the float64 reference, and so is torch's CPU SDPA with the equivalent attn_mask; the softcap
+    row, which SDPA cannot express, has no peer cells."""
+    import pathlib
+    import subprocess
+    import sys
+    pytest.importorskip("torch", reason="the CPU table's peer is torch's SDPA")
+    root = pathlib.Path(__file__).resolve().parents[1]
+    run = subprocess.run([sys.executable, str(root / "bench" / "mods_cost.py"), "--cpu", "--N",
+                          "128", "--B", "2", "--H", "2", "--d", "16", "--reps", "1"],
+                         capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-2000:]
+    rows = [[c.strip() for c in line.split("|")[1:-1]] for line in run.stdout.splitlines()
+            if line.startswith("| ") and not line.startswith("| modification")]
+    assert len(rows) == 9 and rows[0][0] == "causal", run.stdout
+    for name, ms, ratio, checked, sdpa_ms, sdpa_ratio, against, sdpa_checked in rows:
+        assert checked == "ok" and float(ms) > 0 and float(ratio) > 0, (name, run.stdout)
+        if name.startswith("softcap"):
+            assert (sdpa_ms, sdpa_checked) == ("-", "-")
+        else:
+            assert float(sdpa_ms) > 0 and float(against) > 0 and sdpa_checked == "ok", name
