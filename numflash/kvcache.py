@@ -205,23 +205,18 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=No
 
 def _check_alibi(alibi_slopes, B, causal):
     """What attention() cannot check on one entry's call: the alignment, and a row per entry."""
+    from .mods import split_alibi_rows
     if not causal:
         raise ValueError("attention_with_kvcache takes alibi_slopes with causal=True (distances "
                          "measured from the newest rows, as flash-attn does); without causal "
                          "they would be measured from the first row")
-    shape = tuple(getattr(alibi_slopes, "shape", ()))
-    if len(shape) == 2 and shape[0] != B:
-        raise ValueError(f"alibi_slopes of shape {shape}: a 2-D alibi_slopes has one row per "
-                         f"batch entry ({B}), or pass (H,) for all")
+    split_alibi_rows(alibi_slopes, B, "batch entry")
 
 
 def _entry_alibi(alibi_slopes, b):
     """Entry b's alibi_slopes option ({} without): row b of a (B, H) table."""
-    if alibi_slopes is None:
-        return {}
-    if getattr(alibi_slopes, "ndim", 1) == 2:
-        return {"alibi_slopes": alibi_slopes[b]}
-    return {"alibi_slopes": alibi_slopes}
+    from .mods import row_options
+    return {} if alibi_slopes is None else row_options({"alibi_slopes": alibi_slopes}, b)
 
 
 def _lengths(cache_seqlens, B, new, capacity, block_table):

@@ -155,23 +155,12 @@ def _per_sequence_dropout(dropout_p, dropout_seed):
 
 def _packed_mods(window_size, softcap, alibi_slopes, count):
     """The modification options a packed call was given ({} without), checked where packing
-    adds a rule: alibi_slopes is (H,) for every sequence or (B, H), sequence b reading row b.
-    The rest is checked by each sequence's call, as numflash.attention checks it."""
-    mods = {name: value for name, value in (("window_size", window_size), ("softcap", softcap),
+    adds a rule: alibi_slopes is (H,) for every sequence or (B, H), sequence b reading row b
+    (numflash.mods.row_options). The rest is checked by each sequence's call."""
+    from .mods import split_alibi_rows
+    split_alibi_rows(alibi_slopes, count, "packed sequence")
+    return {name: value for name, value in (("window_size", window_size), ("softcap", softcap),
                                             ("alibi_slopes", alibi_slopes)) if value is not None}
-    slopes = mods.get("alibi_slopes")
-    if slopes is not None and getattr(slopes, "ndim", None) == 2 and slopes.shape[0] != count:
-        raise ValueError(f"alibi_slopes of shape {tuple(slopes.shape)}: a 2-D alibi_slopes has "
-                         f"one row per packed sequence ({count}), or pass (H,) for all")
-    return mods
-
-
-def _sequence_mods(mods, b):
-    """Packed sequence b's own modification options: a (B, H) alibi_slopes gives it row b."""
-    slopes = mods.get("alibi_slopes")
-    if slopes is not None and getattr(slopes, "ndim", None) == 2:
-        return dict(mods, alibi_slopes=slopes[b])
-    return mods
 
 
 def _per_sequence_reason(dropout_reason, mods):
@@ -194,6 +183,7 @@ def explain_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_s
     from . import plan as _plan
     from .api import _with_mods
     from .inputs import normalize
+    from .mods import row_options
     cq, ck = _check_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     drop, why = _per_sequence_dropout(dropout_p, 0 if dropout_p else None)
     mods = _packed_mods(window_size, softcap, alibi_slopes, cq.size - 1)
@@ -213,7 +203,7 @@ def explain_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_s
     sq, eq, sk, ek = (int(cq[b]), int(cq[min(b + 1, cq.size - 1)]), int(ck[b]),
                       int(ck[min(b + 1, ck.size - 1)]))
     one = _with_mods(normalize(q[None, sq:eq], k[None, sk:ek], v[None, sk:ek], **options),
-                     _sequence_mods(mods, b) if cq.size > 1 else {})
+                     row_options(mods, b) if cq.size > 1 else {})
     if backward:
         one.direction = "backward"
     one.dropout = drop
@@ -257,6 +247,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
     """
     from .api import attention
     from .inputs import normalize
+    from .mods import row_options
     cq, ck = _check_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     drop, why = _per_sequence_dropout(dropout_p, dropout_seed)
     mods = _packed_mods(window_size, softcap, alibi_slopes, cq.size - 1)
@@ -283,7 +274,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
                         softmax_scale=softmax_scale, layout="bshd", backend=backend,
                         algorithm=algorithm, return_lse=return_lse, out=out[None, sq:eq],
                         precision=precision, **_sequence_dropout(drop, b),
-                        **_sequence_mods(mods, b))
+                        **row_options(mods, b))
         if return_lse:
             lse[:, sq:eq] = res[1][0]
     return (out, lse) if return_lse else out
@@ -311,6 +302,7 @@ def attention_varlen_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, m
     gradients."""
     from .api import attention_backward
     from .inputs import normalize_backward
+    from .mods import row_options
     cq, ck = _check_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     drop, why = _per_sequence_dropout(dropout_p, dropout_seed)
     mods = _packed_mods(window_size, softcap, alibi_slopes, cq.size - 1)
@@ -361,7 +353,7 @@ def attention_varlen_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, m
                            precision=precision, deterministic=deterministic,
                            dq=grads[0][None, sq:eq], dk=grads[1][None, sk:ek],
                            dv=grads[2][None, sk:ek], **_sequence_dropout(drop, b),
-                           **_sequence_mods(mods, b))
+                           **row_options(mods, b))
     return tuple(grads)
 
 
