@@ -5,6 +5,9 @@ a modification costs numflash no more, relative to its own plain kernel, than it
 With --cpu, the CPU path (cpu.tiled on NumPy arrays) against PyTorch's CPU SDPA given the
 equivalent ``attn_mask`` (boolean for masks, an additive float tensor for ALiBi and biases, built
 once outside the timing; SDPA has no softcap, so that row has no peer), in the same process.
+SDPA's "causal" row is is_causal=True, its fast path; every masked row is a dense masked call,
+so the "causal as a mask" row (both libraries given the causal mask as a boolean attn_mask)
+is the base that separates a modification's own cost from the loss of that path.
 
     python bench/mods_cost.py [--dtype float16] [--d 64] [--N 4096] [--B 4] [--H 16]
                               [--backward] [--flex] [--only softcap,alibi]
@@ -45,8 +48,10 @@ def cases(B, H, N, rng, xp, dtype):
     docs = np.sort(rng.integers(0, 8, (B, N)), axis=1).astype(np.int32)
     lengths = np.array([N - 37 * (b + 1) for b in range(B)])
     dev_docs, dev_lengths = xp.asarray(docs), xp.asarray(lengths)
+    tril = np.tril(np.ones((N, N), bool))[None, None]
     return {
         "causal": {},
+        "causal as a mask (1, 1, N, N)": dict(attn_mask=xp.asarray(tril)),
         "softcap 30": dict(softcap=30.0),
         "alibi": dict(alibi_slopes=xp.asarray(rng.uniform(0.01, 0.5, H).astype(np.float32))),
         "bias (1, H, N, N)": dict(attn_bias=xp.asarray(
@@ -80,6 +85,7 @@ def sdpa_masks(table, N, torch, docs, lengths, dtype):
     documents = causal[None, None] & (docs_t[:, None, :, None] == docs_t[:, None, None, :])
     masks = {
         "causal": None,
+        "causal as a mask (1, 1, N, N)": causal[None, None],
         "alibi": (blocked - slopes[:, None, None] * (i - j).abs().to(dtype))[None],
         "bias (1, H, N, N)": bias + blocked,
         "key padding (B, 1, 1, N)": padding,
@@ -113,6 +119,7 @@ def flex_cases(B, H, N, torch, docs, lengths):
         "relative bias table (score_mod)": (lambda s, b, h, q, kv: s + table[h, q - kv + N],
                                             causal),
     }
+    rows["causal as a mask (1, 1, N, N)"] = rows["causal"]
     rows["key padding, block mask"] = rows["key padding (B, 1, 1, N)"]
     rows["document mask, block mask"] = rows["document mask (8 docs, mask_mod)"]
     return rows

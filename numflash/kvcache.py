@@ -127,8 +127,9 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=No
     aligns the queries with the last of them (bottom-right: the query rows are the newest
     positions). Options: softmax_scale, backend, algorithm, precision, window_size (with
     causal=True), softcap, num_splits, as for :func:`numflash.attention`, and alibi_slopes (with
-    causal=True: distances from the newest rows, as flash-attn measures them; (H,), or (B, H)
-    with row b for entry b); all are checked before anything is written.
+    causal=True: each score less slope x its key's distance from the query's aligned row, the
+    output flash-attn's; (H,), or (B, H) with row b for entry b); all are checked before
+    anything is written.
 
     CuPy arrays run as one cuda.mma launch that reads the cache in place when that kernel takes
     the call (power-of-two page sizes, rows cp.async can read; no alibi_slopes: its distances
@@ -142,9 +143,8 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=No
     unknown = sorted(set(options) - set(PASSED_OPTIONS))
     if unknown:
         raise TypeError(f"attention_with_kvcache does not take {', '.join(unknown)} yet; it "
-                        f"takes {', '.join(PASSED_OPTIONS)}, causal and return_lse")
-    if alibi_slopes is not None:
-        _check_alibi(alibi_slopes, q.shape[0], causal)
+                        f"takes {', '.join(PASSED_OPTIONS)}, alibi_slopes, causal and "
+                        f"return_lse")
     key = None if alibi_slopes is not None else _replay_key(q, k_cache, v_cache, k, v,
                                                              block_table, causal, return_lse,
                                                              options)
@@ -153,6 +153,8 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=No
         B, page, capacity = known.B, known.page, known.capacity
     else:
         B, page, capacity = _check(q, k_cache, v_cache, k, v, block_table)
+    if alibi_slopes is not None:   # (never recorded: each entry needs its own distances)
+        _check_alibi(alibi_slopes, B, q.shape[2], causal)
     new = 0 if k is None else k.shape[1]
     if options.get("window_size") is not None and not causal:
         raise ValueError("attention_with_kvcache takes window_size with causal=True (the window "
@@ -203,14 +205,14 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=No
     return (out, lse) if return_lse else out
 
 
-def _check_alibi(alibi_slopes, B, causal):
+def _check_alibi(alibi_slopes, B, H, causal):
     """What attention() cannot check on one entry's call: the alignment, and a row per entry."""
     from .mods import split_alibi_rows
     if not causal:
         raise ValueError("attention_with_kvcache takes alibi_slopes with causal=True (distances "
                          "measured from the newest rows, as flash-attn does); without causal "
                          "they would be measured from the first row")
-    split_alibi_rows(alibi_slopes, B, "batch entry")
+    split_alibi_rows(alibi_slopes, B, H, "batch entry")
 
 
 def _entry_alibi(alibi_slopes, b):

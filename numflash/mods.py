@@ -91,21 +91,23 @@ def _prefix_lm_mask(b, h, i, j, prefix):
     return j <= i or j < prefix[b]
 
 
-def split_alibi_rows(alibi_slopes, count, what):
+def split_alibi_rows(alibi_slopes, count, heads, what):
     """For entry points that run ``count`` calls of one sequence each (packed sequences, KV-cache
-    entries): check that a 2-D alibi_slopes has a row per call ((H,) serves every call); the
-    rest is checked by each call. ``what`` names a call's unit in the error."""
-    shape = tuple(getattr(alibi_slopes, "shape", ()))
-    if len(shape) == 2 and shape[0] != count:
-        raise ValueError(f"alibi_slopes of shape {shape}: a 2-D alibi_slopes has one row per "
-                         f"{what} ({count}), or pass (H,) for all")
+    entries): check that alibi_slopes is (H,), for every call, or (count, H), a row per call
+    (its dtype and values are checked by each call). ``what`` names a call's unit."""
+    if alibi_slopes is None:
+        return
+    shape = tuple(getattr(alibi_slopes, "shape", np.shape(alibi_slopes)))
+    if shape not in ((heads,), (count, heads)):
+        raise ValueError(f"alibi_slopes must have shape (H,) = ({heads},) for every {what}, or "
+                         f"(B, H) = ({count}, {heads}) with a row per {what}; got shape {shape}")
 
 
 def row_options(options, b):
     """The modification options of call b of such an entry point: row b of a 2-D
     alibi_slopes (see :func:`split_alibi_rows`), the rest as they are."""
     slopes = options.get("alibi_slopes")
-    if slopes is not None and getattr(slopes, "ndim", None) == 2:
+    if slopes is not None and np.ndim(slopes) == 2:
         return dict(options, alibi_slopes=slopes[b])
     return options
 

@@ -395,7 +395,8 @@ def _setup_context(ctx, inputs, output):
     ctx.mark_non_differentiable(lse)
 
 
-def _gradients(backward, ctx, d_out):
+def _refuse_what_the_backward_cannot_do():
+    """Every backward of numflash's autograd Functions checks this first."""
     if torch._C._are_functorch_transforms_active():
         raise NotImplementedError(_FUNC_GRAD_REASON)
     if torch.is_grad_enabled() and not torch.compiler.is_compiling():
@@ -403,6 +404,10 @@ def _gradients(backward, ctx, d_out):
         # silently lose their dependence on q, k and v
         raise NotImplementedError("numflash's attention backward is not differentiable: "
                                   "double backward (create_graph=True) is not supported")
+
+
+def _gradients(backward, ctx, d_out):
+    _refuse_what_the_backward_cannot_do()
     q, k, v, out, lse = ctx.saved_tensors
     if d_out is None:
         d_out = torch.zeros_like(out)
@@ -720,6 +725,11 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     forward and backward). ``dropout_p > 0``: attention dropout (numflash.dropout; the seed
     drawn from torch's default generator). Refused with NotImplementedError naming the option:
     a window or ALiBi with causal=False and Nq != Nk (see :func:`_flash_attn_mods`).
+
+    ALiBi's output is flash-attn's; its lse is that of numflash's scores, s - slope |i + Nk - Nq
+    - j|. flash-attn adds slope j instead where causal (the same softmax over the visible keys),
+    so its softmax_lse is larger by slope (i + Nk - Nq) there; so for flash_attn_varlen_func
+    and flash_attn_with_kvcache.
     """
     _check_tensors(q=q, k=k, v=v)
     mods = _flash_attn_mods("flash_attn_func", window_size, softcap, alibi_slopes, causal,
@@ -759,6 +769,7 @@ class _VarlenFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, d_out, d_lse):
         from .varlen import attention_varlen_backward
+        _refuse_what_the_backward_cannot_do()
         q, k, v, cu_q, cu_k, out, lse = ctx.saved_tensors
         causal, scale, deterministic, options = ctx.options
         grads = [torch.empty_like(x) for x in (q, k, v)]
@@ -785,9 +796,15 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=Non
     probabilities have no dense packed form. Takes and refuses what :func:`flash_attn_func`
     does; ``alibi_slopes`` of shape (B, H) give sequence b its row. ``dropout_p > 0`` draws one
     seed from torch's default generator and sequence b its mask under
-    ``numflash.dropout.packed_seed(seed, b)`` (numflash.attention_varlen's rule).
+    ``numflash.dropout.packed_seed(seed, b)`` (numflash.attention_varlen's rule). Not under
+    torch.func transforms (vmap, grad): packed tensors have no batch to fold a mapped
+    dimension into; :func:`flash_attn_func` takes them.
     """
     from .varlen import _check_packed
+    if torch._C._are_functorch_transforms_active():
+        raise NotImplementedError("flash_attn_varlen_func does not run under torch.func "
+                                  "transforms (vmap, grad): call it eagerly, or use "
+                                  "flash_attn_func / numflash.torch.attention, which vmap")
     _check_tensors(q=q, k=k, v=v)
     lengths = [c.tolist() if isinstance(c, torch.Tensor) else c
                for c in (cu_seqlens_q, cu_seqlens_k)]
@@ -818,7 +835,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     on the tensors' memory): q (B, Nq, H, d), caches (B, S, Hk, d) or paged (pages, page_size,
     Hk, d) with ``block_table``; k, v appended in place at ``cache_seqlens``; causal aligned to
     the bottom right. Inference only, as flash-attn's: no gradients. ``num_splits=0`` lets
-    numflash choose. ``alibi_slopes`` ((H,) or (B, H)) with causal=True (one call per entry).
+    numflash choose. ``alibi_slopes`` ((H,) or (B, H)) with causal=True (one call per entry;
+    its lse as :func:`flash_attn_func` says).
     Refused, naming the argument: rotary embeddings, cache_batch_idx, cache_leftpad."""
     from .kvcache import attention_with_kvcache
     for name, value in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin),

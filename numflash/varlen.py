@@ -153,12 +153,12 @@ def _per_sequence_dropout(dropout_p, dropout_seed):
                   "(numflash.dropout.packed_seed)") if drop else None
 
 
-def _packed_mods(window_size, softcap, alibi_slopes, count):
+def _packed_mods(window_size, softcap, alibi_slopes, count, heads):
     """The modification options a packed call was given ({} without), checked where packing
     adds a rule: alibi_slopes is (H,) for every sequence or (B, H), sequence b reading row b
     (numflash.mods.row_options). The rest is checked by each sequence's call."""
     from .mods import split_alibi_rows
-    split_alibi_rows(alibi_slopes, count, "packed sequence")
+    split_alibi_rows(alibi_slopes, count, heads, "packed sequence")
     return {name: value for name, value in (("window_size", window_size), ("softcap", softcap),
                                             ("alibi_slopes", alibi_slopes)) if value is not None}
 
@@ -186,7 +186,7 @@ def explain_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_s
     from .mods import row_options
     cq, ck = _check_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     drop, why = _per_sequence_dropout(dropout_p, 0 if dropout_p else None)
-    mods = _packed_mods(window_size, softcap, alibi_slopes, cq.size - 1)
+    mods = _packed_mods(window_size, softcap, alibi_slopes, cq.size - 1, q.shape[1])
     why = _per_sequence_reason(why, mods)
     options = dict(causal=causal, softmax_scale=softmax_scale, layout="bshd",
                    precision=precision)
@@ -250,7 +250,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
     from .mods import row_options
     cq, ck = _check_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     drop, why = _per_sequence_dropout(dropout_p, dropout_seed)
-    mods = _packed_mods(window_size, softcap, alibi_slopes, cq.size - 1)
+    mods = _packed_mods(window_size, softcap, alibi_slopes, cq.size - 1, q.shape[1])
     why = _per_sequence_reason(why, mods)
     xp = _xp(q)
     if out is None:
@@ -300,12 +300,12 @@ def attention_varlen_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, m
     backward takes them (not with dropout or modifications); otherwise one
     :func:`numflash.attention_backward` call per sequence, on views, into views of the packed
     gradients."""
-    from .api import attention_backward
-    from .inputs import normalize_backward
+    from .api import _with_mods, attention_backward
+    from .inputs import normalize, normalize_backward
     from .mods import row_options
     cq, ck = _check_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     drop, why = _per_sequence_dropout(dropout_p, dropout_seed)
-    mods = _packed_mods(window_size, softcap, alibi_slopes, cq.size - 1)
+    mods = _packed_mods(window_size, softcap, alibi_slopes, cq.size - 1, q.shape[1])
     why = _per_sequence_reason(why, mods)
     xp = _xp(q)
     if tuple(lse.shape) != (q.shape[1], q.shape[0]):
@@ -340,6 +340,9 @@ def attention_varlen_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, m
     if plan is not None:   # every row of every gradient is written: no zeroing
         plan.run(problem)
         return tuple(grads)
+    if mods and cq.size > 1:   # their checks (each call's), before any gradient is zeroed
+        _with_mods(normalize(q[None, :cq[1]], k[None, :ck[1]], v[None, :ck[1]], causal=causal,
+                             softmax_scale=softmax_scale, layout="bshd"), row_options(mods, 0))
     for g in grads:   # keys no query sees get zero gradients: start from zeros
         g[...] = 0
     for b in range(cq.size - 1):

@@ -122,13 +122,15 @@ def test_alibi_counts_distances_from_each_entrys_newest_rows(rng, table, page):
     before = [c.copy() for c in caches]
     with pytest.raises(ValueError, match="alibi_slopes with causal=True"):
         numflash.attention_with_kvcache(q, *caches, k, v, lengths, *extra, alibi_slopes=slopes)
-    with pytest.raises(ValueError, match=r"a 2-D alibi_slopes has one row per batch entry "
-                                         r"\(3\)"):
-        numflash.attention_with_kvcache(q, *caches, k, v, lengths, *extra, causal=True,
-                                        alibi_slopes=np.ones((2, H)))
+    for bad in (np.ones((2, H)), np.ones(H + 1)):
+        with pytest.raises(ValueError, match=r"alibi_slopes must have shape \(H,\) = \(4,\) "
+                                             r"for every batch entry, or \(B, H\) "
+                                             r"= \(3, 4\)"):
+            numflash.attention_with_kvcache(q, *caches, k, v, lengths, *extra, causal=True,
+                                            alibi_slopes=bad)
     with pytest.raises(ValueError, match="alibi_slopes"):   # the entries' call checks the rest
         numflash.attention_with_kvcache(q, *caches, k, v, lengths, *extra, causal=True,
-                                        alibi_slopes=np.ones(H + 1))
+                                        alibi_slopes=np.ones(H, np.int32))
     for c, old in zip(caches, before):
         np.testing.assert_array_equal(c, old)
 

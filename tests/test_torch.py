@@ -382,6 +382,16 @@ def test_flash_attn_varlen_takes_the_same_modifications():
         nt.flash_attn_varlen_func(q, k, v, cu, [0, 5, 20], window_size=(3, 0))
 
 
+def test_flash_attn_varlen_refuses_double_backward_and_torch_func():
+    q, k, v = tensors((20, 3, 8), (20, 3, 8), torch.float64, grad=True)
+    cu = torch.tensor([0, 7, 20], dtype=torch.int32)
+    out = nt.flash_attn_varlen_func(q, k, v, cu, cu, causal=True)
+    with pytest.raises(NotImplementedError, match="double backward"):
+        torch.autograd.grad(out.sum(), q, create_graph=True)
+    with pytest.raises(NotImplementedError, match="does not run under torch.func transforms"):
+        torch.func.vmap(lambda a: nt.flash_attn_varlen_func(a, k, v, cu, cu))(q[None])
+
+
 @pytest.mark.parametrize("kwargs, match", [
     (dict(window_size=(4, 0)), "causal=False and 5 queries != 7 keys"),
     (dict(alibi_slopes=torch.ones(2)), "causal=False and 5 queries != 7 keys"),

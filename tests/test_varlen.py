@@ -128,18 +128,27 @@ def test_modifications_apply_within_each_sequence(rng, mods, causal, dtype):
     assert not np.allclose(plain, out)   # the modifications changed something
 
 
-def test_a_packed_alibi_table_needs_a_row_per_sequence(rng):
+def test_a_packed_alibi_table_needs_a_row_per_sequence_before_anything_is_written(rng):
     q, k, v, do, cq, ck = packed(rng, [4, 6], [5, 5])
+    dq = np.full_like(q, 7.0)
     for fn in (lambda s: numflash.attention_varlen(q, k, v, cq, ck, alibi_slopes=s),
                lambda s: numflash.explain_varlen(q, k, v, cq, ck, alibi_slopes=s),
                lambda s: numflash.attention_varlen_backward(do, q, k, v, q[..., :16], np.zeros(
-                   (4, 10)), cq, ck, alibi_slopes=s)):
-        with pytest.raises(ValueError, match=r"alibi_slopes of shape \(3, 4\): a 2-D "
-                                             r"alibi_slopes has one row per packed sequence "
-                                             r"\(2\)"):
-            fn(np.ones((3, 4)))
+                   (4, 10)), cq, ck, alibi_slopes=s, dq=dq)):
+        for bad in (np.ones((3, 4)), np.ones(3), np.ones((2, 3))):
+            with pytest.raises(ValueError, match=r"alibi_slopes must have shape \(H,\) = "
+                                                 r"\(4,\) for every packed sequence, or "
+                                                 r"\(B, H\) = \(2, 4\) with "
+                                                 r"a row per packed sequence; got shape"):
+                fn(bad)
     with pytest.raises(ValueError, match="alibi_slopes"):   # each call checks the rest
-        numflash.attention_varlen(q, k, v, cq, ck, alibi_slopes=np.ones(3))
+        numflash.attention_varlen(q, k, v, cq, ck, alibi_slopes=np.ones(4, np.int32))
+    out, lse = numflash.attention_varlen(q, k, v, cq, ck, return_lse=True)
+    for bad in (dict(softcap=-1.0), dict(window_size=(-3, 0)),
+                dict(alibi_slopes=np.ones(4, np.int32))):   # checked before dq is zeroed
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            numflash.attention_varlen_backward(do, q, k, v, out, lse, cq, ck, dq=dq, **bad)
+    assert (dq == 7).all()
 
 
 @pytest.mark.simulator
