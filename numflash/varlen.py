@@ -144,31 +144,25 @@ def _one_launch(problem, cq, ck, cu_seqlens_q, cu_seqlens_k, causal, backend, al
         return None, str(e)
 
 
-def _per_sequence_dropout(dropout_p, dropout_seed):
-    """The call's Dropout (checked as attention checks it; None without), and the reason its
-    sequences then run one call each."""
+def _per_sequence_options(q, cq, dropout_p, dropout_seed, window_size, softcap, alibi_slopes):
+    """A packed call's dropout (a Dropout, None without) and modification options ({} without),
+    checked where packing adds a rule (alibi_slopes is (H,) for every sequence or (B, H),
+    sequence b reading row b: numflash.mods.row_options; the rest each sequence's call checks),
+    and why its sequences then run one call each (None: it may run in one launch)."""
     from .dropout import build
-    drop = build(dropout_p, dropout_seed)
-    return drop, ("attention dropout: each sequence draws its mask under its own seed "
-                  "(numflash.dropout.packed_seed)") if drop else None
-
-
-def _packed_mods(window_size, softcap, alibi_slopes, count, heads):
-    """The modification options a packed call was given ({} without), checked where packing
-    adds a rule: alibi_slopes is (H,) for every sequence or (B, H), sequence b reading row b
-    (numflash.mods.row_options). The rest is checked by each sequence's call."""
     from .mods import split_alibi_rows
-    split_alibi_rows(alibi_slopes, count, heads, "packed sequence")
-    return {name: value for name, value in (("window_size", window_size), ("softcap", softcap),
+    drop = build(dropout_p, dropout_seed)
+    split_alibi_rows(alibi_slopes, cq.size - 1, q.shape[1], "packed sequence")
+    mods = {name: value for name, value in (("window_size", window_size), ("softcap", softcap),
                                             ("alibi_slopes", alibi_slopes)) if value is not None}
-
-
-def _per_sequence_reason(dropout_reason, mods):
-    """Why a packed call runs one call per sequence (None: it may run in one launch)."""
+    why = None
     if mods:   # the one-launch kernels were not built or checked with them
-        return (f"modifications ({', '.join(sorted(mods))}): each sequence runs them in a call "
-                f"of its own")
-    return dropout_reason
+        why = (f"modifications ({', '.join(sorted(mods))}): each sequence runs them in a call "
+               f"of its own")
+    elif drop:
+        why = ("attention dropout: each sequence draws its mask under its own seed "
+               "(numflash.dropout.packed_seed)")
+    return drop, mods, why
 
 
 def explain_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None,
@@ -185,9 +179,8 @@ def explain_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_s
     from .inputs import normalize
     from .mods import row_options
     cq, ck = _check_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    drop, why = _per_sequence_dropout(dropout_p, 0 if dropout_p else None)
-    mods = _packed_mods(window_size, softcap, alibi_slopes, cq.size - 1, q.shape[1])
-    why = _per_sequence_reason(why, mods)
+    drop, mods, why = _per_sequence_options(q, cq, dropout_p, 0 if dropout_p else None,
+                                            window_size, softcap, alibi_slopes)
     options = dict(causal=causal, softmax_scale=softmax_scale, layout="bshd",
                    precision=precision)
     problem = normalize(q[None], k[None], v[None], **options)
@@ -249,9 +242,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
     from .inputs import normalize
     from .mods import row_options
     cq, ck = _check_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    drop, why = _per_sequence_dropout(dropout_p, dropout_seed)
-    mods = _packed_mods(window_size, softcap, alibi_slopes, cq.size - 1, q.shape[1])
-    why = _per_sequence_reason(why, mods)
+    drop, mods, why = _per_sequence_options(q, cq, dropout_p, dropout_seed, window_size, softcap,
+                                            alibi_slopes)
     xp = _xp(q)
     if out is None:
         out = xp.empty((q.shape[0], q.shape[1], v.shape[2]), dtype=q.dtype)
@@ -304,9 +296,8 @@ def attention_varlen_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, m
     from .inputs import normalize, normalize_backward
     from .mods import row_options
     cq, ck = _check_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    drop, why = _per_sequence_dropout(dropout_p, dropout_seed)
-    mods = _packed_mods(window_size, softcap, alibi_slopes, cq.size - 1, q.shape[1])
-    why = _per_sequence_reason(why, mods)
+    drop, mods, why = _per_sequence_options(q, cq, dropout_p, dropout_seed, window_size, softcap,
+                                            alibi_slopes)
     xp = _xp(q)
     if tuple(lse.shape) != (q.shape[1], q.shape[0]):
         raise ValueError(f"lse must have shape (H, total_q) = {(q.shape[1], q.shape[0])} (what "
