@@ -192,9 +192,10 @@ def attention_backward(do, q, k, v, o, lse, *, causal=False, softmax_scale=None,
     no Nq x Nk buffer exists. Every option means what it means for :func:`attention`.
 
     deterministic: True asks for gradients that are equal bit for bit on every run; a kernel
-        that cannot promise it refuses. False (the default) lets cuda.mma add dQ atomically
-        for 16-bit inputs on sm_90 (faster; dQ's float32 sums then run in an order that
-        varies), as FlashAttention-2 does; every other kernel is deterministic either way.
+        that cannot promise it refuses. False (the default) lets cuda.wgmma and cuda.mma add
+        dQ atomically for 16-bit inputs on sm_90 (faster; dQ's float32 sums then run in an
+        order that varies), as FlashAttention-2 and -3 do; every other kernel is deterministic
+        either way.
     dq, dk, dv: write the gradients here (shapes, kind and layout of q, k, v, dtype
         ``grad_dtype``); by default new arrays are returned.
     grad_dtype: None (q's dtype), or float32 with float16 / bfloat16 inputs: the gradients as

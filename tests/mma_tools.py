@@ -263,7 +263,13 @@ class Emu:
         return A
 
     def red_add_f32x4(self, addr, *values):
-        """ptx_reduce.red_add_f32x4: four float32 adds at (array, row, column), as one atomic."""
+        """ptx_reduce.red_add_f32x4: four float32 adds at (array, row, column) or at a byte
+        pointer (global_ptr) into a 2-d float32 array, as one atomic."""
+        if isinstance(addr, _Ptr):
+            array = addr.array
+            i, j = divmod(addr.off, array.strides[0])
+            assert j % array.strides[1] == 0
+            addr = array, i, j // array.strides[1]
         array, i, j = addr
         assert (i * array.strides[0] + j * array.strides[1]) % 16 == 0, "red.v4 misaligned"
         with self.atomic_lock:
@@ -402,13 +408,19 @@ class Emu:
                 out.append(np.float32(D[16 * w + row, 8 * j + col]))
         return tuple(out)
 
-    def wgmma_ss(self, n, halves):
+    def wgmma_ss(self, n, halves, trans_a=False, trans_b=False):
+        def a_matrix(a):
+            return self._desc_matrix(a, 16, 64, halves, True).T if trans_a else \
+                self._desc_matrix(a, 64, 16, halves)
+
+        def b_matrix(b):
+            return self._desc_matrix(b, 16, n, halves, True) if trans_b else \
+                self._desc_matrix(b, n, 16, halves).T
+
         def product(a_descs, b_descs):
             D = None
             if self.tls.tid % 128 == 0:
-                D = sum(self._desc_matrix(a, 64, 16, halves) @
-                        self._desc_matrix(b, n, 16, halves).T
-                        for a, b in zip(a_descs, b_descs))
+                D = sum(a_matrix(a) @ b_matrix(b) for a, b in zip(a_descs, b_descs))
             return self._wg_fragment(self._wg_exchange(D)[0])
         return product
 
@@ -809,3 +821,40 @@ def run_wgmma_forward(q, k, v, causal=False, causal_offset=0, scale=None, tile=(
                                         scale * math.log2(math.e), scale, int(causal),
                                         int(causal_offset)))
     return out, lse
+
+
+def run_wgmma_backward(do, q, k, v, o, lse, causal=False, causal_offset=0, scale=None, NWG=2,
+                       DQ=None):
+    """Run cuda.wgmma's generated key pass (dQ by adds) under the emulator: delta = rowsum(dO O)
+    in float32 (the delta pass's), a zeroed float32 dQ accumulator, then dQ rounded to the
+    inputs' dtype as the operator's copy rounds it. Returns (dq, dk, dv)."""
+    from numflash.cuda.wgmma.backward import WgmmaBackwardConfig, kernel_source, shared_bytes
+    from numflash.cuda.wgmma.tiles import head_dim_pad
+    B, H, Nq, d = q.shape
+    Hkv, Nk, dv = k.shape[1], k.shape[2], v.shape[3]
+    DT = "f16" if q.dtype == np.float16 else "bf16"
+    D, DV = head_dim_pad(d), head_dim_pad(dv)
+    DQ = DQ or ("split" if D == 128 else "alternate")
+    cfg = WgmmaBackwardConfig(D, DV, NWG, 64, DT, DQ)
+    scale = 1 / math.sqrt(d) if scale is None else scale
+    emu = Emu(cfg.NT, (-(-Nk // cfg.BR), B * Hkv), shared_bytes(cfg))
+    ns = emulator_namespace(emu, DT)
+    halves = f16_values if DT == "f16" else bf16_values
+    ns.update(wgmma_s=emu.wgmma_ss(cfg.BC, halves), wgmma_dp=emu.wgmma_ss(cfg.BC, halves),
+              wgmma_dv=emu.wgmma_rs(cfg.DV, halves, True),
+              wgmma_dk=emu.wgmma_rs(cfg.D, halves, True),
+              wgmma_dq=emu.wgmma_ss(cfg.dq_columns, halves, True, True),
+              fence_proxy_async=lambda: None, global_addr2=emu.global_ptr,
+              div_u32=lambda a, b: np.uint32(int(a) // int(b)),
+              **{name: tuple for name in ("wait_s", "wait_dp", "wait_dv_2", "wait_dv_1",
+                                          "wait_dk_1", "wait_dk_0", "wait_dq")})
+    exec(compile(kernel_source(cfg), f"<wgmma backward {DT} emu>", "exec"), ns)
+    delta = (do.astype(np.float32) * o.astype(np.float32)).sum(-1, dtype=np.float32)
+    dq_acc = np.zeros((B, H, Nq, D), np.float32)
+    dk = np.full(k.shape, np.nan, q.dtype)
+    dvv = np.full(v.shape, np.nan, q.dtype)
+    with np.errstate(all="ignore"):
+        emu.run(ns["wgmma_backward_keys"], tuple(as_kernel_array(a, DT) for a in (q, k, v, do)) + (
+            lse.astype(np.float32), delta, as_kernel_array(dk, DT), as_kernel_array(dvv, DT),
+            scale * math.log2(math.e), scale, int(causal), int(causal_offset), dq_acc))
+    return dq_acc[..., :d].astype(q.dtype), dk, dvv

@@ -369,6 +369,12 @@ def _plan(p, device, algorithm="auto"):
     return planner._choose(p, "cuda", algorithm, device)
 
 
+def _mma_plan(p, device):
+    """cuda.mma's backward plan: what "auto" takes where cuda.wgmma's does not run (on HOPPER
+    "auto" takes cuda.wgmma for plain 16-bit calls: tests/test_wgmma.py)."""
+    return _plan(p, device, "mma" if device is HOPPER else "auto")
+
+
 def _OnDevice(p, misaligned=()):
     import dataclasses
     names = ("q", "k", "v", "do", "o", "lse", "dq", "dk", "dv")
@@ -392,7 +398,7 @@ QUERIES_3X_128, KEYS_3X_128 = (4, 16, 0), (4, 16, 8)   # 3xTF32 at d128: gradien
 def test_backward_plan_takes_the_tensor_cores(rng, dtype, d, dv, device, queries, keys):
     from numflash.cuda.mma import backward
     p = _OnDevice(_problem(rng, dtype, d, dv))
-    plan = _plan(p, device)
+    plan = _mma_plan(p, device)
     assert plan.kernel == "cuda.mma" and plan.direction == "backward"
     got = {name: (c.NW, c.BC, c.SUB) for name, c in plan.config.items()}
     assert got == {"queries": queries, "keys": keys}
@@ -415,7 +421,7 @@ def test_backward_plan_adds_dq_on_hopper_unless_deterministic(rng, dtype, d, dev
     dt = _kind_dtype("bf16") if dtype == "bfloat16" else np.dtype(dtype)
     p = _OnDevice(_problem(rng, dt, d))
     p.deterministic = deterministic
-    plan = _plan(p, device)
+    plan = _mma_plan(p, device)
     assert plan.kernel == "cuda.mma"
     assert {c.DQADD for c in plan.config.values()} == {want}
     assert ("the key pass adds dS K into a float32 accumulator" in str(plan)) == bool(want)

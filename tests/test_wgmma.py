@@ -176,3 +176,142 @@ def test_the_simulator_never_plans_wgmma(rng):
     q = rng.standard_normal((1, 2, 64, 64)).astype(np.float16)
     with pytest.raises(ValueError, match="inline PTX, which numba's CUDA simulator cannot run"):
         numflash.explain(q, q, q, backend="cuda", algorithm="wgmma")
+
+
+# ------------------------------------------------------------------------------- the backward
+
+BACKWARD_EMULATED = [  # B, H, Hkv, Nq, Nk, d, dv, causal, NWG, DQ
+    pytest.param(1, 2, 1, 150, 200, 64, 64, True, 2, "alternate", id="gqa-causal-d64-alternate"),
+    pytest.param(1, 1, 1, 100, 70, 128, 128, "bottom_right", 2, "split",
+                 id="rows-without-keys-d128-split"),
+    pytest.param(1, 1, 1, 97, 130, 40, 72, "top_left", 2, "split", id="padded-d40-dv72-split32",
+                 marks=pytest.mark.extended),
+    pytest.param(2, 2, 2, 1, 37, 64, 64, False, 2, "alternate", id="one-query",
+                 marks=pytest.mark.extended),
+    pytest.param(1, 1, 1, 70, 100, 64, 64, False, 1, "split", id="one-warpgroup",
+                 marks=pytest.mark.extended),
+]
+
+
+@pytest.mark.parametrize("B, H, Hkv, Nq, Nk, d, dv, causal, NWG, DQ", BACKWARD_EMULATED)
+def test_emulated_wgmma_backward_is_accurate(rng, B, H, Hkv, Nq, Nk, d, dv, causal, NWG, DQ):
+    """The key pass's generated source under the warp emulator (its wgmma from the swizzled
+    tiles, dS^T through shared memory as dQ's MN-major A, the dQ adds): dQ, dK and dV against
+    the float64 reference by the accuracy rule, rows that see no key included."""
+    from mma_tools import run_wgmma_backward
+    from numflash.testing import check_backward
+    q, k, v = _inputs(rng, B, H, Hkv, Nq, Nk, d, dv, np.float16)
+    do = rng.standard_normal((B, H, Nq, dv)).astype(np.float16)
+    o, lse = numflash.reference.attention(q, k, v, causal=causal, return_lse=True)
+    offset = Nk - Nq if causal == "bottom_right" else 0
+    grads = run_wgmma_backward(do, q, k, v, o.astype(np.float16), lse, bool(causal), offset,
+                               NWG=NWG, DQ=DQ)
+    rep = check_backward(grads, do, q, k, v, causal=causal)
+    assert rep.ok, str(rep)
+    if causal == "bottom_right" and Nq > Nk:   # the first Nq - Nk rows see no key
+        assert (grads[0][:, :, :Nq - Nk] == 0).all()
+
+
+_COMPILE_BACKWARD = """
+import json, re, sys
+from numflash.cuda import launch
+from numflash.cuda.mma.gradients import signature
+from numflash.cuda.wgmma.backward import make_kernel
+cfg = json.loads(sys.argv[1])
+dtype = "float16" if cfg["DT"] == "f16" else "bfloat16"
+cubin, entry, ptx, res = launch.compile_to_cubin(make_kernel(**cfg),
+                                                 signature(dtype, "keys", dq_adds=True), (9, 0))
+ops = {m: ptx.count(m) for m in set(re.findall(r"wgmma\\.mma_async[\\w.]+", ptx))}
+ops.update({op: ptx.count(op) for op in ("ld.local", "st.local", "red.global.add.v4.f32")})
+print(json.dumps({"resources": res, "ops": ops,
+                  "target": re.search(r"^\\.target \\S+", ptx, re.M).group(0),
+                  "serialized": str(res.get("wgmma_serialized", ""))}))
+"""
+
+
+@pytest.mark.parametrize("cfg", [
+    pytest.param(dict(D=128, DV=128, NWG=2, BC=64, DT="f16", DQ="split"), id="f16-d128-split"),
+    pytest.param(dict(D=64, DV=64, NWG=2, BC=64, DT="bf16", DQ="alternate"),
+                 id="bf16-d64-alternate", marks=pytest.mark.extended),
+    pytest.param(dict(D=64, DV=128, NWG=2, BC=64, DT="f16", DQ="split"), id="f16-d64-dv128",
+                 marks=pytest.mark.extended),
+])
+def test_wgmma_backward_compiles_for_sm90a_without_spills_or_serialization(cfg):
+    """ptxas fits the key pass in 255 registers a thread with nothing in local memory, and
+    serializes none of its wgmma: each product appears once, at its k-steps' count."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from mma_tools import ROOT
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0")
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    run = subprocess.run([sys.executable, "-c", _COMPILE_BACKWARD, json.dumps(cfg)], env=env,
+                         capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    assert got["target"] == ".target sm_90a"
+    from numflash.cuda.wgmma.backward import WgmmaBackwardConfig
+    c = WgmmaBackwardConfig(**cfg)
+    kind = cfg["DT"]
+    want = {}
+    for n, steps in ((c.BC, c.D // 16), (c.BC, c.DV // 16), (c.DV, c.BC // 16),
+                     (c.D, c.BC // 16), (c.dq_columns, c.BR // 16)):
+        op = f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{kind}.{kind}"
+        want[op] = want.get(op, 0) + steps
+    assert {op: n for op, n in got["ops"].items() if op.startswith("wgmma")} == want, got["ops"]
+    assert got["ops"]["ld.local"] == 0 and got["ops"]["st.local"] == 0
+    assert got["ops"]["red.global.add.v4.f32"] > 0
+    res = got["resources"]
+    assert res.get("spill_store_bytes", 0) == 0 and res.get("stack_bytes", 0) == 0, res
+    assert not got["serialized"], "ptxas serializes the wgmma (C7509): " + got["serialized"]
+
+
+def _backward_plan(rng, device=HOPPER, dtype=np.float16, B=4, H=16, Hkv=None, Nq=4096,
+                   Nk=4096, d=64, dv=None, algorithm="auto", **opts):
+    from mma_tools import DeviceView
+    from numflash import plan as planner
+    from numflash.api import _with_mods
+    from numflash.inputs import normalize_backward
+    mods = {name: opts.pop(name) for name in ("softcap",) if name in opts}
+    q, k, v = (np.zeros((B, h, n, w), dtype) for h, n, w in
+               ((H, Nq, d), (Hkv or H, Nk, d), (Hkv or H, Nk, dv or d)))
+    do, o = np.zeros((B, H, Nq, dv or d), dtype), np.zeros((B, H, Nq, dv or d), dtype)
+    lse = np.zeros((B, H, Nq), np.float32)
+    p = _with_mods(normalize_backward(do, q, k, v, o, lse, **opts), mods)
+    views = {name: DeviceView(getattr(p, name)) for name in ("q", "k", "v", "do", "o", "lse",
+                                                             "dq", "dk", "dv")}
+    p = dataclasses.replace(p, kind="cupy", **views)
+    return planner._choose(p, "cuda", algorithm, device)
+
+
+@pytest.mark.parametrize("d, dv, want", [(64, 64, (64, 64, "alternate")),
+                                         (128, 128, (128, 128, "split")),
+                                         (40, 72, (64, 128, "split"))])
+def test_auto_takes_the_wgmma_backward_for_16_bit_on_compute_capability_9(rng, d, dv, want):
+    plan = _backward_plan(rng, d=d, dv=dv, causal=True)
+    assert plan.kernel == "cuda.wgmma" and plan.direction == "backward", str(plan)
+    keys = plan.config["keys"]
+    assert (keys.D, keys.DV, keys.DQ) == want
+    assert plan.config["queries"].DQADD == "red4"   # cuda.mma's delta pass
+    from numflash.cuda.wgmma.backward import shared_bytes
+    assert shared_bytes(keys) <= HOPPER.smem_per_block_optin
+    assert "adds it into a float32 accumulator" in str(plan)
+
+
+@pytest.mark.parametrize("device, opts, match", [
+    (Device("a100", cc=(8, 0), smem_per_block_optin=163 * 1024), {},
+     "needs compute capability >= 9.0 .Hopper's wgmma, sm_90a."),
+    (HOPPER, {"deterministic": True}, "deterministic=True takes cuda.mma's two passes"),
+    (HOPPER, {"grad_dtype": "float32"}, "grad_dtype float32 takes cuda.mma's backward"),
+    (HOPPER, {"d": 256}, "cuda.wgmma takes head dims up to 128"),
+    (HOPPER, {"dtype": np.float32}, "cuda.wgmma takes float16, bfloat16, not float32"),
+    (HOPPER, {"softcap": 30.0}, "cuda.wgmma does not take score/mask modifications"),
+])
+def test_the_wgmma_backward_refuses_with_the_reason_and_auto_takes_cuda_mma(rng, device, opts,
+                                                                          match):
+    with pytest.raises(ValueError, match=match):
+        _backward_plan(rng, device, algorithm="wgmma", **opts)
+    plan = _backward_plan(rng, device, **opts)
+    assert plan.kernel == "cuda.mma", str(plan)
+    assert re.search(match, plan.rejected["cuda.wgmma"])

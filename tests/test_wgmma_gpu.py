@@ -105,3 +105,59 @@ def test_wgmma_a_nan_value_reaches_only_the_rows_that_see_its_key(hopper, rng):
     want = reference.attention(*(_to_host(a).astype(np.float64) for a in (q, k, v)),
                                causal=True)
     assert np.array_equal(np.isnan(_to_host(out).astype(np.float64)), np.isnan(want))
+
+
+# ---- the backward (cuda.wgmma's key pass after cuda.mma's delta pass)
+
+BACKWARD_CASES = [  # B, H, Hkv, Nq, Nk, d, dv
+    (1, 1, 1, 1, 1, 64, 64),
+    (2, 4, 4, 1000, 1000, 64, 64),
+    (1, 4, 2, 1025, 1100, 128, 128),
+    (1, 4, 4, 700, 513, 128, 128),   # bottom-right: rows that see no key
+    (1, 2, 1, 97, 300, 40, 72),
+    (1, 8, 8, 2048, 2048, 128, 128),
+]
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("causal", [False, "top_left", "bottom_right"])
+@pytest.mark.parametrize("case", BACKWARD_CASES,
+                         ids=lambda c: "B{}H{}Hkv{}-{}x{}-d{}dv{}".format(*c))
+def test_wgmma_backward_is_accurate(hopper, rng, case, causal, dtype):
+    B, H, Hkv, Nq, Nk, d, dv = case
+    q = _device_array(rng, (B, H, Nq, d), dtype)
+    k = _device_array(rng, (B, Hkv, Nk, d), dtype)
+    v = _device_array(rng, (B, Hkv, Nk, dv), dtype)
+    do = _device_array(rng, (B, H, Nq, dv), dtype)
+    plan = numflash.explain(q, k, v, causal=causal, backward=True)
+    assert plan.kernel == "cuda.wgmma", str(plan)   # what auto takes here
+    o, lse = numflash.attention(q, k, v, causal=causal, return_lse=True)
+    grads = numflash.attention_backward(do, q, k, v, o, lse, causal=causal)
+    from numflash.testing import check_backward
+    rep = check_backward(grads, do, q, k, v, causal=causal)
+    assert rep.ok, str(rep)
+
+
+def test_wgmma_backward_takes_bshd_a_scale_and_given_buffers(hopper, rng):
+    import cupy
+    q, k, v, do = (_device_array(rng, (2, 300, 4, 64), "float16") for _ in range(4))
+    o, lse = numflash.attention(q, k, v, layout="bshd", softmax_scale=0.3, return_lse=True)
+    bufs = [cupy.full_like(a, 7) for a in (q, k, v)]
+    got = numflash.attention_backward(do, q, k, v, o, lse, layout="bshd", softmax_scale=0.3,
+                                      algorithm="wgmma", dq=bufs[0], dk=bufs[1], dv=bufs[2])
+    assert all(g is b for g, b in zip(got, bufs))
+    from numflash.testing import check_backward
+    rep = check_backward(got, do, q, k, v, layout="bshd", softmax_scale=0.3)
+    assert rep.ok, str(rep)
+
+
+def test_wgmma_backward_leaves_what_it_does_not_run_to_cuda_mma(hopper, rng):
+    q, k, v, do = (_device_array(rng, (1, 2, 256, 64), "float16") for _ in range(4))
+    o, lse = numflash.attention(q, k, v, return_lse=True)
+    plan = numflash.explain(q, k, v, backward=True, deterministic=True)
+    assert plan.kernel == "cuda.mma", str(plan)
+    with pytest.raises(ValueError, match="deterministic=True takes cuda.mma's two passes"):
+        numflash.attention_backward(do, q, k, v, o, lse, algorithm="wgmma", deterministic=True)
+    a = numflash.attention_backward(do, q, k, v, o, lse, deterministic=True)
+    b = numflash.attention_backward(do, q, k, v, o, lse, deterministic=True)
+    assert all(bool((x == y).all()) for x, y in zip(a, b))

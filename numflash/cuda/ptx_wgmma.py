@@ -24,6 +24,9 @@ Layout"). The descriptor's leading byte offset (LBO) and stride byte offset (SBO
 - No swizzle: 8 x 8 core matrices of 16-bit elements, 128 contiguous bytes each (8 rows of 16
   bytes); LBO is the distance between core matrices adjacent along K, SBO along M / N. Matched
   numpy on the H100 for K-major A and B and MN-major B (session 26); not used by the kernel.
+- A from shared memory MN-major (``trans_a``, the backward's dQ = dS K: dS^T stored a key a
+  row, its 64 queries in 128 bytes) mirrors MN-major B: SBO the next 8 rows along K, LBO the
+  next 64 columns along M.
 - 128-byte swizzle (what cuda.wgmma uses): rows of 128 bytes (64 elements), 8 rows a
   1024-byte atom, the 16-byte chunk c of row r stored at chunk c ^ (r % 8) (the hardware XORs
   address bits 4-6 with bits 7-9, so atoms start on 1024 bytes). K-major (Q and K: a row's
@@ -60,10 +63,11 @@ def descriptor_fields(lbo, sbo, swizzle=0):
     return (lbo >> 4) << LBO_SHIFT | (sbo >> 4) << SBO_SHIFT | SWIZZLE_MODES[swizzle] << 62
 
 
-def _instruction(n, kind, a_regs, trans_b):
+def _instruction(n, kind, a_regs, trans_b, trans_a=False):
     shape = f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{kind}.{kind}"
     # A from registers takes no imm-trans-a
-    tail = f"1, 1, {int(trans_b)}" if a_regs else f"1, 1, 0, {int(trans_b)}"
+    assert not (a_regs and trans_a)
+    tail = f"1, 1, {int(trans_b)}" if a_regs else f"1, 1, {int(trans_a)}, {int(trans_b)}"
     return shape, tail
 
 
@@ -72,14 +76,16 @@ def _unpack(builder, value, count):
 
 
 @functools.lru_cache(maxsize=None)
-def wgmma_ss(n, kind, steps, wait=True):
+def wgmma_ss(n, kind, steps, wait=True, trans_a=False, trans_b=False):
     """D = sum over ``steps`` k-steps of A_s B_s, both from shared memory:
     ``wgmma_ss(a_descs, b_descs)`` with two UniTuple(uint64, steps) of descriptors returns the
     warpgroup's 64 x ``n`` float32 D as this thread's n / 2 registers (the first k-step does not
     read D: scale-d false). ``wait=False``: the product is committed as a group and left in
-    flight; its registers may be read only after ``wgmma_wait`` has passed them through."""
+    flight; its registers may be read only after ``wgmma_wait`` has passed them through.
+    ``trans_a`` / ``trans_b``: A / B is MN-major (the module docstring's layouts; A's rows of
+    128 bytes then run along M)."""
     regs = n // 2
-    shape, tail = _instruction(n, kind, False, False)
+    shape, tail = _instruction(n, kind, False, trans_b, trans_a)
     out = "{" + ",".join(f"${i}" for i in range(regs)) + "}"
     lines = ["{", ".reg .pred first, rest;", "setp.ne.b32 first, 0, 0;",
              "setp.eq.b32 rest, 0, 0;", "wgmma.fence.sync.aligned;"]
@@ -105,7 +111,8 @@ def wgmma_ss(n, kind, steps, wait=True):
             res = builder.call(ir.InlineAsm(fnty, text, constraints, side_effect=True), ops)
             return context.make_tuple(builder, signature.return_type, _unpack(builder, res, regs))
         return sig, codegen
-    product.__name__ = f"wgmma_ss_m64n{n}_{kind}_x{steps}{'' if wait else '_async'}"
+    product.__name__ = (f"wgmma_ss_m64n{n}_{kind}_x{steps}{'_ta' if trans_a else ''}"
+                        f"{'_tb' if trans_b else ''}{'' if wait else '_async'}")
     return intrinsic(product)
 
 

@@ -443,6 +443,30 @@ def _per_query(s, NN, reads, emit):
                 emit(n, r, c)
 
 
+def emit_transposed_mask(s, NN, window=False):
+    """Emit -inf for the transposed scores (S^T fragments, NN n8 tiles of queries from js; the
+    thread's key rows kr0, kr1 of the warp's 16 from wk) of pairs a query does not see: keys
+    at or past its key end (causal, Nk), outside its window, and every key of a query past Nq
+    (a padded query column must give P = 0 even where a K row holds a NaN no real query sees).
+    Only where the tile needs it: it runs past Nq, or its first query misses the warp's last
+    key (or, with a window, its last query starts after the warp's first key)."""
+    last = f"min(Nq - 1, js + {8 * NN - 1})"
+    masks = f"js + {8 * NN} > Nq or wk + 15 >= {_end('js', window)}" + (
+        f" or wk < {_first(last)}" if window else "")
+    s(f"if {masks}:")
+    with s.block():
+        for n in range(NN):
+            for c in (0, 1):
+                col = f"js + I(t) * 2 + {8 * n + c}"
+                s(f"qe = {_end(col, window)} if {col} < Nq else 0")
+                if window:
+                    s(f"qf = {_first(col)}")
+                for r, kr in ((c, "kr0"), (2 + c, "kr1")):
+                    s(f"if {kr} >= qe or {kr} < qf:" if window else f"if {kr} >= qe:")
+                    with s.block():
+                        s(f"s_{n}_{r} = NEG_INF")
+
+
 def _key_pass_products(s, ops, cfg, SUB, kb, q_off, do_off, lse_off, delta_off, KW, VW, QW, OW,
                        ds_buffer=0):
     """Emit one warp's work on SUB streamed queries starting at js (in the buffer at ``kb``:
@@ -464,20 +488,7 @@ def _key_pass_products(s, ops, cfg, SUB, kb, q_off, do_off, lse_off, delta_off, 
         _dot_products(s, ops, NN, "s", "k", KW, "q", q_off, QW, kb, cfg.D // k_step)
         # (and where the tile runs past Nq: a padded query column must give P = 0 even when
         # a K row holds a NaN, which no real query sees)
-        masks = f"js + {SUB} > Nq or wk + 15 >= {_end('js', window)}" + (
-            f" or wk < {_first(last)}" if window else "")
-        s(f"if {masks}:")
-        with s.block():
-            for n in range(NN):
-                for c in (0, 1):
-                    col = f"js + I(t) * 2 + {8 * n + c}"
-                    s(f"qe = {_end(col, window)} if {col} < Nq else 0")
-                    if window:
-                        s(f"qf = {_first(col)}")
-                    for r, kr in ((c, "kr0"), (2 + c, "kr1")):
-                        s(f"if {kr} >= qe or {kr} < qf:" if window else f"if {kr} >= qe:")
-                        with s.block():
-                            s(f"s_{n}_{r} = NEG_INF")
+        emit_transposed_mask(s, NN, window)
         s(f"qc = t * {U(2)}")
         if cfg.MODS or cfg.DROP:
             _key_pass_elementwise(s, ops, cfg, NN, kb, lse_off, delta_off, do_off, OW, VW)
@@ -561,19 +572,28 @@ def _emit_dq_adds(s, ops, cfg, SUB, KW, buffer):
             # lanes t, t ^ 1 swap halves so that an even lane holds four adjacent columns of
             # row g and an odd one those of row g + 8: one four-float reduction each, a warp's
             # 16 rows x 32 bytes (two-float ones from the C layout ran at ~0.7x the rate)
-            s("odd = t % U(2)", "qrow = js + I(mg) * 16 + I(g) + I(odd) * 8",
-              f"qcol = pc * {U(16 * pairs)} + (t - odd) * {U(2)}")
-            for n in range(2 * pairs):
-                c = [f"dqa_{n}_{r}" for r in range(4)]
-                s(f"x0 = cuda.shfl_xor_sync(FULL, {c[0]} if odd else {c[2]}, 1)",
-                  f"x1 = cuda.shfl_xor_sync(FULL, {c[1]} if odd else {c[3]}, 1)",
-                  f"dqa_{n}_0, dqa_{n}_1, dqa_{n}_2, dqa_{n}_3 = "
-                  f"(x0, x1, {c[2]}, {c[3]}) if odd else ({c[0]}, {c[1]}, x0, x1)")
-            s("if qrow < Nq:")
-            with s.block():
-                for n in range(2 * pairs):
-                    s(f"red_add_f32x4(global_addr2(dqacch, qrow, qcol + {U(8 * n)}), "
-                      + ", ".join(f"dqa_{n}_{r} * scale" for r in range(4)) + ")")
+            emit_dq_reductions(s, "dqa", 2 * pairs, "js + I(mg) * 16", f"pc * {U(16 * pairs)}")
+
+
+def emit_dq_reductions(s, acc, tiles, first_row, first_col):
+    """Emit the adds of a warp's dQ fragments (``acc``, ``tiles`` n8 tiles of the C layout: rows
+    first_row + g and + 8, columns first_col + 8 n + 2t, + 1), times scale, into the float32
+    accumulator dqacch (rows below Nq). Lanes t, t ^ 1 swap halves so that an even lane holds
+    four adjacent columns of row g and an odd one those of row g + 8: one four-float reduction
+    each, a warp's 16 rows x 32 bytes (two-float ones from the C layout ran at ~0.7x the
+    rate)."""
+    s("odd = t % U(2)", f"qrow = {first_row} + I(g) + I(odd) * 8",
+      f"qcol = {first_col} + (t - odd) * {U(2)}")
+    for n in range(tiles):
+        c = [f"{acc}_{n}_{r}" for r in range(4)]
+        s(f"x0 = cuda.shfl_xor_sync(FULL, {c[0]} if odd else {c[2]}, 1)",
+          f"x1 = cuda.shfl_xor_sync(FULL, {c[1]} if odd else {c[3]}, 1)",
+          f"{', '.join(c)} = (x0, x1, {c[2]}, {c[3]}) if odd else ({c[0]}, {c[1]}, x0, x1)")
+    s("if qrow < Nq:")
+    with s.block():
+        for n in range(tiles):
+            s(f"red_add_f32x4(global_addr2(dqacch, qrow, qcol + {U(8 * n)}), "
+              + ", ".join(f"{acc}_{n}_{r} * scale" for r in range(4)) + ")")
 
 
 def _key_pass_elementwise(s, ops, cfg, NN, kb, lse_off, delta_off, do_off, OW, VW):

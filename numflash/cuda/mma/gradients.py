@@ -309,10 +309,17 @@ def signature(dtype, kernel, window=False, token="", varlen=False, grad32=False,
 def compiled_kernels(cfg, dtype):
     """[(Kernel, numba argument types)] run() launches: the query pass, then the key pass."""
     from .. import launch
-    return [(launch.get_kernel(NAME + ".backward_queries", make_query_kernel, cfg["queries"]),
-             _signature(dtype, "queries", cfg["queries"])),
+    return [query_pass_kernel(cfg["queries"], dtype),
             (launch.get_kernel(NAME + ".backward_keys", make_key_kernel, cfg["keys"]),
              _signature(dtype, "keys", cfg["keys"]))]
+
+
+def query_pass_kernel(queries, dtype):
+    """(Kernel, numba argument types) of the query pass of config ``queries`` (with DQADD: the
+    delta pass another key pass may follow, as cuda.wgmma's does)."""
+    from .. import launch
+    return (launch.get_kernel(NAME + ".backward_queries", make_query_kernel, queries),
+            _signature(dtype, "queries", queries))
 
 
 def _signature(dtype, kernel, c):
@@ -322,6 +329,15 @@ def _signature(dtype, kernel, c):
 
 def run(problem, cfg, device):
     """Fill problem.dq, dk, dv (and dbias when asked for) for a normalized CuPy problem."""
+    launch_passes(problem, cfg, device, [kernel for kernel, _ in
+                                         compiled_kernels(cfg, problem.dtype_name)],
+                  (shared_bytes(cfg["queries"], "queries"), shared_bytes(cfg["keys"], "keys")))
+
+
+def launch_passes(problem, cfg, device, kernels, smem):
+    """Launch the query pass and the key pass (``kernels``, with ``smem`` bytes of shared memory
+    each: cuda.mma's, or another key pass that takes the DQADD key pass's arguments and reads
+    the same config fields, as cuda.wgmma's does) and fill the problem's gradients."""
     import cupy
     p = problem
     B, H, Nq, Nk, d, dv = p.shape
@@ -358,14 +374,14 @@ def run(problem, cfg, device):
     if cfg["queries"].MODS:
         scalars += mods.arguments(p.mods)
     scalars += dropout.arguments(p)
-    (queries, _), (keys, _) = compiled_kernels(cfg, p.dtype_name)
+    queries, keys = kernels
     inputs = tuple(bits(a) for a in (p.q, p.k, p.v, p.do))
     grad = (lambda a: a) if qc.GRAD32 else bits   # float32 gradients are written as floats
     slices = (qc.CHUNKS,) if qc.CHUNKS else ()   # the gradients' column slices
     with compile_errors(p.mods, NAME):
-        queries(query_grid + slices, (qc.NT,), shared_bytes(qc, "queries"),
+        queries(query_grid + slices, (qc.NT,), smem[0],
                 inputs + (bits(p.o), lse, delta, grad(p.dq)) + scalars, device)
-        keys(key_grid + slices, (kc.NT,), shared_bytes(kc, "keys"),
+        keys(key_grid + slices, (kc.NT,), smem[1],
              inputs + (lse, delta, grad(p.dk), grad(p.dv)) + scalars + bias_args +
              arg_args + ((dq_acc,) if kc.DQADD else ()), device)
     if kc.DQADD:   # rounded to the gradient's dtype as the query pass's stores round

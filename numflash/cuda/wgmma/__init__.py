@@ -5,10 +5,14 @@ cuda.mma's pieces (row bounds, masking, online softmax, epilogue); the products 
 descriptors are ptx_wgmma's. "auto" takes it for a 16-bit forward on compute capability 9.0
 wherever it runs, but for calls whose query blocks do not fill the GPU (auto_passes).
 
+The backward's key pass (backward.py, the operator in gradients.py) is FlashAttention-3's
+backward loop on the same products, after cuda.mma's delta pass, with dQ added into a float32
+accumulator.
+
 Not yet here (explain says so, and cuda.mma runs them): score / mask modifications, dropout,
 split-KV, KV caches, packed sequences, strided or misaligned rows, odd head dims, head dims
-past 128, the backward. wgmma exists on compute capability 9.0 only: not on 8.x, and not on
-10.x / 12.x.
+past 128, a deterministic backward. wgmma exists on compute capability 9.0 only: not on 8.x,
+and not on 10.x / 12.x.
 """
 import math
 

@@ -1,0 +1,88 @@
+"""cuda.wgmma's backward operator: cuda.mma's delta pass, then the wgmma key pass
+(backward.py), which computes dK and dV and adds dQ into a float32 accumulator.
+
+float16 / bfloat16, head dims up to 128 (zero-padded to 64 or 128), causal in both alignments,
+GQA, on compute capability 9.0. dQ's adds come in an order that varies from run to run, so
+``deterministic=True`` is cuda.mma's (its two passes). Not yet here (explain says so, and
+cuda.mma runs them): modifications, dropout, packed sequences, attn_bias's and mod_args'
+gradients, float32 gradients of 16-bit inputs (grad_dtype), strided rows.
+"""
+from ...device import Unsupported
+from ..mma import gradients as mma_gradients
+from ..mma.backward import shared_bytes as mma_shared_bytes
+from .backward import WgmmaBackwardConfig, make_kernel, shared_bytes
+from .tiles import NAME, head_dim_pad
+
+#: (NWG, DQ) by the larger padded head dim: two warpgroups (128 keys a block, half the dQ adds
+#: of 64). d128: each takes half of dQ's columns (254 registers, no spill; ptxas sm_90a). d64:
+#: the warpgroups take dQ's whole product in turn, which the H100 timed at 2.92 ms against
+#: 3.15 for halves of 32 columns (B4 H16 N4096 float16, non-causal; causal 1.81 / 1.83 ms;
+#: bench/NOTES.md "cuda.wgmma's backward")
+TILES = {64: (2, "alternate"), 128: (2, "split")}
+
+
+def config(problem, device):
+    """{"queries": cuda.mma's delta pass, "keys": WgmmaBackwardConfig} for a backward problem;
+    raises Unsupported saying why not."""
+    from ..mma.config import padded_dims, vector_ok
+    if device.cc is not None and tuple(device.cc) != (9, 0):
+        raise Unsupported(f"{NAME}: wgmma runs on compute capability 9.0 only (sm_90a: H100, "
+                          f"H200, GH200); {device.name} is {device.cc[0]}.{device.cc[1]}: "
+                          f"cuda.mma's backward runs it")
+    if getattr(problem, "deterministic", False):
+        raise Unsupported(f"{NAME}'s backward adds dQ into a float32 accumulator atomically, "
+                          f"in an order that varies from run to run: deterministic=True takes "
+                          f"cuda.mma's two passes (dQ in its own pass, no atomics)")
+    if str(getattr(problem, "grad_dtype", None)) == "float32":
+        raise Unsupported(f"{NAME}'s backward stores 16-bit gradients; grad_dtype float32 "
+                          f"takes cuda.mma's backward")
+    padded_dims(problem)   # refuses query heads that do not divide into the K/V heads
+    staged = ("q", "k", "v") + tuple(n for n in ("do", "o")
+                                     if getattr(problem, n, None) is not None)
+    why = vector_ok(problem, staged) if problem.on_device else "these are not device arrays"
+    if why:
+        raise Unsupported(f"{NAME}'s backward stages q, k, v, dO and O with 16-byte cp.async, "
+                          f"and {why}: cuda.mma's backward takes it, or cuda.row's for any "
+                          f"layout")
+    B, H, Nq, Nk, d, dv = problem.shape
+    D, DV = head_dim_pad(d), head_dim_pad(dv)
+    DT = mma_gradients.KINDS[problem.dtype_name]
+    NWG, form = TILES[max(D, DV)]
+    keys = WgmmaBackwardConfig(D, DV, NWG, 64, DT, form)
+    queries = mma_gradients.with_dq_adds(
+        mma_gradients.tiles(D, DV, device.smem_per_block_optin, DT=DT, cc=device.cc), "red4",
+        device.smem_per_block_optin)["queries"]
+    for what, need in (("key pass", shared_bytes(keys)),
+                       ("delta pass", mma_shared_bytes(queries, "queries"))):
+        if device.smem_per_block_optin is not None and need > device.smem_per_block_optin:
+            raise Unsupported(f"{NAME}'s backward {what} needs {need} bytes of shared memory "
+                              f"for d={d}, dv={dv}, more than the {device.smem_per_block_optin}"
+                              f" a block may use on {device.name}")
+    return {"queries": queries, "keys": keys}
+
+
+def compiled_kernels(cfg, dtype):
+    """[(Kernel, numba argument types)] run() launches: cuda.mma's delta pass, then the wgmma
+    key pass."""
+    from .. import launch
+    return [mma_gradients.query_pass_kernel(cfg["queries"], dtype),
+            (launch.get_kernel(NAME + ".backward_keys", make_kernel, cfg["keys"]),
+                      mma_gradients.signature(dtype, "keys", dq_adds=True))]
+
+
+def run(problem, cfg, device):
+    """Fill problem.dq, dk, dv for a normalized CuPy problem."""
+    mma_gradients.launch_passes(problem, cfg, device,
+                                [kernel for kernel, _ in compiled_kernels(cfg, problem.dtype_name)],
+                                (mma_shared_bytes(cfg["queries"], "queries"),
+                                 shared_bytes(cfg["keys"])))
+
+
+def notes(problem, cfg, device):
+    """What explain adds about this backward's config."""
+    who = ("each warpgroup half of its columns" if cfg["keys"].DQ == "split" else
+           "one warpgroup a query tile, in turn")
+    return [f"dQ: the wgmma key pass multiplies dS by K ({who}) and adds it into a float32 "
+            "accumulator (red.global.add.v4.f32); cuda.mma's query pass computes delta only; "
+            "the adds' order varies from run to run (deterministic=True takes cuda.mma's two "
+            "passes)"]
