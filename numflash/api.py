@@ -83,7 +83,8 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, layout="bhsd", backe
     softmax_scale: defaults to 1/sqrt(d).
     backend: "auto" (from the array type), "cpu" or "cuda".
     algorithm: "auto", "block" (block-tiled), "row" (FA1 per-row), "mma" (tensor cores,
-        mma.sync) or "wgmma" (Hopper warpgroup products, float16 / bfloat16 forward).
+        mma.sync) or "wgmma" (Hopper warpgroup products, float16 / bfloat16, forward and
+        backward).
     return_lse: also return the (B, H, Nq) natural log of each row's softmax denominator, in
         float32 (float64 for float64 inputs); :func:`attention_backward` takes it.
     out: write the result here (q's dtype and kind, shape of the result in ``layout``).

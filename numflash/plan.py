@@ -168,7 +168,7 @@ def choose(problem, backend="auto", algorithm="auto"):
            # attn_bias's gradient: kernels arrange their tasks by the dims it broadcasts along
            None if getattr(problem, "dbias", None) is None else problem.dbias.shape,
            getattr(problem, "dmod_args", None) is not None,
-           # cuda.mma's backward adds dQ atomically unless asked for repeatable gradients
+           # the sm_90 backwards add dQ atomically unless asked for repeatable gradients
            getattr(problem, "deterministic", False),
            problem.kind, problem.dtype,
            problem.shape, simulator_enabled(),

@@ -482,8 +482,8 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, layout="bhsd", backe
     """:func:`numflash.attention` for torch tensors (it is what that function runs for them).
 
     Differentiable: gradients come from numflash's backward (``deterministic=True`` asks the
-    backward for bit-reproducible gradients; by default cuda.mma adds dQ atomically for 16-bit
-    inputs on sm_90, as FlashAttention-2 does). The lse is
+    backward for bit-reproducible gradients; by default cuda.wgmma and cuda.mma add dQ
+    atomically for 16-bit inputs on sm_90, as FlashAttention-2 and -3 do). The lse is
     not differentiable. ``out=`` writes the result into a tensor and is not differentiable: with
     grad mode on and an input that requires grad, it raises.
 

@@ -190,6 +190,9 @@ BACKWARD_EMULATED = [  # B, H, Hkv, Nq, Nk, d, dv, causal, NWG, DQ
                  marks=pytest.mark.extended),
     pytest.param(1, 1, 1, 70, 100, 64, 64, False, 1, "split", id="one-warpgroup",
                  marks=pytest.mark.extended),
+    # key blocks no query tile reaches (their dK, dV are zeros), GQA
+    pytest.param(1, 2, 1, 64, 300, 64, 64, "top_left", 2, "alternate", id="keys-no-query-sees",
+                 marks=pytest.mark.extended),
 ]
 
 
@@ -210,6 +213,60 @@ def test_emulated_wgmma_backward_is_accurate(rng, B, H, Hkv, Nq, Nk, d, dv, caus
     assert rep.ok, str(rep)
     if causal == "bottom_right" and Nq > Nk:   # the first Nq - Nk rows see no key
         assert (grads[0][:, :, :Nq - Nk] == 0).all()
+
+
+def test_emulated_wgmma_backward_in_bfloat16(rng):
+    """bfloat16 shares the source but for the packing of P^T and dS^T: one causal GQA case."""
+    from mma_tools import run_wgmma_backward
+    from numflash.testing import check_backward
+    bf16 = pytest.importorskip("ml_dtypes").bfloat16
+    q, k, v = _inputs(rng, 1, 2, 1, 100, 90, 64, 64, bf16)
+    do = rng.standard_normal((1, 2, 100, 64)).astype(bf16)
+    o, lse = numflash.reference.attention(q, k, v, causal="bottom_right", return_lse=True)
+    grads = run_wgmma_backward(do, q, k, v, o.astype(bf16), lse, True, 90 - 100)
+    rep = check_backward(grads, do, q, k, v, causal="bottom_right")
+    assert rep.ok, str(rep)
+
+
+def _product_order(src):
+    """[(kind, name)] of the wgmma issues ("issue", group) and waits ("wait", group, pending)
+    in a generated kernel's source, in order (straight-line source: no branch around them)."""
+    waits = {"wait_s": ("s", 1), "wait_dp": ("dp", 1), "wait_dv_2": ("dv", 2),
+             "wait_dv_1": ("dv", 1), "wait_dk_1": ("dk", 1), "wait_dk_0": ("dk", 0),
+             "wait_dq": ("dq", 0)}
+    out = []
+    for line in src.splitlines():
+        m = re.search(r"= (wgmma_(s|dp|dv|dk|dq)|wait_\w+)\(", line)
+        if m and m.group(2):
+            out.append(("issue", m.group(2)))
+        elif m:
+            out.append(("wait",) + waits[m.group(1)])
+        elif "cuda.syncthreads()" in line:
+            out.append(("barrier",))
+    return out
+
+
+def test_the_key_pass_waits_for_each_product_before_reading_it_and_before_the_barrier():
+    """The emulator computes every wgmma at issue, so it cannot see a wait in the wrong place:
+    this reads the generated order instead. Each wait_group N must leave the product it passes
+    through complete (at most N groups committed after it), and none may be in flight at the
+    tile loop's first barrier (the next tile's copies then overwrite the buffers they read)."""
+    from numflash.cuda.wgmma.backward import WgmmaBackwardConfig, kernel_source
+    order = _product_order(kernel_source(WgmmaBackwardConfig(128, 128, 2, 64, "f16", "split")))
+    issued, done = [], set()
+    for step in order:
+        if step[0] == "issue":
+            issued.append(step[1])
+        elif step[0] == "wait":
+            group, pending = step[1], step[2]
+            assert group in issued, step
+            assert len(issued) - 1 - issued.index(group) <= pending, (step, issued)
+            done.update(issued[:len(issued) - pending])
+        elif "dq" not in issued and issued:   # the barrier before dQ's product reads dS^T
+            assert {"s", "dp"} <= done, (issued, done)
+    assert issued == ["s", "dp", "dv", "dk", "dq"]
+    # the tile loop's body ends here: the next tile's first barrier follows, then its copies
+    assert set(issued) <= done, (issued, done)
 
 
 _COMPILE_BACKWARD = """
@@ -273,9 +330,12 @@ def _backward_plan(rng, device=HOPPER, dtype=np.float16, B=4, H=16, Hkv=None, Nq
     from numflash import plan as planner
     from numflash.api import _with_mods
     from numflash.inputs import normalize_backward
-    mods = {name: opts.pop(name) for name in ("softcap",) if name in opts}
+    mods = {name: opts.pop(name) for name in ("softcap", "window_size") if name in opts}
+    strided = opts.pop("strided", False)
     q, k, v = (np.zeros((B, h, n, w), dtype) for h, n, w in
                ((H, Nq, d), (Hkv or H, Nk, d), (Hkv or H, Nk, dv or d)))
+    if strided:
+        q = np.repeat(q, 2, axis=-1)[..., ::2]
     do, o = np.zeros((B, H, Nq, dv or d), dtype), np.zeros((B, H, Nq, dv or d), dtype)
     lse = np.zeros((B, H, Nq), np.float32)
     p = _with_mods(normalize_backward(do, q, k, v, o, lse, **opts), mods)
@@ -302,16 +362,20 @@ def test_auto_takes_the_wgmma_backward_for_16_bit_on_compute_capability_9(rng, d
 @pytest.mark.parametrize("device, opts, match", [
     (Device("a100", cc=(8, 0), smem_per_block_optin=163 * 1024), {},
      "needs compute capability >= 9.0 .Hopper's wgmma, sm_90a."),
+    (Device("b200", cc=(10, 0), smem_per_block_optin=227 * 1024), {},
+     "wgmma runs on compute capability 9.0 only"),
+    (HOPPER, {"strided": True}, "16-byte cp.async, and q's last axis is strided"),
+    (HOPPER, {"window_size": (64, 0)}, "cuda.wgmma does not take score/mask modifications"),
     (HOPPER, {"deterministic": True}, "deterministic=True takes cuda.mma's two passes"),
     (HOPPER, {"grad_dtype": "float32"}, "grad_dtype float32 takes cuda.mma's backward"),
     (HOPPER, {"d": 256}, "cuda.wgmma takes head dims up to 128"),
     (HOPPER, {"dtype": np.float32}, "cuda.wgmma takes float16, bfloat16, not float32"),
     (HOPPER, {"softcap": 30.0}, "cuda.wgmma does not take score/mask modifications"),
 ])
-def test_the_wgmma_backward_refuses_with_the_reason_and_auto_takes_cuda_mma(rng, device, opts,
-                                                                          match):
+def test_the_wgmma_backward_refuses_with_the_reason_and_auto_takes_another(rng, device, opts,
+                                                                         match):
     with pytest.raises(ValueError, match=match):
-        _backward_plan(rng, device, algorithm="wgmma", **opts)
-    plan = _backward_plan(rng, device, **opts)
-    assert plan.kernel == "cuda.mma", str(plan)
+        _backward_plan(rng, device, algorithm="wgmma", **dict(opts))
+    plan = _backward_plan(rng, device, **dict(opts))
+    assert plan.kernel == ("cuda.row" if "strided" in opts else "cuda.mma"), str(plan)
     assert re.search(match, plan.rejected["cuda.wgmma"])

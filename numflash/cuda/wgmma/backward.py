@@ -20,8 +20,8 @@ Per query tile each warpgroup computes
                       into the float32 accumulator by four-float reductions
 
 dQ's product needs every warpgroup's dS^T, so it follows a barrier. DQ "split": warpgroup w
-takes dQ's columns 64 w .. 64 w + 63 (head dims of 64 NWG columns); "alternate": the warpgroup
-(tile index mod NWG) takes all of them, the others go on (its registers hold 64 x D / 128 more
+takes D / NWG of dQ's columns; "alternate": the warpgroup (tile index mod NWG) takes all of
+them while the others wait at the next tile's barrier (its registers hold 64 x D / 128 more
 floats, so narrow head dims only). dK is scaled by the softmax scale once, at the end; dQ's
 adds carry it.
 
@@ -41,7 +41,7 @@ from ..mma.backward import (ARGUMENTS, SCALARS, _ds, _lse2, _per_query, _store_r
 from ..mma.emit import U, Source, define, emit_thread_indices
 from ..mma.forward import source_identity
 from ..ptx_wgmma import descriptor_fields
-from .forward import emit_copies, emit_copies_setup
+from .forward import emit_copies, emit_copies_setup, emit_pack, k_step_offset
 from .tiles import ATOM, SWIZZLE, region_bytes
 
 KERNEL_NAME = "wgmma_backward_keys"
@@ -85,6 +85,11 @@ class WgmmaBackwardConfig(TileConfig):
         return 128 * self.NWG
 
     @property
+    def pack(self):
+        """The generated source's f32 pair -> packed 16-bit pair function."""
+        return f"pack_{self.DT}x2"
+
+    @property
     def dq_columns(self):
         """dQ's columns one warpgroup's product computes."""
         return self.D // self.NWG if self.DQ == "split" else self.D
@@ -120,12 +125,6 @@ def shared_bytes(cfg):
     return layout(cfg).total
 
 
-def _k_step(rows, kk):
-    """Descriptor offset (16-byte units) of k-step kk of a K-major tile of ``rows`` rows (the
-    forward's _Products.k_step)."""
-    return (kk // 4 * rows * SWIZZLE + kk % 4 * 32) // 16
-
-
 def _descs(name, count, step):
     """Source of a tuple of ``count`` descriptors from ``name``, ``step(kk)`` apart."""
     return "(" + ", ".join(f"{name} + {U(step(kk))}" for kk in range(count)) + ",)"
@@ -133,18 +132,6 @@ def _descs(name, count, step):
 
 def _regs(name, tiles):
     return ", ".join(f"{name}_{n}_{r}" for n in range(tiles) for r in range(4))
-
-
-def _pack(s, cfg, src, dst, steps):
-    """Emit the A operand of ``steps`` k-steps packed from the C fragments ``src`` (two
-    adjacent n8 tiles a k-step), as the forward packs P."""
-    pack = f"pack_{cfg.DT}x2"
-    for kk in range(steps):
-        n0, n1 = 2 * kk, 2 * kk + 1
-        s(f"{dst}_{kk}_0 = {pack}({src}_{n0}_0, {src}_{n0}_1)",
-          f"{dst}_{kk}_1 = {pack}({src}_{n0}_2, {src}_{n0}_3)",
-          f"{dst}_{kk}_2 = {pack}({src}_{n1}_0, {src}_{n1}_1)",
-          f"{dst}_{kk}_3 = {pack}({src}_{n1}_2, {src}_{n1}_3)")
 
 
 def _stage(s, cfg, L, first, buffer):
@@ -251,23 +238,23 @@ def kernel_source(cfg):
                   f"dotd = ((tb + {U(L.do)}) >> {U(4)}) | {U(q_mn)}")
                 S, DP = _regs("s", NN), _regs("dp", NN)
                 DK, DV, DQ = _regs("dk", ND), _regs("dv", NVN), _regs("dq", NQN)
-                s(f"{S} = wgmma_s({_descs('kd', cfg.D // 16, lambda kk: _k_step(cfg.BR, kk))}, "
-                  f"{_descs('qd', cfg.D // 16, lambda kk: _k_step(cfg.BC, kk))})",
-                  f"{DP} = wgmma_dp({_descs('vd', cfg.DV // 16, lambda kk: _k_step(cfg.BR, kk))}"
-                  f", {_descs('dod', cfg.DV // 16, lambda kk: _k_step(cfg.BC, kk))})",
+                s(f"{S} = wgmma_s({_descs('kd', cfg.D // 16, lambda kk: k_step_offset(cfg.BR, kk))}, "
+                  f"{_descs('qd', cfg.D // 16, lambda kk: k_step_offset(cfg.BC, kk))})",
+                  f"{DP} = wgmma_dp({_descs('vd', cfg.DV // 16, lambda kk: k_step_offset(cfg.BR, kk))}"
+                  f", {_descs('dod', cfg.DV // 16, lambda kk: k_step_offset(cfg.BC, kk))})",
                   f"{S} = wait_s(({S},))")
                 emit_transposed_mask(s, NN)
                 s(f"qc = t * {U(2)}")
                 _per_query(s, NN, [("lse2", "fb")],
                            lambda n, r, c: s(f"s_{n}_{r} = ex2(s_{n}_{r} * scale_log2 - lse2)"))
-                _pack(s, cfg, "s", "pa", QSTEPS)
+                emit_pack(s, cfg.pack, "s", "pa", QSTEPS)
                 PA = _regs("pa", QSTEPS)
                 s(f"{DV} = wgmma_dv(({DV},), ({PA},), {_descs('dotd', QSTEPS, mn_step)})",
                   f"{DP} = wait_dp(({DP},))")
                 _per_query(s, NN, [("dlt", f"fb + {U(cfg.BC)}")],
                            lambda n, r, c: s(f"s_{n}_{r} = "
                                              f"{_ds(f's_{n}_{r}', f'dp_{n}_{r}', 'dlt')}"))
-                _pack(s, cfg, "s", "da", QSTEPS)
+                emit_pack(s, cfg.pack, "s", "da", QSTEPS)
                 DA = _regs("da", QSTEPS)
                 s(f"{DK} = wgmma_dk(({DK},), ({DA},), {_descs('qtd', QSTEPS, mn_step)})")
                 _emit_ds_store(s, cfg, L)

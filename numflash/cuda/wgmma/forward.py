@@ -86,6 +86,24 @@ def emit_copies(s, name, rows, width, first, limit, base, NT):
             s(f"row += {U(rstep)}", f"src += {name}_step")
 
 
+def k_step_offset(rows, kk):
+    """Descriptor offset (16-byte units) of k-step kk of a K-major tile of ``rows`` rows: 32
+    bytes a step inside a 128-byte row, a column slab (rows x 128 bytes) every 4."""
+    return (kk // 4 * rows * SWIZZLE + kk % 4 * 32) // 16
+
+
+def emit_pack(s, pack, src, dst, steps):
+    """Emit a register A operand of ``steps`` k-steps (dst_kk_r) packed by function ``pack``
+    from C fragments ``src``: two adjacent n8 tiles a k-step (the accumulator layout is the A
+    layout once packed)."""
+    for kk in range(steps):
+        n0, n1 = 2 * kk, 2 * kk + 1
+        s(f"{dst}_{kk}_0 = {pack}({src}_{n0}_0, {src}_{n0}_1)",
+          f"{dst}_{kk}_1 = {pack}({src}_{n0}_2, {src}_{n0}_3)",
+          f"{dst}_{kk}_2 = {pack}({src}_{n1}_0, {src}_{n1}_1)",
+          f"{dst}_{kk}_3 = {pack}({src}_{n1}_2, {src}_{n1}_3)")
+
+
 class _Products:
     """Source of the two products of a key tile and of what sits between them."""
 
@@ -106,16 +124,11 @@ class _Products:
         s(f"kd = (({k_base}) >> {U(4)}) | {U(self.k_fields)}",
           f"vd = (({v_base}) >> {U(4)}) | {U(self.v_fields)}")
 
-    def k_step(self, rows, kk):
-        """Descriptor offset (16-byte units) of k-step kk of a K-major tile of ``rows`` rows:
-        32 bytes a step inside a 128-byte row, a column slab (rows x 128 bytes) every 4."""
-        return (kk // 4 * rows * SWIZZLE + kk % 4 * 32) // 16
-
     def qk(self, s, fn="wgmma_qk"):
         """Emit S = Q K^T."""
         cfg = self.cfg
-        qs = ", ".join(f"qd + {U(self.k_step(cfg.BR, kk))}" for kk in range(cfg.D // 16))
-        ks = ", ".join(f"kd + {U(self.k_step(cfg.BC, kk))}" for kk in range(cfg.D // 16))
+        qs = ", ".join(f"qd + {U(k_step_offset(cfg.BR, kk))}" for kk in range(cfg.D // 16))
+        ks = ", ".join(f"kd + {U(k_step_offset(cfg.BC, kk))}" for kk in range(cfg.D // 16))
         s(f"{self.scores} = {fn}(({qs},), ({ks},))")
 
     def softmax(self, s, rescale_o=True):
@@ -129,11 +142,7 @@ class _Products:
 
     def pack_p(self, s):
         """Emit P's A operand: two adjacent n8 tiles of S per k-step, packed."""
-        pack = self.cfg.pack
-        for kk in range(self.PV_STEPS):
-            n0, n1 = 2 * kk, 2 * kk + 1
-            s(f"pa_{kk}_0 = {pack}(s_{n0}_0, s_{n0}_1)", f"pa_{kk}_1 = {pack}(s_{n0}_2, s_{n0}_3)",
-              f"pa_{kk}_2 = {pack}(s_{n1}_0, s_{n1}_1)", f"pa_{kk}_3 = {pack}(s_{n1}_2, s_{n1}_3)")
+        emit_pack(s, self.cfg.pack, "s", "pa", self.PV_STEPS)
 
     def pv(self, s, fn="wgmma_pv", vd="vd"):
         """Emit O += P V (16 keys a k-step: two 1024-byte atoms of V along the keys)."""

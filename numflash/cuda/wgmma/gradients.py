@@ -42,8 +42,7 @@ def config(problem, device):
     why = vector_ok(problem, staged) if problem.on_device else "these are not device arrays"
     if why:
         raise Unsupported(f"{NAME}'s backward stages q, k, v, dO and O with 16-byte cp.async, "
-                          f"and {why}: cuda.mma's backward takes it, or cuda.row's for any "
-                          f"layout")
+                          f"and {why}: cuda.row's backward takes any layout")
     B, H, Nq, Nk, d, dv = problem.shape
     D, DV = head_dim_pad(d), head_dim_pad(dv)
     DT = mma_gradients.KINDS[problem.dtype_name]
@@ -67,7 +66,7 @@ def compiled_kernels(cfg, dtype):
     from .. import launch
     return [mma_gradients.query_pass_kernel(cfg["queries"], dtype),
             (launch.get_kernel(NAME + ".backward_keys", make_kernel, cfg["keys"]),
-                      mma_gradients.signature(dtype, "keys", dq_adds=True))]
+             mma_gradients.signature(dtype, "keys", dq_adds=True))]
 
 
 def run(problem, cfg, device):
