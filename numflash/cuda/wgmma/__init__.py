@@ -18,7 +18,7 @@ import math
 
 from ...device import Unsupported
 from .forward import kernel_source, make_kernel
-from .tiles import HEAD_DIMS, NAME, TILES, WgmmaConfig, head_dim_pad, shared_bytes
+from .tiles import HEAD_DIMS, NAME, TILES, WgmmaConfig, check_hopper, head_dim_pad, shared_bytes
 
 __all__ = ["NAME", "HEAD_DIMS", "WgmmaConfig", "config", "auto_passes", "run", "compiled_kernels",
            "kernel_source", "make_kernel", "shared_bytes"]
@@ -27,10 +27,7 @@ def config(problem, device):
     """The WgmmaConfig for ``problem`` on ``device`` (what the operator's declarations admit);
     raises Unsupported saying why not."""
     from ..mma.config import padded_dims, vector_ok
-    if device.cc is not None and tuple(device.cc) != (9, 0):
-        raise Unsupported(f"{NAME}: wgmma runs on compute capability 9.0 only (sm_90a: H100, "
-                          f"H200, GH200); {device.name} is {device.cc[0]}.{device.cc[1]}: "
-                          f"cuda.mma runs it")
+    check_hopper(device, "cuda.mma")
     B, H, Nq, Nk, d, dv = problem.shape
     padded_dims(problem)   # refuses query heads that do not divide into the K/V heads
     if not problem.on_device or vector_ok(problem) is not None:

@@ -30,7 +30,6 @@ previous tile: its buffers and the dS^T tile are free, and the next tile is copi
 other buffer while this one is computed), one after the dS^T tile is written. Nothing calls a
 subroutine (ptxas would serialize every wgmma: numflash.cuda.ptx_wgmma).
 """
-import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -41,8 +40,9 @@ from ..mma.backward import (ARGUMENTS, SCALARS, _ds, _lse2, _per_query, _store_r
 from ..mma.emit import U, Source, define, emit_thread_indices
 from ..mma.forward import source_identity
 from ..ptx_wgmma import descriptor_fields
-from .forward import emit_copies, emit_copies_setup, emit_pack, k_step_offset
-from .tiles import ATOM, SWIZZLE, region_bytes
+from .forward import (common_namespace, emit_copies, emit_copies_setup, emit_pack,
+                      k_step_offset)
+from .tiles import ATOM, SWIZZLE, Warpgroups, region_bytes
 
 KERNEL_NAME = "wgmma_backward_keys"
 #: the dQ product's split over the block's warpgroups (module docstring)
@@ -50,7 +50,7 @@ DQ_FORMS = ("split", "alternate")
 
 
 @dataclass(frozen=True)
-class WgmmaBackwardConfig(TileConfig):
+class WgmmaBackwardConfig(Warpgroups, TileConfig):
     """One compile-time variant of the wgmma key pass: D, DV padded head dims (64 or 128); NWG
     warpgroups a block (BR = 64 NWG keys, NT = 128 NWG threads); BC queries a streamed tile (64:
     dQ's product has them as its M rows); DT "f16" or "bf16"; DQ the dQ product's form."""
@@ -75,19 +75,6 @@ class WgmmaBackwardConfig(TileConfig):
     def __post_init__(self):
         assert self.DQ in DQ_FORMS and self.BC == 64 and self.DT in ("f16", "bf16")
         assert self.DQ != "split" or self.D % (8 * self.NWG) == 0
-
-    @property
-    def BR(self):
-        return 64 * self.NWG
-
-    @property
-    def NT(self):
-        return 128 * self.NWG
-
-    @property
-    def pack(self):
-        """The generated source's f32 pair -> packed 16-bit pair function."""
-        return f"pack_{self.DT}x2"
 
     @property
     def dq_columns(self):
@@ -238,10 +225,12 @@ def kernel_source(cfg):
                   f"dotd = ((tb + {U(L.do)}) >> {U(4)}) | {U(q_mn)}")
                 S, DP = _regs("s", NN), _regs("dp", NN)
                 DK, DV, DQ = _regs("dk", ND), _regs("dv", NVN), _regs("dq", NQN)
-                s(f"{S} = wgmma_s({_descs('kd', cfg.D // 16, lambda kk: k_step_offset(cfg.BR, kk))}, "
-                  f"{_descs('qd', cfg.D // 16, lambda kk: k_step_offset(cfg.BC, kk))})",
-                  f"{DP} = wgmma_dp({_descs('vd', cfg.DV // 16, lambda kk: k_step_offset(cfg.BR, kk))}"
-                  f", {_descs('dod', cfg.DV // 16, lambda kk: k_step_offset(cfg.BC, kk))})",
+                keys, queries = (lambda kk: k_step_offset(cfg.BR, kk),
+                                 lambda kk: k_step_offset(cfg.BC, kk))
+                s(f"{S} = wgmma_s({_descs('kd', cfg.D // 16, keys)}, "
+                  f"{_descs('qd', cfg.D // 16, queries)})",
+                  f"{DP} = wgmma_dp({_descs('vd', cfg.DV // 16, keys)}, "
+                  f"{_descs('dod', cfg.DV // 16, queries)})",
                   f"{S} = wait_s(({S},))")
                 emit_transposed_mask(s, NN)
                 s(f"qc = t * {U(2)}")
@@ -285,22 +274,12 @@ def kernel_source(cfg):
 
 def _namespace(cfg):
     """The names the generated source calls, bound for this config."""
-    from numba import cuda, float32, int64, uint16, uint32, uint64
-    from .. import ptx, ptx_reduce, ptx_wgmma as w
-    from ..common import key_end
+    from .. import ptx_reduce, ptx_wgmma as w
     kind = cfg.DT
     return {
-        "cuda": cuda, "math": math, "U": uint64, "I": int64, "uint32": uint32,
-        "uint16": uint16, "float32": float32,
-        "ZERO": np.float32(0), "ONE": np.float32(1), "NEG_INF": np.float32(-np.inf),
+        **common_namespace(),
         "INF": np.float32(np.inf), "LOG2E": np.float32(np.log2(np.e)),
-        "FULL": 0xFFFFFFFF, "key_end": key_end,
-        "pack_f16x2": ptx.pack_f16x2, "pack_bf16x2": ptx.pack_bf16x2, "ex2": ptx.ex2,
-        "shared_addr": ptx.shared_addr, "global_addr2": ptx.global_addr2,
-        "cp_async_16": ptx.cp_async_16, "cp_async_commit": ptx.cp_async_commit,
-        "cp_async_wait_0": ptx.cp_async_wait_0,
         "red_add_f32x4": ptx_reduce.red_add_f32x4,
-        "fence_proxy_async": w.fence_proxy_async, "div_u32": w.div_u32,
         "wgmma_s": w.wgmma_ss(cfg.BC, kind, cfg.D // 16, False),
         "wgmma_dp": w.wgmma_ss(cfg.BC, kind, cfg.DV // 16, False),
         "wait_s": w.wgmma_wait(cfg.BC // 2, 1),    # S^T, with dP^T in flight
@@ -328,7 +307,8 @@ def code_identity(**config):
     """The variant's identity: its generated source and the code binding its names."""
     from .. import launch, ptx_reduce, ptx_wgmma
     cfg = WgmmaBackwardConfig(**config)
-    return source_identity(kernel_source(cfg), (_namespace, ptx_reduce._make_red_add_f32x4)) + \
+    return source_identity(kernel_source(cfg), (_namespace, common_namespace,
+                                                ptx_reduce._make_red_add_f32x4)) + \
         launch.source_digest(ptx_wgmma.__name__)[:16]
 
 

@@ -243,22 +243,33 @@ def kernel_source(cfg):
     return s.text()
 
 
-def _namespace(cfg):
-    """The names the generated source calls, bound for this config."""
+def common_namespace():
+    """The names every wgmma kernel's generated source calls but its products: numba's types,
+    the float32 constants, the causal rule, the packs, exp2, the copies, the proxy fence and
+    the inline 32-bit division."""
     from numba import cuda, float32, int64, uint16, uint32, uint64
     from .. import ptx, ptx_wgmma
     from ..common import key_end
-    kind = cfg.DT
     return {
         "cuda": cuda, "math": math, "U": uint64, "I": int64, "uint32": uint32,
         "uint16": uint16, "float32": float32,
         "ZERO": np.float32(0), "ONE": np.float32(1), "NEG_INF": np.float32(-np.inf),
-        "FULL": 0xFFFFFFFF, "key_end": key_end, "kv_head": _kv_head_device(),
+        "FULL": 0xFFFFFFFF, "key_end": key_end,
         "pack_f16x2": ptx.pack_f16x2, "pack_bf16x2": ptx.pack_bf16x2, "ex2": ptx.ex2,
         "shared_addr": ptx.shared_addr, "global_addr2": ptx.global_addr2,
         "cp_async_16": ptx.cp_async_16, "cp_async_commit": ptx.cp_async_commit,
-        "cp_async_wait_0": ptx.cp_async_wait_0, "cp_async_wait_1": ptx.cp_async_wait_1,
+        "cp_async_wait_0": ptx.cp_async_wait_0,
         "fence_proxy_async": ptx_wgmma.fence_proxy_async, "div_u32": ptx_wgmma.div_u32,
+    }
+
+
+def _namespace(cfg):
+    """The names the generated source calls, bound for this config."""
+    from .. import ptx, ptx_wgmma
+    kind = cfg.DT
+    return {
+        **common_namespace(),
+        "kv_head": _kv_head_device(), "cp_async_wait_1": ptx.cp_async_wait_1,
         "rcp_approx": ptx_wgmma.rcp_approx,
         "wgmma_qk": ptx_wgmma.wgmma_ss(cfg.BC, kind, cfg.D // 16),
         "wgmma_pv": ptx_wgmma.wgmma_rs(cfg.DV, kind, cfg.BC // 16, True),
@@ -282,7 +293,7 @@ def code_identity(**config):
     """The variant's identity: its generated source and the code binding its names."""
     from .. import launch, ptx_wgmma
     cfg = WgmmaConfig(**config)
-    return source_identity(kernel_source(cfg), (_namespace, kv_head)) + \
+    return source_identity(kernel_source(cfg), (_namespace, common_namespace, kv_head)) + \
         launch.source_digest(ptx_wgmma.__name__)[:16]
 
 

@@ -11,7 +11,7 @@ from ...device import Unsupported
 from ..mma import gradients as mma_gradients
 from ..mma.backward import shared_bytes as mma_shared_bytes
 from .backward import WgmmaBackwardConfig, make_kernel, shared_bytes
-from .tiles import NAME, head_dim_pad
+from .tiles import NAME, check_hopper, head_dim_pad
 
 #: (NWG, DQ) by the larger padded head dim: two warpgroups (128 keys a block, half the dQ adds
 #: of 64). d128: each takes half of dQ's columns (254 registers, no spill; ptxas sm_90a). d64:
@@ -25,10 +25,7 @@ def config(problem, device):
     """{"queries": cuda.mma's delta pass, "keys": WgmmaBackwardConfig} for a backward problem;
     raises Unsupported saying why not."""
     from ..mma.config import padded_dims, vector_ok
-    if device.cc is not None and tuple(device.cc) != (9, 0):
-        raise Unsupported(f"{NAME}: wgmma runs on compute capability 9.0 only (sm_90a: H100, "
-                          f"H200, GH200); {device.name} is {device.cc[0]}.{device.cc[1]}: "
-                          f"cuda.mma's backward runs it")
+    check_hopper(device, "cuda.mma's backward")
     if getattr(problem, "deterministic", False):
         raise Unsupported(f"{NAME}'s backward adds dQ into a float32 accumulator atomically, "
                           f"in an order that varies from run to run: deterministic=True takes "

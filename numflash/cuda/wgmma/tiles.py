@@ -9,6 +9,16 @@ NAME = "cuda.wgmma"
 HEAD_DIMS = (64, 128)
 
 
+def check_hopper(device, instead):
+    """Raise Unsupported unless ``device`` is compute capability 9.0 (or not known yet), naming
+    what runs the call ``instead``."""
+    from ...device import Unsupported
+    if device.cc is not None and tuple(device.cc) != (9, 0):
+        raise Unsupported(f"{NAME}: wgmma runs on compute capability 9.0 only (sm_90a: H100, "
+                          f"H200, GH200); {device.name} is {device.cc[0]}.{device.cc[1]}: "
+                          f"{instead} runs it")
+
+
 def head_dim_pad(n):
     """The padded head dim of ``n`` (<= 128: the operator declares the limit)."""
     return next(size for size in HEAD_DIMS if n <= size)
@@ -26,21 +36,9 @@ def region_bytes(rows, width):
     return rows * width * 2
 
 
-@dataclass(frozen=True)
-class WgmmaConfig(TileConfig):
-    """One compile-time variant of the wgmma forward.
-
-    D, DV: padded head dims of q / k and v. NWG warpgroups a block, each owning 64 query rows
-    (BR = 64 NWG, NT = 128 NWG threads); BC keys a K/V tile (the N of S = Q K^T's wgmma and the
-    contraction of P V's). DT: "f16" or "bf16"."""
-    D: int
-    DV: int
-    NWG: int
-    BC: int
-    DT: str
-
-    #: what cuda.mma's shared pieces read off a config: no packed sequences here
-    VARLEN = 0
+class Warpgroups:
+    """What a wgmma kernel's config derives from NWG (warpgroups a block, 64 rows each) and DT:
+    its warps, rows, threads and the 16-bit pack function of its generated source."""
 
     @property
     def NW(self):
@@ -58,6 +56,23 @@ class WgmmaConfig(TileConfig):
     def pack(self):
         """The generated source's f32 pair -> packed 16-bit pair function."""
         return f"pack_{self.DT}x2"
+
+
+@dataclass(frozen=True)
+class WgmmaConfig(Warpgroups, TileConfig):
+    """One compile-time variant of the wgmma forward.
+
+    D, DV: padded head dims of q / k and v. NWG warpgroups a block, each owning 64 query rows
+    (BR = 64 NWG, NT = 128 NWG threads); BC keys a K/V tile (the N of S = Q K^T's wgmma and the
+    contraction of P V's). DT: "f16" or "bf16"."""
+    D: int
+    DV: int
+    NWG: int
+    BC: int
+    DT: str
+
+    #: what cuda.mma's shared pieces read off a config: no packed sequences here
+    VARLEN = 0
 
 
 #: Shared memory in bytes: the Q tile (kept: wgmma reads it from shared memory every tile), one
