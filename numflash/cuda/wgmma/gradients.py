@@ -5,7 +5,8 @@ float16 / bfloat16, head dims up to 128 (zero-padded to 64 or 128), causal in bo
 GQA, on compute capability 9.0. dQ's adds come in an order that varies from run to run, so
 ``deterministic=True`` is cuda.mma's (its two passes). Not yet here (explain says so, and
 cuda.mma runs them): modifications, dropout, packed sequences, attn_bias's and mod_args'
-gradients, float32 gradients of 16-bit inputs (grad_dtype), strided rows.
+gradients, float32 gradients of 16-bit inputs (grad_dtype); strided rows and head dims that
+are not multiples of 8 run on cuda.row.
 """
 from ...device import Unsupported
 from ..mma import gradients as mma_gradients
