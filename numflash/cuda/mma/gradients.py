@@ -145,10 +145,7 @@ def config(problem, device):
         raise Unsupported(f"{NAME}'s backward runs float32 as 3xTF32 only on compute capability "
                           f"8.0 / 9.0, where tf32 tensor cores outrun the FMA units ~8x; on "
                           f"{device.name} cuda.row's backward takes it")
-    # explain(..., backward=True) plans before there are dO and O: checked when they are given
-    staged = ("q", "k", "v") + tuple(n for n in ("do", "o")
-                                     if getattr(problem, n, None) is not None)
-    why = vector_ok(problem, staged) if problem.on_device else "these are not device arrays"
+    why = staging_refusal(problem)
     if why:
         raise Unsupported(f"{NAME}'s backward stages q, k, v, dO and O with 16-byte cp.async, "
                           f"and {why} (a contiguous last axis, head dims that are multiples of "
@@ -184,6 +181,15 @@ def config(problem, device):
                               f"memory for d={d}, dv={dv}, more than the "
                               f"{device.smem_per_block_optin} a block may use on {device.name}")
     return cfg
+
+
+def staging_refusal(problem):
+    """Why q, k, v, dO and O cannot be staged with 16-byte cp.async (the tensor-core backwards'
+    staging), or None. explain(..., backward=True) plans before there are dO and O: they are
+    checked when given."""
+    staged = ("q", "k", "v") + tuple(n for n in ("do", "o")
+                                     if getattr(problem, n, None) is not None)
+    return vector_ok(problem, staged) if problem.on_device else "these are not device arrays"
 
 
 def dq_adds(problem, keys, device):

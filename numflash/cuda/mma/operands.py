@@ -46,6 +46,17 @@ def _layout(cfg, QW, KW, VW, v_words):
     return SharedLayout(QW, KW, VW, q_words, kv_words, kv_off, total)
 
 
+def packed_a_step(pack, src, kk, names):
+    """Source lines that pack k-step kk's A operand (16-bit pairs, by function ``pack``) into
+    the four registers ``names`` from C fragments ``src``: the accumulator layout of two
+    adjacent n8 tiles is the A layout of one k16 step (module docstring)."""
+    n0, n1 = 2 * kk, 2 * kk + 1
+    return (f"{names[0]} = {pack}({src}_{n0}_0, {src}_{n0}_1)",
+            f"{names[1]} = {pack}({src}_{n0}_2, {src}_{n0}_3)",
+            f"{names[2]} = {pack}({src}_{n1}_0, {src}_{n1}_1)",
+            f"{names[3]} = {pack}({src}_{n1}_2, {src}_{n1}_3)")
+
+
 class _OperandKind:
     """What every kind shares: S accumulators zeroed, one mma per product, O rescaled in the
     softmax; subclasses say how elements become words and fragments."""
@@ -238,11 +249,7 @@ class Packed16(_OperandKind):
         else:
             s(f"{name}base = {kb}{U(v_off)} + g * {U(W)} + t")
         for kk in range(NPK):
-            n0, n1 = 2 * kk, 2 * kk + 1
-            s(f"pa0 = {self.pack}({p}_{n0}_0, {p}_{n0}_1)",
-              f"pa1 = {self.pack}({p}_{n0}_2, {p}_{n0}_3)",
-              f"pa2 = {self.pack}({p}_{n1}_0, {p}_{n1}_1)",
-              f"pa3 = {self.pack}({p}_{n1}_2, {p}_{n1}_3)")
+            s(*packed_a_step(self.pack, p, kk, [f"pa{r}" for r in range(4)]))
             for n in range(NVN):
                 if self.cfg.VEC:
                     if n % 2 == 0:

@@ -31,7 +31,7 @@ import numpy as np
 from ..mma.emit import U, Source, define, emit_prologue
 from ..mma.forward import ARGUMENTS, _kv_head_device, kv_head, source_identity
 from ..mma.mask import emit_row_bounds, emit_score_mask
-from ..mma.operands import _OperandKind
+from ..mma.operands import _OperandKind, packed_a_step
 from ..mma.softmax import emit_accumulators, emit_epilogue, emit_online_update
 from ..ptx_wgmma import descriptor_fields
 from .tiles import ATOM, SWIZZLE, WgmmaConfig, layout, region_bytes
@@ -97,11 +97,7 @@ def emit_pack(s, pack, src, dst, steps):
     from C fragments ``src``: two adjacent n8 tiles a k-step (the accumulator layout is the A
     layout once packed)."""
     for kk in range(steps):
-        n0, n1 = 2 * kk, 2 * kk + 1
-        s(f"{dst}_{kk}_0 = {pack}({src}_{n0}_0, {src}_{n0}_1)",
-          f"{dst}_{kk}_1 = {pack}({src}_{n0}_2, {src}_{n0}_3)",
-          f"{dst}_{kk}_2 = {pack}({src}_{n1}_0, {src}_{n1}_1)",
-          f"{dst}_{kk}_3 = {pack}({src}_{n1}_2, {src}_{n1}_3)")
+        s(*packed_a_step(pack, src, kk, [f"{dst}_{kk}_{r}" for r in range(4)]))
 
 
 class _Products:

@@ -25,7 +25,7 @@ TILES = {64: (2, "alternate"), 128: (2, "split")}
 def config(problem, device):
     """{"queries": cuda.mma's delta pass, "keys": WgmmaBackwardConfig} for a backward problem;
     raises Unsupported saying why not."""
-    from ..mma.config import padded_dims, vector_ok
+    from ..mma.config import padded_dims
     check_hopper(device, "cuda.mma's backward")
     if getattr(problem, "deterministic", False):
         raise Unsupported(f"{NAME}'s backward adds dQ into a float32 accumulator atomically, "
@@ -35,9 +35,7 @@ def config(problem, device):
         raise Unsupported(f"{NAME}'s backward stores 16-bit gradients; grad_dtype float32 "
                           f"takes cuda.mma's backward")
     padded_dims(problem)   # refuses query heads that do not divide into the K/V heads
-    staged = ("q", "k", "v") + tuple(n for n in ("do", "o")
-                                     if getattr(problem, n, None) is not None)
-    why = vector_ok(problem, staged) if problem.on_device else "these are not device arrays"
+    why = mma_gradients.staging_refusal(problem)
     if why:
         raise Unsupported(f"{NAME}'s backward stages q, k, v, dO and O with 16-byte cp.async, "
                           f"and {why}: cuda.row's backward takes any layout")
