@@ -8,13 +8,17 @@ varlen_attn (flash) and SDPA on the padded batch where torch has them.
                            [--seed 0] [--reps 10] [--out FILE.json]
     python bench/varlen.py --cpu --total 8192 --max 2048 --heads 8 --d 64 --reps 3
     python bench/varlen.py --one-sequence 16384 --dtypes float16,float32
+    python bench/varlen.py --window 1024 --softcap 30   # modifications in the one launch
 
 Padding on the right with causal (top-left) masking gives every real query row exactly its
 sequence's keys, so the padded batch computes the same rows as the packed one, plus the padding's
 work. ms are CUDA events around each call (warm-up, median of repeats;
 numflash.bench.timing.median_ms); TFLOP/s count each sequence's causal FLOPs (4 n^2 d H / 2
-forward, 2.5x that for the backward), not the padding's. Every numflash result is checked
-against the float64 reference on its shortest and longest sequences' first two heads.
+forward, 2.5x that for the backward), not the padding's (with --window, too: the FLOPs the
+window skips are still counted). Every numflash result is checked against the float64 reference
+on its shortest and longest sequences' first two heads. ``--window W`` / ``--softcap S`` give
+every numflash call window_size=(W, 0) and that softcap; torch's varlen_attn takes the window
+only (not timed with a softcap), SDPA on the padded batch neither (not timed with them).
 """
 import argparse
 import json
@@ -47,6 +51,9 @@ def main():
                     help="instead: the CPU path (NumPy) against torch's CPU SDPA on the padded "
                          "batch (use a smaller --total, e.g. 8192, and --max 2048)")
     ap.add_argument("--max", type=int, default=8192, help="longest length drawn")
+    ap.add_argument("--window", type=int, default=None,
+                    help="window_size=(W, 0) for every numflash call")
+    ap.add_argument("--softcap", type=float, default=None, help="a softcap for numflash's calls")
     a = ap.parse_args()
     if a.one_sequence:
         return one_sequence(a)
@@ -69,8 +76,11 @@ def main():
     lengths = draw_lengths(rng, a.total, high=a.max)
     B, longest, H = len(lengths), max(lengths), a.heads
     cu = cupy.asarray(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
+    opts = {name: value for name, value in (("window_size", None if a.window is None else
+                                             (a.window, 0)), ("softcap", a.softcap))
+            if value is not None}
     print(f"{B} sequences, {a.total} tokens, longest {longest} (padded: {B * longest} tokens), "
-          f"H{H}, causal; lengths {lengths}")
+          f"H{H}, causal{''.join(f', {n}={v}' for n, v in opts.items())}; lengths {lengths}")
     methods = ["varlen (one launch)", "per-sequence calls", "padded", "torch varlen_attn",
                "SDPA flash, padded"]
     print("ms (TFLOP/s of the sequences' own causal work)")
@@ -93,7 +103,8 @@ def main():
             qp, kp, vp, dop = padded
 
             def one_launch():
-                return numflash.attention_varlen(q, k, v, cu, cu, causal=True, return_lse=True)
+                return numflash.attention_varlen(q, k, v, cu, cu, causal=True, return_lse=True,
+                                                 **opts)
 
             def per_sequence():
                 out = cupy.empty_like(q)
@@ -102,7 +113,7 @@ def main():
                     s = int(cu[b])
                     lse[:, s:s + n] = numflash.attention(
                         q[None, s:s + n], k[None, s:s + n], v[None, s:s + n], causal=True,
-                        layout="bshd", out=out[None, s:s + n], return_lse=True)[1][0]
+                        layout="bshd", out=out[None, s:s + n], return_lse=True, **opts)[1][0]
                 return out, lse
 
             def per_sequence_backward(out, lse):
@@ -113,12 +124,13 @@ def main():
                     numflash.attention_backward(
                         do[None, sl], q[None, sl], k[None, sl], v[None, sl], out[None, sl],
                         cupy.ascontiguousarray(lse[:, sl])[None], causal=True, layout="bshd",
-                        dq=grads[0][None, sl], dk=grads[1][None, sl], dv=grads[2][None, sl])
+                        dq=grads[0][None, sl], dk=grads[1][None, sl], dv=grads[2][None, sl],
+                        **opts)
                 return grads
 
             def padded_forward():
                 return numflash.attention(qp, kp, vp, causal=True, layout="bshd",
-                                          return_lse=True)
+                                          return_lse=True, **opts)
 
             fwd = {"varlen (one launch)": one_launch, "per-sequence calls": per_sequence,
                    "padded": padded_forward}
@@ -127,19 +139,20 @@ def main():
             out_p, lse_p = padded_forward()
             both = {
                 "varlen (one launch)": lambda: numflash.attention_varlen_backward(
-                    do, q, k, v, *one_launch(), cu, cu, causal=True),
+                    do, q, k, v, *one_launch(), cu, cu, causal=True, **opts),
                 "per-sequence calls": lambda: per_sequence_backward(*per_sequence()),
                 "padded": lambda: numflash.attention_backward(
-                    dop, qp, kp, vp, *padded_forward(), causal=True, layout="bshd"),
+                    dop, qp, kp, vp, *padded_forward(), causal=True, layout="bshd", **opts),
             }
             if torch is not None:
                 tq, tk, tv, tdo = (torch.from_dlpack(x) for x in (q, k, v, do))
                 tcu = torch.from_dlpack(cu)
-                if varlen_attn is not None:
+                if varlen_attn is not None and "softcap" not in opts:
                     def torch_varlen(grad=False):
                         xs = [x.detach().requires_grad_(grad) for x in (tq, tk, tv)]
                         o = varlen_attn(*xs, tcu, tcu, longest, longest,
-                                        window_size=(-1, 0))
+                                        window_size=(a.window if a.window is not None else -1,
+                                                     0))
                         return torch.autograd.grad(o, xs, tdo) if grad else o
                     fwd["torch varlen_attn"] = torch_varlen
                     both["torch varlen_attn"] = lambda: torch_varlen(True)
@@ -152,8 +165,9 @@ def main():
                         o = torch.nn.functional.scaled_dot_product_attention(*xs,
                                                                              is_causal=True)
                     return torch.autograd.grad(o, xs, tdop) if grad else o
-                fwd["SDPA flash, padded"] = sdpa
-                both["SDPA flash, padded"] = lambda: sdpa(True)
+                if not opts:
+                    fwd["SDPA flash, padded"] = sdpa
+                    both["SDPA flash, padded"] = lambda: sdpa(True)
             # the reference check: shortest and longest sequences, first two heads
             checks = []
             for b in (int(np.argmin(lengths)), int(np.argmax(lengths))):
@@ -161,10 +175,10 @@ def main():
                 seq = [x[None, s:s + n, :2].get() for x in (q, k, v)]
                 for name, got in (("one launch", out_v), ("per-sequence", out_s)):
                     rep = testing.check(got[None, s:s + n, :2].get(), *seq, causal=True,
-                                        layout="bshd")
+                                        layout="bshd", **opts)
                     checks.append(rep.ok)
                 rep = testing.check(out_p[b:b + 1, :n, :2].get(), *seq, causal=True,
-                                    layout="bshd")
+                                    layout="bshd", **opts)
                 checks.append(rep.ok)
             check = "OK" if all(checks) else "FAIL"
             for label, table, factor in (("forward", fwd, 1.0), ("fwd+bwd", both, 3.5)):
@@ -187,7 +201,7 @@ def main():
                 vs_peer = f"{min(peers) / ours:.2f}x" if peers else "-"
                 print(f"| {dtype} | {d} | {label} | " + " | ".join(cells) +
                       f" | {vs_pad:.2f}x | {vs_peer} | {check} |", flush=True)
-                rows.append({"dtype": dtype, "d": d, "pass": label, "ms": times,
+                rows.append({"dtype": dtype, "d": d, "pass": label, "ms": times, "mods": opts,
                              "tflops_counted": flops * factor / 1e12, "check": check,
                              "lengths": lengths, "heads": H})
     if a.out:

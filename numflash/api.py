@@ -20,6 +20,15 @@ def _with_mods(problem, options, dropout_p=0.0, dropout_seed=None):
     return problem
 
 
+def _require_grads(mods):
+    """Raise, for a backward, where a score_mod has no derivative (None: no modifications)."""
+    if mods is not None and not mods.has_grad:
+        raise ValueError(f"the backward needs the derivative of every score_mod: "
+                         f"{', '.join(mods.missing_grad())} has none; pass "
+                         f"score_mod_grad=f with f(score, b, h, q_idx, kv_idx, *mod_args) = "
+                         f"d score_mod / d score")
+
+
 def _with_bias_grad(problem, return_bias_grad):
     """Ask the backward for attn_bias's gradient: problem.dbias, an array of the bias's shape
     and dtype on the inputs' side, which the kernel writes."""
@@ -249,11 +258,7 @@ def attention_backward(do, q, k, v, o, lse, *, causal=False, softmax_scale=None,
         precision=precision, deterministic=deterministic, dq=dq, dk=dk, dv=dv,
         grad_dtype=grad_dtype), mod_options, dropout_p, dropout_seed), return_bias_grad),
         return_mod_args_grad)
-    if problem.mods is not None and not problem.mods.has_grad:
-        raise ValueError(f"the backward needs the derivative of every score_mod: "
-                         f"{', '.join(problem.mods.missing_grad())} has none; pass "
-                         f"score_mod_grad=f with f(score, b, h, q_idx, kv_idx, *mod_args) = "
-                         f"d score_mod / d score")
+    _require_grads(problem.mods)
     plan = _plan.choose(problem, backend, algorithm)
     B, H, Nq, Nk = problem.shape[:4]
     if Nq == 0 or Nk == 0 or not B * H:  # no query sees a key: every gradient is zero

@@ -5,10 +5,12 @@ packed along one axis, q (total_q, H, d) and k, v (total_k, Hk, d), with cumulat
 ``cu_seqlens_q`` / ``cu_seqlens_k`` (B + 1 integers from 0 to the total). No padding is computed
 and nothing is copied. On the GPU the tensor-core kernels (cuda.mma, compute capability >= 8.0)
 run every sequence in one launch per pass (MmaConfig.VARLEN: grid y walks the sequences' heads,
-each block finds its sequence's rows in cu_seqlens), forward and backward. Everywhere else (the
-CPU, cuda.block / cuda.row, inputs cuda.mma refuses, dropout, modifications) it runs one
-:func:`numflash.attention` call per sequence on views of the packed arrays, writing into views of
-the packed outputs.
+each block finds its sequence's rows in cu_seqlens), forward and backward, with a window, a
+softcap and a user's score_mod / mask_mod (b is then the sequence, q_idx / kv_idx positions in
+it). Everywhere else (the CPU, cuda.block / cuda.row, inputs cuda.mma refuses, dropout, ALiBi)
+it runs one :func:`numflash.attention` call per sequence on views of the packed arrays, writing
+into views of the packed outputs (a user's functions then see the sequence's index through
+numflash.mods.at_batch, on the CPU path only).
 
 :func:`merge_partials` combines results computed over disjoint sets of keys (split-KV, cascade or
 shared-prefix attention, sequence parallelism) into the result over all of them, exactly.
@@ -144,30 +146,66 @@ def _one_launch(problem, cq, ck, cu_seqlens_q, cu_seqlens_k, causal, backend, al
         return None, str(e)
 
 
-def _per_sequence_options(q, cq, dropout_p, dropout_seed, window_size, softcap, alibi_slopes):
-    """A packed call's dropout (a Dropout, None without) and modification options ({} without),
-    checked where packing adds a rule (alibi_slopes is (H,) for every sequence or (B, H),
-    sequence b reading row b: numflash.mods.row_options; the rest each sequence's call checks),
-    and why its sequences then run one call each (None: it may run in one launch)."""
+#: the modification options attention_varlen takes; a user's score_mod / mask_mod sees b as the
+#: packed sequence's index and q_idx / kv_idx as positions within the sequence
+MOD_OPTIONS = ("score_mod", "mask_mod", "mod_args", "score_mod_grad", "window_size", "softcap",
+               "alibi_slopes")
+USER_MODS = ("score_mod", "mask_mod")
+
+
+def _per_sequence_options(q, cq, dropout_p, dropout_seed, mods):
+    """A packed call's dropout (a Dropout, None without) and the modification options that were
+    given ({} without), checked where packing adds a rule (alibi_slopes is (H,) for every
+    sequence or (B, H), sequence b reading row b: numflash.mods.row_options; the rest are
+    checked on the packed problem or by each sequence's call), and why its sequences must run
+    one call each (None: it may run in one launch)."""
     from .dropout import build
     from .mods import split_alibi_rows
     drop = build(dropout_p, dropout_seed)
-    split_alibi_rows(alibi_slopes, cq.size - 1, q.shape[1], "packed sequence")
-    mods = {name: value for name, value in (("window_size", window_size), ("softcap", softcap),
-                                            ("alibi_slopes", alibi_slopes)) if value is not None}
+    mods = {name: value for name, value in mods.items()
+            if value is not None and not (name == "mod_args" and value == ())}
+    split_alibi_rows(mods.get("alibi_slopes"), cq.size - 1, q.shape[1], "packed sequence")
     why = None
-    if mods:   # the one-launch kernels were not built or checked with them
-        why = (f"modifications ({', '.join(sorted(mods))}): each sequence runs them in a call "
-               f"of its own")
+    if "alibi_slopes" in mods:   # its distances count from each sequence's own diagonal
+        why = ("alibi_slopes: each sequence runs its ALiBi distances in a call of its own "
+               "(the one-launch kernels were not built with them)")
     elif drop:
         why = ("attention dropout: each sequence draws its mask under its own seed "
                "(numflash.dropout.packed_seed)")
     return drop, mods, why
 
 
+def _packed_mods(problem, mods, why):
+    """Attach the modifications to the packed ``problem`` when it may run in one launch (its
+    kernels call a user's functions with b = the sequence, q_idx / kv_idx within it): every
+    option is then checked before anything runs."""
+    if mods and why is None:
+        from .api import _with_mods
+        _with_mods(problem, mods)
+    return problem
+
+
+def _no_user_mods_per_call(problem, mods, why):
+    """Raise where a user's score_mod / mask_mod on device arrays would run one call per
+    sequence: those calls run on the CPU path only (numflash.mods.at_batch), so name why the
+    one launch does not take this call and what would."""
+    if problem.on_device and any(name in mods for name in USER_MODS):
+        raise ValueError(f"a score_mod / mask_mod on packed device arrays runs in cuda.mma's one "
+                         f"launch (compute capability >= 8.0, 16-byte aligned rows), which does "
+                         f"not take this call: {why}. Fold alibi_slopes into your score_mod, or "
+                         f"pass NumPy arrays (the CPU path runs one call per sequence)")
+
+
+def _mod_options(score_mod, mask_mod, mod_args, score_mod_grad, window_size, softcap,
+                 alibi_slopes):
+    return dict(zip(MOD_OPTIONS, (score_mod, mask_mod, mod_args, score_mod_grad, window_size,
+                                  softcap, alibi_slopes)))
+
+
 def explain_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None,
                    *, causal=False, softmax_scale=None, backend="auto", algorithm="auto",
-                   precision="auto", backward=False, dropout_p=0.0, window_size=None,
+                   precision="auto", backward=False, dropout_p=0.0, score_mod=None,
+                   mask_mod=None, mod_args=(), score_mod_grad=None, window_size=None,
                    softcap=None, alibi_slopes=None):
     """The :class:`numflash.plan.Plan` that :func:`attention_varlen` (``backward=True``:
     :func:`attention_varlen_backward`) would run for these arguments: the one launch for every
@@ -179,11 +217,13 @@ def explain_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_s
     from .inputs import normalize
     from .mods import row_options
     cq, ck = _check_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    drop, mods, why = _per_sequence_options(q, cq, dropout_p, 0 if dropout_p else None,
-                                            window_size, softcap, alibi_slopes)
+    drop, mods, why = _per_sequence_options(
+        q, cq, dropout_p, 0 if dropout_p else None,
+        _mod_options(score_mod, mask_mod, mod_args, score_mod_grad, window_size, softcap,
+                     alibi_slopes))
     options = dict(causal=causal, softmax_scale=softmax_scale, layout="bshd",
                    precision=precision)
-    problem = normalize(q[None], k[None], v[None], **options)
+    problem = _packed_mods(normalize(q[None], k[None], v[None], **options), mods, why)
     if backward:
         problem.direction = "backward"
     plan = None
@@ -192,6 +232,7 @@ def explain_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_s
                                 algorithm)
     if plan is not None:
         return plan
+    _no_user_mods_per_call(problem, mods, why)
     b = int(np.argmax(np.diff(cq))) if cq.size > 1 else 0
     sq, eq, sk, ek = (int(cq[b]), int(cq[min(b + 1, cq.size - 1)]), int(ck[b]),
                       int(ck[min(b + 1, ck.size - 1)]))
@@ -216,7 +257,8 @@ def _xp(a):
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None,
                      *, causal=False, softmax_scale=None, backend="auto", algorithm="auto",
                      return_lse=False, out=None, precision="auto", dropout_p=0.0,
-                     dropout_seed=None, window_size=None, softcap=None, alibi_slopes=None):
+                     dropout_seed=None, score_mod=None, mask_mod=None, mod_args=(),
+                     score_mod_grad=None, window_size=None, softcap=None, alibi_slopes=None):
     """Attention over packed sequences: sequence b is q[cu_seqlens_q[b]:cu_seqlens_q[b + 1]]
     against k, v[cu_seqlens_k[b]:cu_seqlens_k[b + 1]], flash-attn's ``flash_attn_varlen_func``
     layout: q (total_q, H, d), k (total_k, Hk, d), v (total_k, Hk, dv). ``causal`` applies per
@@ -230,10 +272,14 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
     ``numflash.dropout.packed_seed(dropout_seed, b)`` (so its attention call alone, with that
     seed, gives the same result); with dropout every sequence runs its own call.
 
-    ``window_size``, ``softcap`` and ``alibi_slopes``: :func:`numflash.attention`'s
-    modifications, applied within each sequence (a window from each sequence's causal diagonal;
-    ``alibi_slopes`` (H,) for every sequence, or (B, H) with row b for sequence b). With any of
-    them every sequence runs its own call.
+    ``score_mod``, ``mask_mod``, ``mod_args``, ``score_mod_grad``: :func:`numflash.attention`'s
+    (numflash.mods), per sequence: the functions see b = the sequence's index (so mod_args
+    arrays hold a row per sequence where they read b), q_idx and kv_idx = positions within the
+    sequence. ``window_size``, ``softcap`` and ``alibi_slopes``: the built-in modifications,
+    applied within each sequence (a window from each sequence's causal diagonal;
+    ``alibi_slopes`` (H,) for every sequence, or (B, H) with row b for sequence b). With
+    alibi_slopes every sequence runs its own call, and so a score_mod / mask_mod then needs
+    NumPy arrays.
 
     CuPy arrays run in one cuda.mma launch where that kernel takes them (see the module's text);
     :func:`explain_varlen` says which kernel runs and how.
@@ -242,21 +288,28 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
     from .inputs import normalize
     from .mods import row_options
     cq, ck = _check_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    drop, mods, why = _per_sequence_options(q, cq, dropout_p, dropout_seed, window_size, softcap,
-                                            alibi_slopes)
+    drop, mods, why = _per_sequence_options(
+        q, cq, dropout_p, dropout_seed,
+        _mod_options(score_mod, mask_mod, mod_args, score_mod_grad, window_size, softcap,
+                     alibi_slopes))
     xp = _xp(q)
     if out is None:
         out = xp.empty((q.shape[0], q.shape[1], v.shape[2]), dtype=q.dtype)
     elif tuple(out.shape) != (q.shape[0], q.shape[1], v.shape[2]):
         raise ValueError(f"out must have shape (total_q, H, dv) = "
                          f"{(q.shape[0], q.shape[1], v.shape[2])}; got {tuple(out.shape)}")
-    problem = normalize(q[None], k[None], v[None], causal=causal, softmax_scale=softmax_scale,
-                        layout="bshd", return_lse=True, out=out[None], precision=precision)
-    plan = None if why else _one_launch(problem, cq, ck, cu_seqlens_q, cu_seqlens_k, causal,
-                                        backend, algorithm)[0]
+    problem = _packed_mods(normalize(q[None], k[None], v[None], causal=causal,
+                                     softmax_scale=softmax_scale, layout="bshd",
+                                     return_lse=True, out=out[None], precision=precision),
+                           mods, why)
+    plan = None
+    if why is None:
+        plan, why = _one_launch(problem, cq, ck, cu_seqlens_q, cu_seqlens_k, causal, backend,
+                                algorithm)
     if plan is not None:
         lse = plan.run(problem)[0]
         return (out, lse) if return_lse else out
+    _no_user_mods_per_call(problem, mods, why)
     lse = xp.empty((q.shape[1], q.shape[0]), dtype=lse_dtype(q.dtype)) if return_lse else None
     for b in range(cq.size - 1):
         sq, eq, sk, ek = int(cq[b]), int(cq[b + 1]), int(ck[b]), int(ck[b + 1])
@@ -284,20 +337,23 @@ def attention_varlen_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, m
                               max_seqlen_k=None, *, causal=False, softmax_scale=None,
                               backend="auto", algorithm="auto", precision="auto",
                               deterministic=False, dq=None, dk=None, dv=None, dropout_p=0.0,
-                              dropout_seed=None, window_size=None, softcap=None,
+                              dropout_seed=None, score_mod=None, mask_mod=None, mod_args=(),
+                              score_mod_grad=None, window_size=None, softcap=None,
                               alibi_slopes=None):
     """Gradients (dq, dk, dv) of :func:`attention_varlen`, packed like q, k and v; ``o`` and
     ``lse`` are what it returned (lse as (H, total_q)), ``dropout_p``, ``dropout_seed`` and the
-    modifications what it was given. CuPy arrays run in one launch per pass where cuda.mma's
-    backward takes them (not with dropout or modifications); otherwise one
-    :func:`numflash.attention_backward` call per sequence, on views, into views of the packed
-    gradients."""
-    from .api import _with_mods, attention_backward
-    from .inputs import normalize, normalize_backward
+    modifications what it was given (a score_mod needs its score_mod_grad). CuPy arrays run in
+    one launch per pass where cuda.mma's backward takes them (not with dropout or
+    alibi_slopes); otherwise one :func:`numflash.attention_backward` call per sequence, on
+    views, into views of the packed gradients."""
+    from .api import _require_grads, attention_backward
+    from .inputs import normalize_backward
     from .mods import row_options
     cq, ck = _check_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    drop, mods, why = _per_sequence_options(q, cq, dropout_p, dropout_seed, window_size, softcap,
-                                            alibi_slopes)
+    drop, mods, why = _per_sequence_options(
+        q, cq, dropout_p, dropout_seed,
+        _mod_options(score_mod, mask_mod, mod_args, score_mod_grad, window_size, softcap,
+                     alibi_slopes))
     xp = _xp(q)
     if tuple(lse.shape) != (q.shape[1], q.shape[0]):
         raise ValueError(f"lse must have shape (H, total_q) = {(q.shape[1], q.shape[0])} (what "
@@ -319,21 +375,24 @@ def attention_varlen_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, m
             if a is not None and xp.may_share_memory(given, a):
                 raise ValueError(f"{name} overlaps {other}: pass a separate output array")
         inputs += ((name, given),)
-    problem = normalize_backward(
+    problem = _packed_mods(normalize_backward(
         do[None], q[None], k[None], v[None], o[None], lse[None], causal=causal,
         softmax_scale=softmax_scale, layout="bshd", precision=precision,
         deterministic=deterministic, **{name: None if g is None else g[None] for name, g in
-                                        (("dq", dq), ("dk", dk), ("dv", dv))})
-    plan = None if why else _one_launch(problem, cq, ck, cu_seqlens_q, cu_seqlens_k, causal,
-                                        backend, algorithm)[0]
+                                        (("dq", dq), ("dk", dk), ("dv", dv))}), mods, why)
+    _require_grads(getattr(problem, "mods", None))
+    plan = None
+    if why is None:
+        plan, why = _one_launch(problem, cq, ck, cu_seqlens_q, cu_seqlens_k, causal, backend,
+                                algorithm)
     # the given buffers themselves, else the ones normalize_backward made
     grads = [r[0] if given is None else given for given, r in zip((dq, dk, dv), problem.result)]
     if plan is not None:   # every row of every gradient is written: no zeroing
         plan.run(problem)
         return tuple(grads)
+    _no_user_mods_per_call(problem, mods, why)
     if mods and cq.size > 1:   # their checks (each call's), before any gradient is zeroed
-        _with_mods(normalize(q[None, :cq[1]], k[None, :ck[1]], v[None, :ck[1]], causal=causal,
-                             softmax_scale=softmax_scale, layout="bshd"), row_options(mods, 0))
+        _check_sequence_mods(q, k, cq, ck, causal, softmax_scale, row_options(mods, 0))
     for g in grads:   # keys no query sees get zero gradients: start from zeros
         g[...] = 0
     for b in range(cq.size - 1):
@@ -349,6 +408,16 @@ def attention_varlen_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, m
                            dv=grads[2][None, sk:ek], **_sequence_dropout(drop, b),
                            **row_options(mods, b))
     return tuple(grads)
+
+
+def _check_sequence_mods(q, k, cq, ck, causal, softmax_scale, options):
+    """Build sequence 0's modifications (``options``), so that a bad one, or a score_mod
+    without its derivative, raises before the per-sequence backward zeroes any gradient."""
+    from .api import _require_grads, _with_mods
+    from .inputs import normalize
+    _require_grads(_with_mods(normalize(q[None, :cq[1]], k[None, :ck[1]], k[None, :ck[1]],
+                                        causal=causal, softmax_scale=softmax_scale,
+                                        layout="bshd"), options).mods)
 
 
 def merge_partials(outs, lses):

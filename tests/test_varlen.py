@@ -121,11 +121,75 @@ def test_modifications_apply_within_each_sequence(rng, mods, causal, dtype):
                                                **mods)
     _check_each_sequence(out, lse, grads, q, k, v, do, cq, ck, causal, mods)
     plan = str(numflash.explain_varlen(q, k, v, cq, ck, causal=causal, **mods))
-    assert "one call per sequence" in plan and "modifications (" in plan
+    assert "one call per sequence" in plan
     for name in mods:
         assert name in plan
     plain = numflash.attention_varlen(q, k, v, cq, ck, causal=causal)
     assert not np.allclose(plain, out)   # the modifications changed something
+
+
+def _as_sequence(fn, b):
+    """A reference's view of a user's function for packed sequence b alone (batch 0): the
+    function as attention_varlen shows it sequence b."""
+    if fn is _sequence_mask:
+        return lambda _, h, i, j, table: fn(b, h, i, j, table)
+    return lambda x, _, h, i, j, table: fn(x, b, h, i, j, table)
+
+
+@pytest.mark.parametrize("extra", [{}, dict(window_size=(6, 1), softcap=3.0),
+                                   dict(alibi_slopes="per-sequence")],
+                         ids=["user", "with-window-softcap", "with-alibi"])
+@pytest.mark.parametrize("causal", [False, "bottom_right"])
+def test_user_mods_see_the_sequence_index_and_positions_within_it(rng, extra, causal):
+    """A user's score_mod and mask_mod on packed sequences (NumPy: one call per sequence) see b
+    = the sequence's index and q_idx / kv_idx within the sequence, forward and backward, alone
+    and with the built-ins, against each sequence's float64 reference."""
+    q, k, v, do, cq, ck = packed(rng, [5, 0, 1, 37, 20], [7, 4, 1, 37, 29])
+    table = rng.standard_normal((5, 4))
+    mods = dict(score_mod=_sequence_bias, score_mod_grad=_unit_grad, mask_mod=_sequence_mask,
+                mod_args=(table,), **extra)
+    if extra.get("alibi_slopes"):
+        mods["alibi_slopes"] = rng.random((5, 4))
+    out, lse = numflash.attention_varlen(q, k, v, cq, ck, causal=causal, return_lse=True, **mods)
+    grads = numflash.attention_varlen_backward(do, q, k, v, out, lse, cq, ck, causal=causal,
+                                               **mods)
+    for b in range(5):
+        s, e, sk, ek = cq[b], cq[b + 1], ck[b], ck[b + 1]
+        mine = dict(mods, score_mod=_as_sequence(_sequence_bias, b),
+                    mask_mod=_as_sequence(_sequence_mask, b))
+        if "alibi_slopes" in mine:
+            mine["alibi_slopes"] = mine["alibi_slopes"][b]
+        seq = [a[None, lo:hi] for a, lo, hi in ((q, s, e), (k, sk, ek), (v, sk, ek))]
+        if e == s:
+            assert not grads[1][sk:ek].any() and not grads[2][sk:ek].any()
+            continue
+        testing.assert_accurate(out[None, s:e], *seq, lse=lse[None, :, s:e], causal=causal,
+                                layout="bshd", **mine)
+        testing.assert_gradients_accurate([grads[0][None, s:e], grads[1][None, sk:ek],
+                                           grads[2][None, sk:ek]], do[None, s:e], *seq,
+                                          causal=causal, layout="bshd", **mine)
+    # the functions saw b: with every sequence reading row 0 of the table the result differs
+    same = numflash.attention_varlen(q, k, v, cq, ck, causal=causal,
+                                     **dict(mods, mod_args=(np.repeat(table[:1], 5, 0),)))
+    assert not np.allclose(same[cq[3]:cq[4]], out[cq[3]:cq[4]])
+    plan = str(numflash.explain_varlen(q, k, v, cq, ck, causal=causal, **mods))
+    assert "one call per sequence" in plan and "score_mod=_sequence_bias" in plan, plan
+
+
+def test_user_mods_on_packed_sequences_are_checked_before_anything_is_written(rng):
+    q, k, v, do, cq, ck = packed(rng, [4, 6], [5, 5])
+    out, lse = numflash.attention_varlen(q, k, v, cq, ck, return_lse=True)
+    dq = np.full_like(q, 7.0)
+    with pytest.raises(ValueError, match="score_mod_grad=f"):   # no derivative: no backward
+        numflash.attention_varlen_backward(do, q, k, v, out, lse, cq, ck, dq=dq,
+                                           score_mod=_sequence_bias, mod_args=(np.ones((2, 4)),))
+    with pytest.raises(TypeError, match="mask_mod must be a function"):
+        numflash.attention_varlen_backward(do, q, k, v, out, lse, cq, ck, dq=dq, mask_mod=3)
+    with pytest.raises(ValueError, match="mod_args were given without"):
+        numflash.attention_varlen(q, k, v, cq, ck, mod_args=(np.ones(3),))
+    assert (dq == 7).all()
+    with pytest.raises(TypeError, match="unexpected keyword argument 'attn_bias'"):
+        numflash.attention_varlen(q, k, v, cq, ck, attn_bias=np.ones((1, 4, 10, 10)))
 
 
 def test_a_packed_alibi_table_needs_a_row_per_sequence_before_anything_is_written(rng):
@@ -380,31 +444,61 @@ SHORT = ([5, 0, 20, 9], [7, 12, 17, 0])   # a block and a key tile each
 LONG = ([5, 0, 70, 9], [7, 12, 75, 0])    # 3 blocks and 3 key tiles for the long one
 
 
-@pytest.mark.parametrize("DT, causal, lengths, d, chunks", [
-    ("f64", "bottom_right", SHORT, 24, 0),
-    pytest.param("f64", True, LONG, 24, 0, marks=pytest.mark.extended),
-    pytest.param("f64", "bottom_right", SHORT, 96, 2, marks=pytest.mark.extended),  # slices
-    pytest.param("f16", False, LONG, 24, 0, marks=pytest.mark.extended),
-    pytest.param("3xtf32", "bottom_right", SHORT, 24, 0, marks=pytest.mark.extended),
+def _sequence_bias(x, b, h, i, j, table):   # reads b: a row of its table per sequence
+    return x + table[b, h] - 0.05 * abs(i - j)
+
+
+def _unit_grad(x, b, h, i, j, table):
+    return 1.0
+
+
+def _sequence_mask(b, h, i, j, table):   # every third pair, where the table's sequence row says
+    return (i + 2 * j) % 3 != 0 or table[b, h] > 0
+
+
+def _packed_mods(which, shape, offset, table):
+    """numflash.mods.Mods of the emulated one-launch cases: None, or a window, a softcap and a
+    user's score_mod and mask_mod that read the sequence index b (through ``table``'s rows)."""
+    if which is None:
+        return None
+    from numflash import mods
+    return mods.build(shape, "numpy", offset, window_size=(9, 2), softcap=4.0,
+                      score_mod=_sequence_bias, score_mod_grad=_unit_grad,
+                      mask_mod=_sequence_mask, mod_args=(table,))
+
+
+@pytest.mark.parametrize("DT, causal, lengths, d, chunks, mods", [
+    ("f64", "bottom_right", SHORT, 24, 0, None),
+    ("f64", "bottom_right", SHORT, 24, 0, "mods"),
+    pytest.param("f64", True, LONG, 24, 0, None, marks=pytest.mark.extended),
+    pytest.param("f64", "bottom_right", SHORT, 96, 2, None,
+                 marks=pytest.mark.extended),  # slices
+    pytest.param("f16", False, LONG, 24, 0, None, marks=pytest.mark.extended),
+    pytest.param("f16", True, LONG, 24, 0, "mods", marks=pytest.mark.extended),
+    pytest.param("3xtf32", "bottom_right", SHORT, 24, 0, None, marks=pytest.mark.extended),
 ], ids=lambda x: "long" if x is LONG else "short" if x is SHORT else None)
 def test_one_launch_kernels_emulated_equal_each_sequence_alone(rng, DT, causal, lengths, d,
-                                                               chunks):
+                                                               chunks, mods):
     """cuda.mma's VARLEN forward and backward under the warp emulator: one launch over packed
     sequences (one without queries, one without keys, Nq != Nk both ways, GQA; LONG: blocks
-    past a shorter sequence's rows return, K/V and query tiles double-buffered; column slices)
-    gives, bit for bit, what the plain kernels give each sequence alone, and rows of an empty
-    side get zeros (lse -inf; keys no query sees get zero dK, dV)."""
+    past a shorter sequence's rows return, K/V and query tiles double-buffered; column slices;
+    ``mods``: a window, a softcap and a user's score_mod and mask_mod that read b) gives, bit
+    for bit, what the plain kernels give each sequence alone (as batch 0, the functions' table
+    cut to the sequence's row, so that they see what the one launch shows them as sequence b),
+    and rows of an empty side get zeros (lse -inf; keys no query sees get zero dK, dV)."""
     from mma_tools import run_backward_kernels, run_forward_kernel
     from numflash.inputs import parse_causal
     q, k, v, do, cq, ck = packed(rng, *lengths, H=2, Hk=1, d=d, dv=16, dtype=_kind(DT))
     real = np.float64 if DT == "f64" else np.float32
+    table = rng.standard_normal((len(cq) - 1, 2))
     packing = (cq, ck, causal == "bottom_right")
     tile, tiles = (2, 32, 0), {"queries": (2, 32), "keys": (2, 32)}
+    all_mods = _packed_mods(mods, (1, 2, cq[-1], ck[-1]), 0, table)
     out, lse = run_forward_kernel(*map(_heads_first, (q, k, v)), DT, causal=bool(causal),
-                                  VEC=1, tile=tile, varlen=packing)
+                                  VEC=1, tile=tile, varlen=packing, mods=all_mods)
     grads = run_backward_kernels(*map(_heads_first, (q, k, v, do, out[0].transpose(1, 0, 2))),
                                  lse.astype(real), DT, bool(causal), tiles=tiles,
-                                 varlen=packing, chunks=chunks)
+                                 varlen=packing, chunks=chunks, mods=all_mods)
     assert not np.isnan(out).any() and not any(np.isnan(g).any() for g in grads)
     for b in range(len(cq) - 1):
         s, e, sk, ek = cq[b], cq[b + 1], ck[b], ck[b + 1]
@@ -417,20 +511,30 @@ def test_one_launch_kernels_emulated_equal_each_sequence_alone(rng, DT, causal, 
             continue
         seq = [_heads_first(a[lo:hi]) for a, lo, hi in ((q, s, e), (k, sk, ek), (v, sk, ek))]
         is_causal, offset = parse_causal(causal, e - s, ek - sk)
-        one, one_lse = run_forward_kernel(*seq, DT, is_causal, offset, VEC=1, tile=tile)
+        own = _packed_mods(mods, (1, 2, e - s, ek - sk), offset, table[b:b + 1])
+        one, one_lse = run_forward_kernel(*seq, DT, is_causal, offset, VEC=1, tile=tile,
+                                          mods=own)
         np.testing.assert_array_equal(out[:, :, s:e], one)
         np.testing.assert_array_equal(lse[:, :, s:e], one_lse)
         one_grads = run_backward_kernels(*seq, _heads_first(do[s:e]), one, one_lse, DT,
-                                         is_causal, offset, tiles=tiles, chunks=chunks)
+                                         is_causal, offset, tiles=tiles, chunks=chunks, mods=own)
         for got, want, lo, hi in zip(grads, one_grads, (s, sk, sk), (e, ek, ek)):
             np.testing.assert_array_equal(got[:, :, lo:hi], want)
     s, e, sk, ek = cq[2], cq[3], ck[2], ck[3]   # and the kernel meets the accuracy rule
-    testing.assert_accurate(out[:, :, s:e], *[_heads_first(a[lo:hi]) for a, lo, hi in (
-        (q, s, e), (k, sk, ek), (v, sk, ek))], lse=lse[:, :, s:e], causal=causal)
+    seq = [_heads_first(a[lo:hi]) for a, lo, hi in ((q, s, e), (k, sk, ek), (v, sk, ek))]
+    opts = {} if mods is None else dict(
+        window_size=(9, 2), softcap=4.0, score_mod=_sequence_bias, score_mod_grad=_unit_grad,
+        mask_mod=_sequence_mask, mod_args=(table[2:3],))
+    testing.assert_accurate(out[:, :, s:e], *seq, lse=lse[:, :, s:e], causal=causal, **opts)
+    if mods is not None:   # (the plain kernels' gradients were compared with the rule before)
+        testing.assert_gradients_accurate([g[:, :, lo:hi] for g, lo, hi in zip(
+            grads, (s, sk, sk), (e, ek, ek))], _heads_first(do[s:e]), *seq, causal=causal,
+            **opts)
 
 def test_one_launch_is_planned_for_packed_problems_and_refuses_what_it_lacks(rng):
     """cuda.mma's config turns packed problems into VARLEN variants (forward and both backward
-    passes, never split), refuses modifications, a forced split and more sequences x heads
+    passes, never split; with a window, a softcap and a user's functions too), refuses ALiBi,
+    a forced split and more sequences x heads
     than grid y holds with the reason, and the other kernels decline packed problems saying
     what runs them."""
     from numflash import kernels, mods
@@ -464,9 +568,16 @@ def test_one_launch_is_planned_for_packed_problems_and_refuses_what_it_lacks(rng
     with pytest.raises(Unsupported, match="does not split the keys"):
         mma.config(problem, h100)
     problem.num_splits = None
-    problem.mods = mods.build(problem.shape, problem.kind, problem.causal_offset, softcap=5.0)
-    with pytest.raises(Unsupported, match="without score / mask modifications"):
+    problem.mods = mods.build(problem.shape, problem.kind, problem.causal_offset,
+                              alibi_slopes=np.ones(4))
+    with pytest.raises(Unsupported, match="mask_mod, score_mod, softcap, window_size only, not "
+                                          "alibi_slopes"):
         mma.config(problem, h100)
+    problem.mods = mods.build(problem.shape, problem.kind, problem.causal_offset, softcap=5.0,
+                              window_size=(8, 0), score_mod=_sequence_bias,
+                              mask_mod=_sequence_mask, mod_args=(np.ones((2, 4)),))
+    cfg = mma.config(problem, h100)   # the one launch's mods: a key range, the rest compiled in
+    assert cfg.VARLEN and cfg.WINDOW and "sequence_bias" in cfg.MODS and "softcap" in cfg.MODS
     problem.mods = None
     for op in kernels.FORWARD + kernels.BACKWARD:
         why = op.why_not(problem, h100)
@@ -586,6 +697,54 @@ def test_gpu_modifications_on_packed_sequences_meet_the_rule_for_every_sequence(
                                                **dev_mods)   # (no dQ adds: bitwise runs)
     for got, want in zip((t_out, *t_grads), (out, *grads)):   # the same calls, the same bits
         np.testing.assert_array_equal(got.detach().cpu().numpy(), want.get())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64"])
+def test_gpu_user_mods_on_packed_sequences_run_in_one_launch(rng, monkeypatch, dtype):
+    """CuPy packed sequences with a user's score_mod and mask_mod (reading b, the sequence),
+    a window and a softcap: one cuda.mma launch per pass (no per-sequence call; explain says
+    so), each sequence's rows and gradients meet the rule against its float64 reference; with
+    alibi_slopes too the call is refused, saying why and what runs it."""
+    cupy = pytest.importorskip("cupy")
+    from numflash import api
+    dtype = (np.dtype(pytest.importorskip("ml_dtypes").bfloat16) if dtype == "bfloat16"
+             else np.dtype(dtype))
+    calls = []
+    for name in ("attention", "attention_backward"):
+        original = getattr(api, name)
+        monkeypatch.setattr(api, name, lambda *a, _f=original, **kw: calls.append(1) or
+                            _f(*a, **kw))
+    lens_q, lens_k = [1, 0, 97, 300, 64], [5, 13, 97, 150, 0]
+    q, k, v, do, cq, ck = packed(rng, lens_q, lens_k, H=4, Hk=2, d=64, dv=64, dtype=dtype)
+    table = rng.standard_normal((5, 4))
+    opts = dict(causal="bottom_right", window_size=(60, 0), softcap=5.0,
+                score_mod=_sequence_bias, score_mod_grad=_unit_grad, mask_mod=_sequence_mask)
+    dev = [cupy.asarray(a) for a in (q, k, v, do, cq, ck)]
+    mod_args = (cupy.asarray(table),)
+    plan = numflash.explain_varlen(*dev[:3], *dev[4:], backward=True, mod_args=mod_args, **opts)
+    assert plan.kernel == "cuda.mma" and "5 in one launch" in str(plan), str(plan)
+    out, lse = numflash.attention_varlen(*dev[:3], *dev[4:], return_lse=True,
+                                         mod_args=mod_args, **opts)
+    grads = numflash.attention_varlen_backward(dev[3], *dev[:3], out, lse, *dev[4:],
+                                               mod_args=mod_args, **opts)
+    assert calls == []
+    out, lse, grads = out.get(), lse.get(), [g.get() for g in grads]
+    for b in range(len(cq) - 1):
+        s, e, sk, ek = cq[b], cq[b + 1], ck[b], ck[b + 1]
+        if e == s or ek == sk:
+            continue
+        mine = dict(opts, score_mod=_as_sequence(_sequence_bias, b),
+                    mask_mod=_as_sequence(_sequence_mask, b), mod_args=(table,))
+        seq = [a[None, lo:hi] for a, lo, hi in ((q, s, e), (k, sk, ek), (v, sk, ek))]
+        testing.assert_accurate(out[None, s:e], *seq, lse=lse[None, :, s:e], layout="bshd",
+                                **mine)
+        testing.assert_gradients_accurate([grads[0][None, s:e], grads[1][None, sk:ek],
+                                           grads[2][None, sk:ek]], do[None, s:e], *seq,
+                                          layout="bshd", **mine)
+    with pytest.raises(ValueError, match="runs in cuda.mma's one launch.*alibi_slopes"):
+        numflash.attention_varlen(*dev[:3], *dev[4:], mod_args=mod_args,
+                                  alibi_slopes=cupy.ones(4, cupy.float32), **opts)
 
 
 @pytest.mark.gpu

@@ -117,18 +117,26 @@ def share_count(B, H, Nq, Nk, forced, cfg, device, block_mask=False):
 MAX_GRID_Y = 65535
 
 
+#: the modifications the one-launch kernels of packed sequences take: a window's key range and
+#: the softcap read the sequence's own offset or none; a user's functions see b = the sequence
+PACKED_MODS = frozenset({"window_size", "softcap", "score_mod", "mask_mod"})
+
+
 def check_packed(problem):
     """Raise Unsupported for what the one-launch kernels of packed sequences (VARLEN) do not
-    take yet: modifications, a forced split, more sequences x heads than grid y holds."""
+    take yet: modifications besides PACKED_MODS (ALiBi's distances are built for one offset
+    per call), a forced split, more sequences x heads than grid y holds."""
     count, H = problem.varlen.count, problem.shape[1]
     if count * H > MAX_GRID_Y:
         raise Unsupported(f"{NAME} runs packed sequences in one launch with a grid row per "
                           f"sequence's head, at most {MAX_GRID_Y}; {count} sequences x {H} "
                           f"heads is more (attention_varlen runs one call per sequence)")
-    if modifications(problem) or padded_dims(problem)[2]:
-        raise Unsupported(f"{NAME} runs packed sequences in one launch without score / mask "
-                          f"modifications so far; attention_varlen runs them one call per "
-                          f"sequence")
+    mods = getattr(problem, "mods", None)
+    other = sorted(mods.kinds - PACKED_MODS) if mods is not None else []
+    if other:
+        raise Unsupported(f"{NAME} runs packed sequences in one launch with "
+                          f"{', '.join(sorted(PACKED_MODS))} only, not {', '.join(other)}; "
+                          f"attention_varlen runs those one call per sequence")
     splits = getattr(problem, "num_splits", None)
     if splits is not None and splits > 1:
         raise Unsupported(f"{NAME} does not split the keys (num_splits={splits}) of packed "
