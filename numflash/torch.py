@@ -789,7 +789,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=Non
     (total_k, Hk, d), cumulative lengths ``cu_seqlens_q/k`` (int32 tensors or lists, B + 1
     entries), causal aligned to the bottom right of each sequence; differentiable. Runs
     :func:`numflash.attention_varlen` and its backward on the tensors' memory (CUDA tensors
-    without ALiBi or dropout: one cuda.mma launch per pass where it takes
+    without dropout: one cuda.mma launch per pass where it takes
     them; otherwise one call per sequence on views of the packed tensors).
 
     ``return_attn_probs=True`` returns (out, softmax_lse (H, total_q), None): the per-sequence

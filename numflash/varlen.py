@@ -6,9 +6,9 @@ packed along one axis, q (total_q, H, d) and k, v (total_k, Hk, d), with cumulat
 and nothing is copied. On the GPU the tensor-core kernels (cuda.mma, compute capability >= 8.0)
 run every sequence in one launch per pass (MmaConfig.VARLEN: grid y walks the sequences' heads,
 each block finds its sequence's rows in cu_seqlens), forward and backward, with a window, a
-softcap and a user's score_mod / mask_mod (b is then the sequence, q_idx / kv_idx positions in
-it). Everywhere else (the CPU, cuda.block / cuda.row, inputs cuda.mma refuses, dropout, ALiBi)
-it runs one :func:`numflash.attention` call per sequence on views of the packed arrays, writing
+softcap, ALiBi and a user's score_mod / mask_mod (b is then the sequence, q_idx / kv_idx
+positions in it). Everywhere else (the CPU, cuda.block / cuda.row, inputs cuda.mma refuses,
+dropout) it runs one :func:`numflash.attention` call per sequence on views of the packed arrays, writing
 into views of the packed outputs (a user's functions then see the sequence's index through
 numflash.mods.at_batch, on the CPU path only).
 
@@ -166,22 +166,23 @@ def _per_sequence_options(q, cq, dropout_p, dropout_seed, mods):
             if value is not None and not (name == "mod_args" and value == ())}
     split_alibi_rows(mods.get("alibi_slopes"), cq.size - 1, q.shape[1], "packed sequence")
     why = None
-    if "alibi_slopes" in mods:   # its distances count from each sequence's own diagonal
-        why = ("alibi_slopes: each sequence runs its ALiBi distances in a call of its own "
-               "(the one-launch kernels were not built with them)")
-    elif drop:
+    if drop:
         why = ("attention dropout: each sequence draws its mask under its own seed "
                "(numflash.dropout.packed_seed)")
     return drop, mods, why
 
 
-def _packed_mods(problem, mods, why):
-    """Attach the modifications to the packed ``problem`` when it may run in one launch (its
-    kernels call a user's functions with b = the sequence, q_idx / kv_idx within it): every
-    option is then checked before anything runs."""
+def _packed_mods(problem, mods, why, count):
+    """Attach the modifications to the packed ``problem`` when it may run in one launch, built
+    for ``count`` sequences as the batch (its kernels call them with b = the sequence, q_idx /
+    kv_idx within it, and ALiBi with each sequence's own offset): every option is then checked
+    before anything runs."""
     if mods and why is None:
-        from .api import _with_mods
-        _with_mods(problem, mods)
+        from .mods import build
+        B, H, Nq, Nk = problem.shape[:4]
+        problem.mods = build((count, H, Nq, Nk), problem.kind, problem.causal_offset,
+                             device_id=problem.q.device.id if problem.on_device else None,
+                             **mods)
     return problem
 
 
@@ -192,8 +193,8 @@ def _no_user_mods_per_call(problem, mods, why):
     if problem.on_device and any(name in mods for name in USER_MODS):
         raise ValueError(f"a score_mod / mask_mod on packed device arrays runs in cuda.mma's one "
                          f"launch (compute capability >= 8.0, 16-byte aligned rows), which does "
-                         f"not take this call: {why}. Fold alibi_slopes into your score_mod, or "
-                         f"pass NumPy arrays (the CPU path runs one call per sequence)")
+                         f"not take this call: {why}. NumPy arrays take it (the CPU path runs "
+                         f"one call per sequence)")
 
 
 def _mod_options(score_mod, mask_mod, mod_args, score_mod_grad, window_size, softcap,
@@ -223,7 +224,8 @@ def explain_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_s
                      alibi_slopes))
     options = dict(causal=causal, softmax_scale=softmax_scale, layout="bshd",
                    precision=precision)
-    problem = _packed_mods(normalize(q[None], k[None], v[None], **options), mods, why)
+    problem = _packed_mods(normalize(q[None], k[None], v[None], **options), mods, why,
+                           cq.size - 1)
     if backward:
         problem.direction = "backward"
     plan = None
@@ -276,10 +278,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
     (numflash.mods), per sequence: the functions see b = the sequence's index (so mod_args
     arrays hold a row per sequence where they read b), q_idx and kv_idx = positions within the
     sequence. ``window_size``, ``softcap`` and ``alibi_slopes``: the built-in modifications,
-    applied within each sequence (a window from each sequence's causal diagonal;
-    ``alibi_slopes`` (H,) for every sequence, or (B, H) with row b for sequence b). With
-    alibi_slopes every sequence runs its own call, and so a score_mod / mask_mod then needs
-    NumPy arrays.
+    applied within each sequence (a window and ALiBi's distances from each sequence's causal
+    diagonal; ``alibi_slopes`` (H,) for every sequence, or (B, H) with row b for sequence b).
 
     CuPy arrays run in one cuda.mma launch where that kernel takes them (see the module's text);
     :func:`explain_varlen` says which kernel runs and how.
@@ -301,7 +301,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
     problem = _packed_mods(normalize(q[None], k[None], v[None], causal=causal,
                                      softmax_scale=softmax_scale, layout="bshd",
                                      return_lse=True, out=out[None], precision=precision),
-                           mods, why)
+                           mods, why, cq.size - 1)
     plan = None
     if why is None:
         plan, why = _one_launch(problem, cq, ck, cu_seqlens_q, cu_seqlens_k, causal, backend,
@@ -343,8 +343,7 @@ def attention_varlen_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, m
     """Gradients (dq, dk, dv) of :func:`attention_varlen`, packed like q, k and v; ``o`` and
     ``lse`` are what it returned (lse as (H, total_q)), ``dropout_p``, ``dropout_seed`` and the
     modifications what it was given (a score_mod needs its score_mod_grad). CuPy arrays run in
-    one launch per pass where cuda.mma's backward takes them (not with dropout or
-    alibi_slopes); otherwise one :func:`numflash.attention_backward` call per sequence, on
+    one launch per pass where cuda.mma's backward takes them (not with dropout); otherwise one :func:`numflash.attention_backward` call per sequence, on
     views, into views of the packed gradients."""
     from .api import _require_grads, attention_backward
     from .inputs import normalize_backward
@@ -379,7 +378,8 @@ def attention_varlen_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, m
         do[None], q[None], k[None], v[None], o[None], lse[None], causal=causal,
         softmax_scale=softmax_scale, layout="bshd", precision=precision,
         deterministic=deterministic, **{name: None if g is None else g[None] for name, g in
-                                        (("dq", dq), ("dk", dk), ("dv", dv))}), mods, why)
+                                        (("dq", dq), ("dk", dk), ("dv", dv))}), mods, why,
+        cq.size - 1)
     _require_grads(getattr(problem, "mods", None))
     plan = None
     if why is None:

@@ -457,14 +457,19 @@ def _sequence_mask(b, h, i, j, table):   # every third pair, where the table's s
 
 
 def _packed_mods(which, shape, offset, table):
-    """numflash.mods.Mods of the emulated one-launch cases: None, or a window, a softcap and a
-    user's score_mod and mask_mod that read the sequence index b (through ``table``'s rows)."""
+    """numflash.mods.Mods of the emulated one-launch cases: None, or a window, a softcap, ALiBi
+    and a user's score_mod and mask_mod that read the sequence index b (through ``table``'s
+    rows, which are also the sequences' ALiBi slopes)."""
     if which is None:
         return None
     from numflash import mods
-    return mods.build(shape, "numpy", offset, window_size=(9, 2), softcap=4.0,
-                      score_mod=_sequence_bias, score_mod_grad=_unit_grad,
-                      mask_mod=_sequence_mask, mod_args=(table,))
+    return mods.build(shape, "numpy", offset, **_mod_options(table))
+
+
+def _mod_options(table):
+    return dict(window_size=(9, 2), softcap=4.0, alibi_slopes=np.abs(table),
+                score_mod=_sequence_bias, score_mod_grad=_unit_grad, mask_mod=_sequence_mask,
+                mod_args=(table,))
 
 
 @pytest.mark.parametrize("DT, causal, lengths, d, chunks, mods", [
@@ -482,7 +487,8 @@ def test_one_launch_kernels_emulated_equal_each_sequence_alone(rng, DT, causal, 
     """cuda.mma's VARLEN forward and backward under the warp emulator: one launch over packed
     sequences (one without queries, one without keys, Nq != Nk both ways, GQA; LONG: blocks
     past a shorter sequence's rows return, K/V and query tiles double-buffered; column slices;
-    ``mods``: a window, a softcap and a user's score_mod and mask_mod that read b) gives, bit
+    ``mods``: a window, a softcap, ALiBi and a user's score_mod and mask_mod that read b: each
+    sequence's window and ALiBi distances from its own diagonal) gives, bit
     for bit, what the plain kernels give each sequence alone (as batch 0, the functions' table
     cut to the sequence's row, so that they see what the one launch shows them as sequence b),
     and rows of an empty side get zeros (lse -inf; keys no query sees get zero dK, dV)."""
@@ -493,7 +499,7 @@ def test_one_launch_kernels_emulated_equal_each_sequence_alone(rng, DT, causal, 
     table = rng.standard_normal((len(cq) - 1, 2))
     packing = (cq, ck, causal == "bottom_right")
     tile, tiles = (2, 32, 0), {"queries": (2, 32), "keys": (2, 32)}
-    all_mods = _packed_mods(mods, (1, 2, cq[-1], ck[-1]), 0, table)
+    all_mods = _packed_mods(mods, (len(cq) - 1, 2, cq[-1], ck[-1]), 0, table)
     out, lse = run_forward_kernel(*map(_heads_first, (q, k, v)), DT, causal=bool(causal),
                                   VEC=1, tile=tile, varlen=packing, mods=all_mods)
     grads = run_backward_kernels(*map(_heads_first, (q, k, v, do, out[0].transpose(1, 0, 2))),
@@ -522,9 +528,7 @@ def test_one_launch_kernels_emulated_equal_each_sequence_alone(rng, DT, causal, 
             np.testing.assert_array_equal(got[:, :, lo:hi], want)
     s, e, sk, ek = cq[2], cq[3], ck[2], ck[3]   # and the kernel meets the accuracy rule
     seq = [_heads_first(a[lo:hi]) for a, lo, hi in ((q, s, e), (k, sk, ek), (v, sk, ek))]
-    opts = {} if mods is None else dict(
-        window_size=(9, 2), softcap=4.0, score_mod=_sequence_bias, score_mod_grad=_unit_grad,
-        mask_mod=_sequence_mask, mod_args=(table[2:3],))
+    opts = {} if mods is None else _mod_options(table[2:3])
     testing.assert_accurate(out[:, :, s:e], *seq, lse=lse[:, :, s:e], causal=causal, **opts)
     if mods is not None:   # (the plain kernels' gradients were compared with the rule before)
         testing.assert_gradients_accurate([g[:, :, lo:hi] for g, lo, hi in zip(
@@ -533,8 +537,8 @@ def test_one_launch_kernels_emulated_equal_each_sequence_alone(rng, DT, causal, 
 
 def test_one_launch_is_planned_for_packed_problems_and_refuses_what_it_lacks(rng):
     """cuda.mma's config turns packed problems into VARLEN variants (forward and both backward
-    passes, never split; with a window, a softcap and a user's functions too), refuses ALiBi,
-    a forced split and more sequences x heads
+    passes, never split; with a window, a softcap and a user's functions too), refuses an
+    attn_bias, a forced split and more sequences x heads
     than grid y holds with the reason, and the other kernels decline packed problems saying
     what runs them."""
     from numflash import kernels, mods
@@ -569,9 +573,9 @@ def test_one_launch_is_planned_for_packed_problems_and_refuses_what_it_lacks(rng
         mma.config(problem, h100)
     problem.num_splits = None
     problem.mods = mods.build(problem.shape, problem.kind, problem.causal_offset,
-                              alibi_slopes=np.ones(4))
-    with pytest.raises(Unsupported, match="mask_mod, score_mod, softcap, window_size only, not "
-                                          "alibi_slopes"):
+                              attn_bias=np.ones((1, 4, 45, 10)))
+    with pytest.raises(Unsupported, match="alibi_slopes, mask_mod, score_mod, softcap, "
+                                          "window_size only, not attn_bias"):
         mma.config(problem, h100)
     problem.mods = mods.build(problem.shape, problem.kind, problem.causal_offset, softcap=5.0,
                               window_size=(8, 0), score_mod=_sequence_bias,
@@ -666,9 +670,10 @@ def test_gpu_dropout_on_packed_sequences_meets_the_rule_for_every_sequence(rng, 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float16", "float32"])
 def test_gpu_modifications_on_packed_sequences_meet_the_rule_for_every_sequence(rng, dtype):
-    """CuPy packed sequences with a window, softcap and per-sequence ALiBi: one cuda.mma call
-    per sequence, forward and backward against each sequence's float64 reference; the same
-    through flash_attn_varlen_func on CUDA tensors."""
+    """CuPy packed sequences with a window, softcap and per-sequence ALiBi: one cuda.mma launch
+    per pass (each sequence's window and ALiBi distances from its own diagonal), forward and
+    backward against each sequence's float64 reference; the same through
+    flash_attn_varlen_func on CUDA tensors."""
     import cupy
     q, k, v, do, cq, ck = packed(rng, [100, 1, 257], [90, 5, 300], H=4, Hk=2, d=64, dv=64,
                                  dtype=np.dtype(dtype))
@@ -677,7 +682,7 @@ def test_gpu_modifications_on_packed_sequences_meet_the_rule_for_every_sequence(
     dev = [cupy.asarray(a) for a in (q, k, v, do, cq, ck)]
     dev_mods = dict(mods, alibi_slopes=cupy.asarray(slopes))
     plan = numflash.explain_varlen(*dev[:3], *dev[4:], causal="bottom_right", **dev_mods)
-    assert plan.kernel == "cuda.mma" and "one call per sequence" in str(plan), str(plan)
+    assert plan.kernel == "cuda.mma" and "3 in one launch" in str(plan), str(plan)
     out, lse = numflash.attention_varlen(*dev[:3], *dev[4:], causal="bottom_right",
                                          return_lse=True, **dev_mods)
     grads = numflash.attention_varlen_backward(dev[3], *dev[:3], out, lse, *dev[4:],
@@ -703,9 +708,9 @@ def test_gpu_modifications_on_packed_sequences_meet_the_rule_for_every_sequence(
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64"])
 def test_gpu_user_mods_on_packed_sequences_run_in_one_launch(rng, monkeypatch, dtype):
     """CuPy packed sequences with a user's score_mod and mask_mod (reading b, the sequence),
-    a window and a softcap: one cuda.mma launch per pass (no per-sequence call; explain says
-    so), each sequence's rows and gradients meet the rule against its float64 reference; with
-    alibi_slopes too the call is refused, saying why and what runs it."""
+    a window, a softcap and per-sequence ALiBi: one cuda.mma launch per pass (no per-sequence
+    call; explain says so), each sequence's rows and gradients meet the rule against its
+    float64 reference; with dropout too the call is refused, saying why and what runs it."""
     cupy = pytest.importorskip("cupy")
     from numflash import api
     dtype = (np.dtype(pytest.importorskip("ml_dtypes").bfloat16) if dtype == "bfloat16"
@@ -722,6 +727,7 @@ def test_gpu_user_mods_on_packed_sequences_run_in_one_launch(rng, monkeypatch, d
                 score_mod=_sequence_bias, score_mod_grad=_unit_grad, mask_mod=_sequence_mask)
     dev = [cupy.asarray(a) for a in (q, k, v, do, cq, ck)]
     mod_args = (cupy.asarray(table),)
+    opts["alibi_slopes"] = cupy.asarray(np.abs(table))
     plan = numflash.explain_varlen(*dev[:3], *dev[4:], backward=True, mod_args=mod_args, **opts)
     assert plan.kernel == "cuda.mma" and "5 in one launch" in str(plan), str(plan)
     out, lse = numflash.attention_varlen(*dev[:3], *dev[4:], return_lse=True,
@@ -735,16 +741,17 @@ def test_gpu_user_mods_on_packed_sequences_run_in_one_launch(rng, monkeypatch, d
         if e == s or ek == sk:
             continue
         mine = dict(opts, score_mod=_as_sequence(_sequence_bias, b),
-                    mask_mod=_as_sequence(_sequence_mask, b), mod_args=(table,))
+                    mask_mod=_as_sequence(_sequence_mask, b), mod_args=(table,),
+                    alibi_slopes=np.abs(table[b]))
         seq = [a[None, lo:hi] for a, lo, hi in ((q, s, e), (k, sk, ek), (v, sk, ek))]
         testing.assert_accurate(out[None, s:e], *seq, lse=lse[None, :, s:e], layout="bshd",
                                 **mine)
         testing.assert_gradients_accurate([grads[0][None, s:e], grads[1][None, sk:ek],
                                            grads[2][None, sk:ek]], do[None, s:e], *seq,
                                           layout="bshd", **mine)
-    with pytest.raises(ValueError, match="runs in cuda.mma's one launch.*alibi_slopes"):
-        numflash.attention_varlen(*dev[:3], *dev[4:], mod_args=mod_args,
-                                  alibi_slopes=cupy.ones(4, cupy.float32), **opts)
+    with pytest.raises(ValueError, match="runs in cuda.mma's one launch.*dropout"):
+        numflash.attention_varlen(*dev[:3], *dev[4:], mod_args=mod_args, dropout_p=0.1,
+                                  dropout_seed=3, **opts)
 
 
 @pytest.mark.gpu

@@ -118,14 +118,15 @@ MAX_GRID_Y = 65535
 
 
 #: the modifications the one-launch kernels of packed sequences take: a window's key range and
-#: the softcap read the sequence's own offset or none; a user's functions see b = the sequence
-PACKED_MODS = frozenset({"window_size", "softcap", "score_mod", "mask_mod"})
+#: ALiBi read the sequence's own causal offset (mods.emit_locals), the softcap none; a user's
+#: functions see b = the sequence (attention_varlen takes no others)
+PACKED_MODS = frozenset({"window_size", "softcap", "alibi_slopes", "score_mod", "mask_mod"})
 
 
 def check_packed(problem):
     """Raise Unsupported for what the one-launch kernels of packed sequences (VARLEN) do not
-    take yet: modifications besides PACKED_MODS (ALiBi's distances are built for one offset
-    per call), a forced split, more sequences x heads than grid y holds."""
+    take yet: modifications besides PACKED_MODS, a forced split, more sequences x heads than
+    grid y holds."""
     count, H = problem.varlen.count, problem.shape[1]
     if count * H > MAX_GRID_Y:
         raise Unsupported(f"{NAME} runs packed sequences in one launch with a grid row per "

@@ -270,13 +270,27 @@ def parameters(token):
     return f", {composition(token).parameters}" if token else ""
 
 
+def _offset_arguments(comp):
+    """Where ALiBi's causal offset lies among the composition's arguments: the kernels read
+    their own ``causal_offset`` there, which packed sequences (VARLEN) and KV-cache entries
+    (KVLEN) recompute for each sequence or entry; elsewhere it equals the argument."""
+    at, out = sum(n for _, n in comp.masks), set()
+    for fn, _, n in comp.scores:
+        if getattr(fn, "py_func", fn) is user_mods._alibi_score:
+            out.add(at + 1)   # (slopes, offset)
+        at += n
+    return out
+
+
 def emit_locals(s, token, flt):
     """Emit the modification arguments as the functions read them: a float scalar in the
-    kernel's float type (one float64 in the score arithmetic would make it float64), the rest
-    as passed."""
-    specs = composition(token).specs
+    kernel's float type (one float64 in the score arithmetic would make it float64), ALiBi's
+    offset as the kernel's causal offset, the rest as passed."""
+    comp = composition(token)
+    specs, offsets = comp.specs, _offset_arguments(comp)
     for n, spec in enumerate(specs):
-        s(f"ma{n} = {flt}(mod{n})" if spec == FLOAT else f"ma{n} = mod{n}")
+        s(f"ma{n} = {flt}(mod{n})" if spec == FLOAT else
+          "ma%d = causal_offset" % n if n in offsets else f"ma{n} = mod{n}")
     if sparse(token):
         first = len(specs) - len(BLOCK_ARRAYS)
         s(*(f"{name} = ma{first + n}" for n, name in enumerate(BLOCK_ARRAYS)))
