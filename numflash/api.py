@@ -237,7 +237,7 @@ def attention_backward(do, q, k, v, o, lse, *, causal=False, softmax_scale=None,
         a relative-position bias table: index = the pair's bucket, derivative 1; an index
         outside the array raises IndexError). The CPU path sums them in float64, one copy a
         task summed in a fixed order (deterministic); cuda.mma by float64 atomic adds (refused
-        with ``deterministic=True`` and packed sequences).
+        with ``deterministic=True``; packed sequences: attention_varlen_backward takes them).
     """
     mod_options = _mod_options(score_mod, mask_mod, mod_args, score_mod_grad, window_size,
                                softcap, alibi_slopes, attn_bias, attn_mask, block_mask,

@@ -107,20 +107,22 @@ def row_options(options, b):
     """The modification options of call b of such an entry point: row b of a 2-D
     alibi_slopes (see :func:`split_alibi_rows`), and the user's score_mod / mask_mod (and
     score_mod_grad) seeing b as their batch index, as the one-launch kernels show them
-    sequence b (:func:`at_batch`; the call itself is a batch of one); the rest as they are."""
+    sequence b (:func:`at_batch`; the call itself is a batch of one: score_mod_args_grad's
+    functions too, and its tuple gains a None for the index it now leads); the rest as they
+    are."""
     slopes = options.get("alibi_slopes")
     if slopes is not None and np.ndim(slopes) == 2:
         options = dict(options, alibi_slopes=slopes[b])
     user = [name for name in ("score_mod", "mask_mod", "score_mod_grad") if name in options]
     if not user:
         return options
-    if "score_mod_args_grad" in options:
-        raise ValueError("score_mod_args_grad on packed sequences runs in cuda.mma's one launch "
-                         "only (the calls of one sequence each would each take a share of the "
-                         "gradient): pass CuPy arrays that cuda.mma's one launch takes")
     args = tuple(options.get("mod_args", ()))
     shifted = {name: at_batch(options[name], len(args), score=name != "mask_mod")
                for name in user}
+    if options.get("score_mod_args_grad") is not None:   # aligned with the new mod_args
+        shifted["score_mod_args_grad"] = (None,) + tuple(
+            None if fn is None else at_batch(fn, len(args), score=True)
+            for fn in options["score_mod_args_grad"])
     return dict(options, mod_args=(int(b),) + args, **shifted)
 
 
@@ -128,7 +130,7 @@ _AT_BATCH = {}   # (function, argument count, score) -> its at_batch wrapper
 
 
 def at_batch(fn, n_args, score):
-    """``fn`` (a user's score_mod, its derivative, or with ``score`` False a mask_mod, taking
+    """``fn`` (a user's score_mod, its derivatives, or with ``score`` False a mask_mod, taking
     ``n_args`` mod_args) as a function whose first mod_arg is added to the batch index before
     ``fn`` sees it: a call of one packed sequence (batch 0) passes the sequence's index there.
     One wrapper per function, so the CPU path compiles it once, not once per sequence."""

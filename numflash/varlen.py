@@ -260,7 +260,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
                      *, causal=False, softmax_scale=None, backend="auto", algorithm="auto",
                      return_lse=False, out=None, precision="auto", dropout_p=0.0,
                      dropout_seed=None, score_mod=None, mask_mod=None, mod_args=(),
-                     score_mod_grad=None, window_size=None, softcap=None, alibi_slopes=None):
+                     score_mod_grad=None, window_size=None, softcap=None, alibi_slopes=None,
+                     score_mod_args_grad=None):
     """Attention over packed sequences: sequence b is q[cu_seqlens_q[b]:cu_seqlens_q[b + 1]]
     against k, v[cu_seqlens_k[b]:cu_seqlens_k[b + 1]], flash-attn's ``flash_attn_varlen_func``
     layout: q (total_q, H, d), k (total_k, Hk, d), v (total_k, Hk, dv). ``causal`` applies per
@@ -280,6 +281,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
     sequence. ``window_size``, ``softcap`` and ``alibi_slopes``: the built-in modifications,
     applied within each sequence (a window and ALiBi's distances from each sequence's causal
     diagonal; ``alibi_slopes`` (H,) for every sequence, or (B, H) with row b for sequence b).
+    ``score_mod_args_grad`` is checked here and used by :func:`attention_varlen_backward`.
 
     CuPy arrays run in one cuda.mma launch where that kernel takes them (see the module's text);
     :func:`explain_varlen` says which kernel runs and how.
@@ -290,8 +292,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
     cq, ck = _check_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     drop, mods, why = _per_sequence_options(
         q, cq, dropout_p, dropout_seed,
-        _mod_options(score_mod, mask_mod, mod_args, score_mod_grad, window_size, softcap,
-                     alibi_slopes))
+        dict(_mod_options(score_mod, mask_mod, mod_args, score_mod_grad, window_size, softcap,
+                          alibi_slopes), score_mod_args_grad=score_mod_args_grad))
     xp = _xp(q)
     if out is None:
         out = xp.empty((q.shape[0], q.shape[1], v.shape[2]), dtype=q.dtype)
@@ -339,20 +341,25 @@ def attention_varlen_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, m
                               deterministic=False, dq=None, dk=None, dv=None, dropout_p=0.0,
                               dropout_seed=None, score_mod=None, mask_mod=None, mod_args=(),
                               score_mod_grad=None, window_size=None, softcap=None,
-                              alibi_slopes=None):
+                              alibi_slopes=None, score_mod_args_grad=None,
+                              return_mod_args_grad=False):
     """Gradients (dq, dk, dv) of :func:`attention_varlen`, packed like q, k and v; ``o`` and
     ``lse`` are what it returned (lse as (H, total_q)), ``dropout_p``, ``dropout_seed`` and the
-    modifications what it was given (a score_mod needs its score_mod_grad). CuPy arrays run in
-    one launch per pass where cuda.mma's backward takes them (not with dropout); otherwise one :func:`numflash.attention_backward` call per sequence, on
-    views, into views of the packed gradients."""
-    from .api import _require_grads, attention_backward
+    modifications what it was given (a score_mod needs its score_mod_grad). With
+    ``return_mod_args_grad`` (and ``score_mod_args_grad``, as :func:`numflash.attention_backward`
+    takes them) a fourth result: mod_args' gradients summed over every sequence, a tuple aligned
+    with mod_args (None where none is taken). CuPy arrays run in one launch per pass where
+    cuda.mma's backward takes them (not with dropout); otherwise one
+    :func:`numflash.attention_backward` call per sequence, on views, into views of the packed
+    gradients."""
+    from .api import _require_grads, _with_mod_args_grad, attention_backward
     from .inputs import normalize_backward
     from .mods import row_options
     cq, ck = _check_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     drop, mods, why = _per_sequence_options(
         q, cq, dropout_p, dropout_seed,
-        _mod_options(score_mod, mask_mod, mod_args, score_mod_grad, window_size, softcap,
-                     alibi_slopes))
+        dict(_mod_options(score_mod, mask_mod, mod_args, score_mod_grad, window_size, softcap,
+                          alibi_slopes), score_mod_args_grad=score_mod_args_grad))
     xp = _xp(q)
     if tuple(lse.shape) != (q.shape[1], q.shape[0]):
         raise ValueError(f"lse must have shape (H, total_q) = {(q.shape[1], q.shape[0])} (what "
@@ -381,6 +388,10 @@ def attention_varlen_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, m
                                         (("dq", dq), ("dk", dk), ("dv", dv))}), mods, why,
         cq.size - 1)
     _require_grads(getattr(problem, "mods", None))
+    if why is None:
+        _with_mod_args_grad(problem, return_mod_args_grad)
+    elif return_mod_args_grad and score_mod_args_grad is None:
+        _with_mod_args_grad(problem, True)   # raises, naming what it needs
     plan = None
     if why is None:
         plan, why = _one_launch(problem, cq, ck, cu_seqlens_q, cu_seqlens_k, causal, backend,
@@ -389,25 +400,38 @@ def attention_varlen_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, m
     grads = [r[0] if given is None else given for given, r in zip((dq, dk, dv), problem.result)]
     if plan is not None:   # every row of every gradient is written: no zeroing
         plan.run(problem)
-        return tuple(grads)
+        return tuple(grads) + ((problem.dmod_args,) if return_mod_args_grad else ())
     _no_user_mods_per_call(problem, mods, why)
     if mods and cq.size > 1:   # their checks (each call's), before any gradient is zeroed
         _check_sequence_mods(q, k, cq, ck, causal, softmax_scale, row_options(mods, 0))
     for g in grads:   # keys no query sees get zero gradients: start from zeros
         g[...] = 0
+    totals = None   # mod_args' gradients, summed over the sequences in float64
     for b in range(cq.size - 1):
         sq, eq, sk, ek = int(cq[b]), int(cq[b + 1]), int(ck[b]), int(ck[b + 1])
         if eq == sq or ek == sk:
             continue
         lse_b = xp.ascontiguousarray(lse[:, sq:eq])[None]
-        attention_backward(do[None, sq:eq], q[None, sq:eq], k[None, sk:ek], v[None, sk:ek],
-                           o[None, sq:eq], lse_b, causal=causal, softmax_scale=softmax_scale,
-                           layout="bshd", backend=backend, algorithm=algorithm,
-                           precision=precision, deterministic=deterministic,
-                           dq=grads[0][None, sq:eq], dk=grads[1][None, sk:ek],
-                           dv=grads[2][None, sk:ek], **_sequence_dropout(drop, b),
-                           **row_options(mods, b))
-    return tuple(grads)
+        res = attention_backward(do[None, sq:eq], q[None, sq:eq], k[None, sk:ek],
+                                 v[None, sk:ek], o[None, sq:eq], lse_b, causal=causal,
+                                 softmax_scale=softmax_scale, layout="bshd", backend=backend,
+                                 algorithm=algorithm, precision=precision,
+                                 deterministic=deterministic, dq=grads[0][None, sq:eq],
+                                 dk=grads[1][None, sk:ek], dv=grads[2][None, sk:ek],
+                                 return_mod_args_grad=return_mod_args_grad,
+                                 **_sequence_dropout(drop, b), **row_options(mods, b))
+        if return_mod_args_grad:   # (row_options put the sequence index first: no gradient)
+            parts = res[-1][1:]
+            totals = [None if g is None else g.astype(np.float64) + (0 if t is None else t)
+                      for g, t in zip(parts, totals or [None] * len(parts))]
+    if not return_mod_args_grad:
+        return tuple(grads)
+    args = mods.get("mod_args", ())
+    trained = {n for n, fn in enumerate(score_mod_args_grad) if fn is not None}
+    dmod = tuple(None if n not in trained else
+                 (totals[n] if totals is not None else xp.zeros(a.shape)).astype(a.dtype)
+                 for n, a in enumerate(args))
+    return tuple(grads) + (dmod,)
 
 
 def _check_sequence_mods(q, k, cq, ck, causal, softmax_scale, options):

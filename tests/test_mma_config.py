@@ -116,19 +116,26 @@ def _gpu(cc, smem=227 * 1024, name=None):
     return Device(name or f"sm{cc[0]}{cc[1]}", cc=cc, smem_per_block_optin=smem)
 
 
-def check_key_pass_gradient_refusals(p, dev, field, request, mode_of, deterministic_says):
+def check_key_pass_gradient_refusals(p, dev, field, request, mode_of, deterministic_says,
+                                     packed_refused=True):
     """For a gradient the backward's key pass adds atomically (attn_bias's: DBIAS, mod_args':
     MARGS; ``p`` asks for it through attribute ``request``): deterministic=True refuses it
-    (saying ``deterministic_says``), packed sequences refuse it (``mode_of(p)`` raises), and
-    without it the key pass has no ``field``."""
+    (saying ``deterministic_says``), packed sequences refuse it where ``packed_refused``
+    (``mode_of(p)`` raises; else it gives the same mode), and without it the key pass has no
+    ``field``."""
     from numflash.cuda.mma import gradients
     from numflash.device import Unsupported
     p.deterministic = True
     with pytest.raises(Unsupported, match=deterministic_says):
         gradients.config(p, dev)
-    p.deterministic, p.varlen = False, object()
-    with pytest.raises(Unsupported, match="packed sequences"):
-        mode_of(p)
+    p.deterministic = False
+    alone = mode_of(p)
+    p.varlen = object()
+    if packed_refused:
+        with pytest.raises(Unsupported, match="packed sequences"):
+            mode_of(p)
+    else:
+        assert mode_of(p) == alone
     p.varlen = None
     setattr(p, request, None)
     assert field not in dict(gradients.config(p, dev)["keys"])

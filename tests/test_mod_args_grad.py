@@ -273,8 +273,8 @@ def test_mma_mod_args_gradients_under_the_warp_emulator(rng, DT, causal, more):
 
 def test_mma_config_carries_margs_on_the_key_pass_only():
     """The key pass gets MARGS (float64 accumulators of the trained arrays' dims, then the
-    int32 bad-index flag, in its signature), the query pass nothing; deterministic=True and
-    packed sequences refuse, saying where they run; explain's note."""
+    int32 bad-index flag, in its signature), the query pass nothing; deterministic=True
+    refuses, saying where they run, packed sequences take them; explain's note."""
     from numba import types
     from numflash import mods as _mods
     from numflash.cuda.mma import gradients
@@ -294,7 +294,8 @@ def test_mma_config_carries_margs_on_the_key_pass_only():
     assert "mod_args gradients" in " ".join(gradients.notes(p, cfg, dev))
     check_key_pass_gradient_refusals(p, dev, "MARGS", "dmod_args",
                                      gradients.mod_args_grad_token,
-                                     "deterministic=True takes them on the CPU path")
+                                     "deterministic=True takes them on the CPU path",
+                                     packed_refused=False)
 
 
 @pytest.mark.extended

@@ -176,6 +176,76 @@ def test_user_mods_see_the_sequence_index_and_positions_within_it(rng, extra, ca
     assert "one call per sequence" in plan and "score_mod=_sequence_bias" in plan, plan
 
 
+def _table_at(x, b, h, i, j, table):   # score_mod_args_grad of _sequence_bias: its table entry
+    return (b, h), 1.0
+
+
+def _expected_table_gradient(q, k, v, do, cq, ck, causal, table, mods=None):
+    """d loss / d table of _sequence_bias on packed sequences: each sequence's float64
+    reference gradient (its functions shown b), summed."""
+    total = np.zeros_like(table, np.float64)
+    for b in range(len(cq) - 1):
+        s, e, sk, ek = cq[b], cq[b + 1], ck[b], ck[b + 1]
+        if e == s or ek == sk:
+            continue
+        seq = [a[None, lo:hi] for a, lo, hi in ((q, s, e), (k, sk, ek), (v, sk, ek),
+                                                (do, s, e))]
+        own = dict(mods or {}, score_mod=_as_sequence(_sequence_bias, b),
+                   score_mod_grad=_unit_grad, mod_args=(table,),
+                   score_mod_args_grad=(lambda x, _, h, i, j, t, bq=b: ((bq, h), 1.0),))
+        total += reference.attention_backward(seq[3], *seq[:3], causal=causal, layout="bshd",
+                                              return_mod_args_grad=True, **own)[-1][0]
+    return total
+
+
+@pytest.mark.parametrize("causal", [True, "bottom_right"])
+def test_mod_args_gradients_sum_over_the_packed_sequences(rng, causal):
+    """return_mod_args_grad on packed sequences (NumPy: one call per sequence, each showing the
+    functions its index): the trained table's gradient is the sum of every sequence's, as the
+    float64 reference gives it, in the table's dtype; dq, dk, dv the same to rounding."""
+    q, k, v, do, cq, ck = packed(rng, [5, 0, 1, 37, 20], [7, 4, 1, 37, 29])
+    table = rng.standard_normal((5, 4)).astype(np.float32)
+    mods = dict(score_mod=_sequence_bias, score_mod_grad=_unit_grad, mod_args=(table,),
+                softcap=6.0)
+    out, lse = numflash.attention_varlen(q, k, v, cq, ck, causal=causal, return_lse=True,
+                                         **mods)
+    *grads, (dtable,) = numflash.attention_varlen_backward(
+        do, q, k, v, out, lse, cq, ck, causal=causal, score_mod_args_grad=(_table_at,),
+        return_mod_args_grad=True, **mods)
+    assert dtable.dtype == np.float32 and dtable.shape == table.shape
+    want = _expected_table_gradient(q, k, v, do, cq, ck, causal, table, dict(softcap=6.0))
+    np.testing.assert_allclose(dtable, want, rtol=1e-5, atol=1e-6)
+    assert not dtable[1].any()   # the sequence without queries
+    plain = numflash.attention_varlen_backward(do, q, k, v, out, lse, cq, ck, causal=causal,
+                                               **mods)
+    for a, b in zip(grads, plain):   # (the MARGS kernel rounds a little differently)
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-12)
+    with pytest.raises(ValueError, match="return_mod_args_grad=True needs score_mod_args_grad"):
+        numflash.attention_varlen_backward(do, q, k, v, out, lse, cq, ck, causal=causal,
+                                           return_mod_args_grad=True, **mods)
+
+
+def test_mod_args_gradients_of_the_emulated_one_launch(rng):
+    """cuda.mma's VARLEN key pass with MARGS under the warp emulator (float64): the table's
+    gradient added atomically by every sequence's blocks (b = the sequence) equals the sum of
+    the sequences' float64 reference gradients."""
+    from mma_tools import run_backward_kernels
+    from numflash import mods as _mods
+    q, k, v, do, cq, ck = packed(rng, *SHORT, H=2, Hk=1, d=24, dv=16)
+    table = rng.standard_normal((len(cq) - 1, 2))
+    opts = dict(score_mod=_sequence_bias, score_mod_grad=_unit_grad, mod_args=(table,),
+                score_mod_args_grad=(_table_at,))
+    built = _mods.build((len(cq) - 1, 2, cq[-1], ck[-1]), "numpy", 0, **opts)
+    out, lse = numflash.attention_varlen(q, k, v, cq, ck, causal="bottom_right",
+                                         return_lse=True, **opts)
+    *_, (dtable,) = run_backward_kernels(*map(_heads_first, (q, k, v, do, out)), lse[None],
+                                         "f64", True, tiles={"queries": (2, 32),
+                                                             "keys": (2, 32)},
+                                         varlen=(cq, ck, True), mods=built, mod_args_grad=True)
+    want = _expected_table_gradient(q, k, v, do, cq, ck, "bottom_right", table)
+    np.testing.assert_allclose(dtable, want, rtol=1e-10, atol=1e-12)
+
+
 def test_user_mods_on_packed_sequences_are_checked_before_anything_is_written(rng):
     q, k, v, do, cq, ck = packed(rng, [4, 6], [5, 5])
     out, lse = numflash.attention_varlen(q, k, v, cq, ck, return_lse=True)
@@ -752,6 +822,36 @@ def test_gpu_user_mods_on_packed_sequences_run_in_one_launch(rng, monkeypatch, d
     with pytest.raises(ValueError, match="runs in cuda.mma's one launch.*dropout"):
         numflash.attention_varlen(*dev[:3], *dev[4:], mod_args=mod_args, dropout_p=0.1,
                                   dropout_seed=3, **opts)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_gpu_mod_args_gradients_on_packed_sequences(rng, dtype):
+    """CuPy packed sequences: the one launch's key pass adds the trained table's gradient
+    (b = the sequence) atomically; it matches the sum of the sequences' float64 reference
+    gradients; deterministic=True refuses with the reason (the per-sequence calls would need the
+    CPU path)."""
+    cupy = pytest.importorskip("cupy")
+    q, k, v, do, cq, ck = packed(rng, [1, 0, 97, 300], [5, 13, 97, 150], H=4, Hk=2, d=64,
+                                 dv=64, dtype=np.dtype(dtype))
+    table = rng.standard_normal((4, 4))
+    opts = dict(causal="bottom_right", score_mod=_sequence_bias, score_mod_grad=_unit_grad,
+                score_mod_args_grad=(_table_at,))
+    dev = [cupy.asarray(a) for a in (q, k, v, do, cq, ck)]
+    mod_args = (cupy.asarray(table),)
+    out, lse = numflash.attention_varlen(*dev[:3], *dev[4:], return_lse=True,
+                                         mod_args=mod_args, **opts)
+    *_, (dtable,) = numflash.attention_varlen_backward(dev[3], *dev[:3], out, lse, *dev[4:],
+                                                       mod_args=mod_args,
+                                                       return_mod_args_grad=True, **opts)
+    want = _expected_table_gradient(*(a.astype(np.float64) for a in (q, k, v, do)), cq, ck,
+                                    "bottom_right", table)
+    got = dtable.get()
+    assert np.abs(got - want).max() <= 2e-2 * np.abs(want).max() + 1e-6, (got, want)
+    with pytest.raises(ValueError, match="deterministic=True"):
+        numflash.attention_varlen_backward(dev[3], *dev[:3], out, lse, *dev[4:],
+                                           mod_args=mod_args, return_mod_args_grad=True,
+                                           deterministic=True, **opts)
 
 
 @pytest.mark.gpu

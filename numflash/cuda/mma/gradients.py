@@ -272,9 +272,6 @@ def mod_args_grad_token(problem):
     Unsupported where cuda.mma cannot compute them."""
     if getattr(problem, "dmod_args", None) is None:
         return ""
-    if getattr(problem, "varlen", None) is not None:
-        raise Unsupported(f"{NAME}'s backward does not compute mod_args' gradients for packed "
-                          f"sequences; the CPU path does (one call per sequence)")
     if getattr(problem, "deterministic", False):
         raise Unsupported(f"{NAME}'s backward adds mod_args' gradients atomically, in an order "
                           f"that varies: deterministic=True takes them on the CPU path")
