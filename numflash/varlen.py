@@ -8,9 +8,9 @@ run every sequence in one launch per pass (MmaConfig.VARLEN: grid y walks the se
 each block finds its sequence's rows in cu_seqlens), forward and backward, with a window, a
 softcap, ALiBi and a user's score_mod / mask_mod (b is then the sequence, q_idx / kv_idx
 positions in it). Everywhere else (the CPU, cuda.block / cuda.row, inputs cuda.mma refuses,
-dropout) it runs one :func:`numflash.attention` call per sequence on views of the packed arrays, writing
-into views of the packed outputs (a user's functions then see the sequence's index through
-numflash.mods.at_batch, on the CPU path only).
+dropout) it runs one :func:`numflash.attention` call per sequence on views of the packed arrays,
+writing into views of the packed outputs (a user's functions then see the sequence's index
+through numflash.mods.at_batch, on the CPU path only).
 
 :func:`merge_partials` combines results computed over disjoint sets of keys (split-KV, cascade or
 shared-prefix attention, sequence parallelism) into the result over all of them, exactly.

@@ -661,6 +661,20 @@ def test_one_launch_is_planned_for_packed_problems_and_refuses_what_it_lacks(rng
             assert "does not run packed sequences in one launch" in why, (op.name, why)
 
 
+def _dtype_and_per_sequence_calls(monkeypatch, dtype):
+    """The NumPy dtype named ``dtype`` (bfloat16 from ml_dtypes), and a list that gains an entry
+    for every numflash.attention / attention_backward call (a per-sequence call) made."""
+    from numflash import api
+    dtype = (np.dtype(pytest.importorskip("ml_dtypes").bfloat16) if dtype == "bfloat16"
+             else np.dtype(dtype))
+    calls = []
+    for name in ("attention", "attention_backward"):
+        original = getattr(api, name)
+        monkeypatch.setattr(api, name, lambda *a, _f=original, **kw: calls.append(1) or
+                            _f(*a, **kw))
+    return dtype, calls
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64"])
 def test_gpu_one_launch_meets_the_rule_for_every_sequence(rng, monkeypatch, dtype):
@@ -670,14 +684,7 @@ def test_gpu_one_launch_meets_the_rule_for_every_sequence(rng, monkeypatch, dtyp
     the accuracy rule; two runs with deterministic=True give the same bits (by default 16-bit
     dQ is added atomically on sm_90, in an order that varies)."""
     cupy = pytest.importorskip("cupy")
-    from numflash import api
-    dtype = (np.dtype(pytest.importorskip("ml_dtypes").bfloat16) if dtype == "bfloat16"
-             else np.dtype(dtype))
-    calls = []
-    for name in ("attention", "attention_backward"):
-        original = getattr(api, name)
-        monkeypatch.setattr(api, name, lambda *a, _f=original, **kw: calls.append(1) or
-                            _f(*a, **kw))
+    dtype, calls = _dtype_and_per_sequence_calls(monkeypatch, dtype)
     lens_q, lens_k = [1, 0, 97, 1025, 300, 64], [5, 13, 97, 1025, 150, 0]
     q, k, v, do, cq, ck = packed(rng, lens_q, lens_k, H=8, Hk=2, d=64, dv=64, dtype=dtype)
     dev = [cupy.asarray(a) for a in (q, k, v, do, cq, ck)]
@@ -782,14 +789,7 @@ def test_gpu_user_mods_on_packed_sequences_run_in_one_launch(rng, monkeypatch, d
     call; explain says so), each sequence's rows and gradients meet the rule against its
     float64 reference; with dropout too the call is refused, saying why and what runs it."""
     cupy = pytest.importorskip("cupy")
-    from numflash import api
-    dtype = (np.dtype(pytest.importorskip("ml_dtypes").bfloat16) if dtype == "bfloat16"
-             else np.dtype(dtype))
-    calls = []
-    for name in ("attention", "attention_backward"):
-        original = getattr(api, name)
-        monkeypatch.setattr(api, name, lambda *a, _f=original, **kw: calls.append(1) or
-                            _f(*a, **kw))
+    dtype, calls = _dtype_and_per_sequence_calls(monkeypatch, dtype)
     lens_q, lens_k = [1, 0, 97, 300, 64], [5, 13, 97, 150, 0]
     q, k, v, do, cq, ck = packed(rng, lens_q, lens_k, H=4, Hk=2, d=64, dv=64, dtype=dtype)
     table = rng.standard_normal((5, 4))
