@@ -132,8 +132,9 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=No
     anything is written.
 
     CuPy arrays run as one cuda.mma launch that reads the cache in place when that kernel takes
-    the call (power-of-two page sizes, rows cp.async can read; no alibi_slopes: its distances
-    need each entry's own length); otherwise, and for NumPy arrays, one
+    the call (power-of-two page sizes, rows cp.async can read; no alibi_slopes: that launch's
+    plan and replay are not built with it, though the kernel would read each entry's own offset);
+    otherwise, and for NumPy arrays, one
     :func:`numflash.attention` call per batch entry (a paged cache's pages gathered).
 
     Returns the output (B, Nq, H, dv) in q's dtype and kind, and with ``return_lse`` the

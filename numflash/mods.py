@@ -133,7 +133,8 @@ def at_batch(fn, n_args, score):
     """``fn`` (a user's score_mod, its derivatives, or with ``score`` False a mask_mod, taking
     ``n_args`` mod_args) as a function whose first mod_arg is added to the batch index before
     ``fn`` sees it: a call of one packed sequence (batch 0) passes the sequence's index there.
-    One wrapper per function, so the CPU path compiles it once, not once per sequence."""
+    One wrapper per function, so the CPU path compiles it once, not once per sequence; the
+    wrapper keeps ``fn`` alive (define such a function once, not per call)."""
     if not callable(fn):
         return fn   # build() names the bad argument
     key = (fn, n_args, score)

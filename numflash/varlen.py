@@ -164,6 +164,9 @@ def _per_sequence_options(q, cq, dropout_p, dropout_seed, mods):
     drop = build(dropout_p, dropout_seed)
     mods = {name: value for name, value in mods.items()
             if value is not None and not (name == "mod_args" and value == ())}
+    for name in ("mod_args", "score_mod_args_grad"):   # as build() checks the one launch's
+        if name in mods and not isinstance(mods[name], tuple):
+            raise TypeError(f"{name} must be a tuple; got {type(mods[name]).__name__}")
     split_alibi_rows(mods.get("alibi_slopes"), cq.size - 1, q.shape[1], "packed sequence")
     why = None
     if drop:
@@ -186,11 +189,14 @@ def _packed_mods(problem, mods, why, count):
     return problem
 
 
-def _no_user_mods_per_call(problem, mods, why):
-    """Raise where a user's score_mod / mask_mod on device arrays would run one call per
-    sequence: those calls run on the CPU path only (numflash.mods.at_batch), so name why the
-    one launch does not take this call and what would."""
-    if problem.on_device and any(name in mods for name in USER_MODS):
+def _no_user_mods_per_call(problem, mods, why, cq, ck):
+    """Raise where a user's score_mod / mask_mod on device arrays would run in the calls of
+    one sequence each: those calls run on the CPU path only (numflash.mods.at_batch), so name
+    why the one launch does not take this call and what would. Nothing is raised where no
+    sequence has both queries and keys (no call would run the functions)."""
+    runs = cq.size > 1 and bool(((np.diff(cq) > 0) & (np.diff(ck) > 0)).any())
+    if problem.on_device and runs and problem.q.shape[1] and \
+            any(name in mods for name in USER_MODS):
         raise ValueError(f"a score_mod / mask_mod on packed device arrays runs in cuda.mma's one "
                          f"launch (compute capability >= 8.0, 16-byte aligned rows), which does "
                          f"not take this call: {why}. NumPy arrays take it (the CPU path runs "
@@ -205,43 +211,47 @@ def _mod_options(score_mod, mask_mod, mod_args, score_mod_grad, window_size, sof
 
 def explain_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None,
                    *, causal=False, softmax_scale=None, backend="auto", algorithm="auto",
-                   precision="auto", backward=False, dropout_p=0.0, score_mod=None,
-                   mask_mod=None, mod_args=(), score_mod_grad=None, window_size=None,
-                   softcap=None, alibi_slopes=None):
+                   precision="auto", backward=False, deterministic=False, dropout_p=0.0,
+                   score_mod=None, mask_mod=None, mod_args=(), score_mod_grad=None,
+                   window_size=None, softcap=None, alibi_slopes=None, score_mod_args_grad=None,
+                   return_mod_args_grad=False):
     """The :class:`numflash.plan.Plan` that :func:`attention_varlen` (``backward=True``:
-    :func:`attention_varlen_backward`) would run for these arguments: the one launch for every
-    sequence, or else the plan of the per-sequence call for the longest sequence, with a note
-    saying that one call per sequence runs, and why."""
+    :func:`attention_varlen_backward`, with its ``deterministic`` and ``return_mod_args_grad``)
+    would run for these arguments: the one launch for every sequence, or else the plan of the
+    per-sequence call for the longest sequence, with a note saying that one call per sequence
+    runs, and why."""
     import dataclasses
     from . import plan as _plan
-    from .api import _with_mods
+    from .api import _with_mod_args_grad, _with_mods
     from .inputs import normalize
     from .mods import row_options
     cq, ck = _check_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     drop, mods, why = _per_sequence_options(
         q, cq, dropout_p, 0 if dropout_p else None,
-        _mod_options(score_mod, mask_mod, mod_args, score_mod_grad, window_size, softcap,
-                     alibi_slopes))
+        dict(_mod_options(score_mod, mask_mod, mod_args, score_mod_grad, window_size, softcap,
+                          alibi_slopes), score_mod_args_grad=score_mod_args_grad))
     options = dict(causal=causal, softmax_scale=softmax_scale, layout="bshd",
                    precision=precision)
     problem = _packed_mods(normalize(q[None], k[None], v[None], **options), mods, why,
                            cq.size - 1)
     if backward:
-        problem.direction = "backward"
+        problem.direction, problem.deterministic = "backward", deterministic
+        if why is None:
+            _with_mod_args_grad(problem, return_mod_args_grad)
     plan = None
     if why is None:
         plan, why = _one_launch(problem, cq, ck, cu_seqlens_q, cu_seqlens_k, causal, backend,
                                 algorithm)
     if plan is not None:
         return plan
-    _no_user_mods_per_call(problem, mods, why)
+    _no_user_mods_per_call(problem, mods, why, cq, ck)
     b = int(np.argmax(np.diff(cq))) if cq.size > 1 else 0
     sq, eq, sk, ek = (int(cq[b]), int(cq[min(b + 1, cq.size - 1)]), int(ck[b]),
                       int(ck[min(b + 1, ck.size - 1)]))
     one = _with_mods(normalize(q[None, sq:eq], k[None, sk:ek], v[None, sk:ek], **options),
                      row_options(mods, b) if cq.size > 1 else {})
     if backward:
-        one.direction = "backward"
+        one.direction, one.deterministic = "backward", deterministic
     one.dropout = drop
     plan = _plan.choose(one, backend, algorithm)
     return dataclasses.replace(plan, notes=plan.notes + [
@@ -311,7 +321,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
     if plan is not None:
         lse = plan.run(problem)[0]
         return (out, lse) if return_lse else out
-    _no_user_mods_per_call(problem, mods, why)
+    _no_user_mods_per_call(problem, mods, why, cq, ck)
     lse = xp.empty((q.shape[1], q.shape[0]), dtype=lse_dtype(q.dtype)) if return_lse else None
     for b in range(cq.size - 1):
         sq, eq, sk, ek = int(cq[b]), int(cq[b + 1]), int(ck[b]), int(ck[b + 1])
@@ -401,7 +411,7 @@ def attention_varlen_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, m
     if plan is not None:   # every row of every gradient is written: no zeroing
         plan.run(problem)
         return tuple(grads) + ((problem.dmod_args,) if return_mod_args_grad else ())
-    _no_user_mods_per_call(problem, mods, why)
+    _no_user_mods_per_call(problem, mods, why, cq, ck)
     if mods and cq.size > 1:   # their checks (each call's), before any gradient is zeroed
         _check_sequence_mods(q, k, cq, ck, causal, softmax_scale, row_options(mods, 0))
     for g in grads:   # keys no query sees get zero gradients: start from zeros

@@ -257,9 +257,36 @@ def test_user_mods_on_packed_sequences_are_checked_before_anything_is_written(rn
         numflash.attention_varlen_backward(do, q, k, v, out, lse, cq, ck, dq=dq, mask_mod=3)
     with pytest.raises(ValueError, match="mod_args were given without"):
         numflash.attention_varlen(q, k, v, cq, ck, mod_args=(np.ones(3),))
+    for extra in ({}, dict(dropout_p=0.1, dropout_seed=1)):   # one rule, both paths
+        with pytest.raises(TypeError, match="mod_args must be a tuple; got list"):
+            numflash.attention_varlen(q, k, v, cq, ck, score_mod=_sequence_bias,
+                                      mod_args=[np.ones((2, 4))], **extra)
     assert (dq == 7).all()
     with pytest.raises(TypeError, match="unexpected keyword argument 'attn_bias'"):
         numflash.attention_varlen(q, k, v, cq, ck, attn_bias=np.ones((1, 4, 10, 10)))
+    plan = numflash.explain_varlen(q, k, v, cq, ck, backward=True, deterministic=True,
+                                   score_mod=_sequence_bias, score_mod_grad=_unit_grad,
+                                   mod_args=(np.ones((2, 4)),), score_mod_args_grad=(_table_at,),
+                                   return_mod_args_grad=True)
+    assert plan.kernel == "cpu.tiled" and "one call per sequence" in str(plan)
+
+
+def test_device_calls_with_user_mods_raise_only_where_a_sequence_would_run_them():
+    """On device arrays a user's functions cannot run in per-sequence calls: the refusal names
+    why the one launch did not take the call, unless no sequence has both queries and keys
+    (then no call runs them, and nothing is refused)."""
+    from types import SimpleNamespace
+    from numflash.varlen import _no_user_mods_per_call
+    problem = SimpleNamespace(on_device=True, q=np.zeros((1, 4, 3, 8)))
+    cu = np.array([0, 2, 3])
+    with pytest.raises(ValueError, match="which does not take this call: because"):
+        _no_user_mods_per_call(problem, {"mask_mod": len}, "because", cu, cu)
+    for cq, ck in ((cu, np.array([0, 0, 0])), (np.array([0]), np.array([0])),
+                   (np.array([0, 0, 3]), np.array([0, 2, 2]))):
+        _no_user_mods_per_call(problem, {"mask_mod": len}, "because", cq, ck)
+    _no_user_mods_per_call(problem, {"softcap": 2.0}, "because", cu, cu)   # built-ins run
+    problem.on_device = False
+    _no_user_mods_per_call(problem, {"mask_mod": len}, "because", cu, cu)
 
 
 def test_a_packed_alibi_table_needs_a_row_per_sequence_before_anything_is_written(rng):
