@@ -146,41 +146,33 @@ def _one_launch(problem, cq, ck, cu_seqlens_q, cu_seqlens_k, causal, backend, al
         return None, str(e)
 
 
-#: the modification options attention_varlen takes; a user's score_mod / mask_mod sees b as the
-#: packed sequence's index and q_idx / kv_idx as positions within the sequence
-MOD_OPTIONS = ("score_mod", "mask_mod", "mod_args", "score_mod_grad", "window_size", "softcap",
-               "alibi_slopes")
+#: a user's modifications: they see b as the packed sequence's index and q_idx / kv_idx as
+#: positions within the sequence
 USER_MODS = ("score_mod", "mask_mod")
 
 
-def _per_sequence_options(q, cq, dropout_p, dropout_seed, mods):
-    """A packed call's dropout (a Dropout, None without) and the modification options that were
-    given ({} without), checked where packing adds a rule (alibi_slopes is (H,) for every
-    sequence or (B, H), sequence b reading row b: numflash.mods.row_options; the rest are
-    checked on the packed problem or by each sequence's call), and why its sequences must run
-    one call each (None: it may run in one launch)."""
+def _per_sequence_options(q, cq, dropout_p, dropout_seed, alibi_slopes):
+    """A packed call's dropout (a Dropout, None without), and why its sequences must run one
+    call each (None: it may run in one launch); checks the rule packing adds to alibi_slopes:
+    (H,) for every sequence or (B, H), sequence b reading row b (numflash.mods.row_options).
+    The other modification options are checked on the packed problem (_packed_mods)."""
     from .dropout import build
     from .mods import split_alibi_rows
     drop = build(dropout_p, dropout_seed)
-    mods = {name: value for name, value in mods.items()
-            if value is not None and not (name == "mod_args" and value == ())}
-    for name in ("mod_args", "score_mod_args_grad"):   # as build() checks the one launch's
-        if name in mods and not isinstance(mods[name], tuple):
-            raise TypeError(f"{name} must be a tuple; got {type(mods[name]).__name__}")
-    split_alibi_rows(mods.get("alibi_slopes"), cq.size - 1, q.shape[1], "packed sequence")
+    split_alibi_rows(alibi_slopes, cq.size - 1, q.shape[1], "packed sequence")
     why = None
     if drop:
         why = ("attention dropout: each sequence draws its mask under its own seed "
                "(numflash.dropout.packed_seed)")
-    return drop, mods, why
+    return drop, why
 
 
-def _packed_mods(problem, mods, why, count):
-    """Attach the modifications to the packed ``problem`` when it may run in one launch, built
-    for ``count`` sequences as the batch (its kernels call them with b = the sequence, q_idx /
-    kv_idx within it, and ALiBi with each sequence's own offset): every option is then checked
-    before anything runs."""
-    if mods and why is None:
+def _packed_mods(problem, mods, count):
+    """Attach the modifications to the packed ``problem``, built for ``count`` sequences as the
+    batch (the one launch's kernels call them with b = the sequence, q_idx / kv_idx within it,
+    and ALiBi with each sequence's own offset): every option is checked here, before anything
+    runs, whichever path then runs the call."""
+    if mods:
         from .mods import build
         B, H, Nq, Nk = problem.shape[:4]
         problem.mods = build((count, H, Nq, Nk), problem.kind, problem.causal_offset,
@@ -203,12 +195,6 @@ def _no_user_mods_per_call(problem, mods, why, cq, ck):
                          f"one call per sequence)")
 
 
-def _mod_options(score_mod, mask_mod, mod_args, score_mod_grad, window_size, softcap,
-                 alibi_slopes):
-    return dict(zip(MOD_OPTIONS, (score_mod, mask_mod, mod_args, score_mod_grad, window_size,
-                                  softcap, alibi_slopes)))
-
-
 def explain_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None,
                    *, causal=False, softmax_scale=None, backend="auto", algorithm="auto",
                    precision="auto", backward=False, deterministic=False, dropout_p=0.0,
@@ -222,22 +208,20 @@ def explain_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_s
     runs, and why."""
     import dataclasses
     from . import plan as _plan
-    from .api import _with_mod_args_grad, _with_mods
+    from .api import _mod_options, _with_mod_args_grad, _with_mods
     from .inputs import normalize
     from .mods import row_options
     cq, ck = _check_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    drop, mods, why = _per_sequence_options(
-        q, cq, dropout_p, 0 if dropout_p else None,
-        dict(_mod_options(score_mod, mask_mod, mod_args, score_mod_grad, window_size, softcap,
-                          alibi_slopes), score_mod_args_grad=score_mod_args_grad))
+    mods = _mod_options(score_mod, mask_mod, mod_args, score_mod_grad, window_size, softcap,
+                        alibi_slopes, None, None, None, score_mod_args_grad)
+    drop, why = _per_sequence_options(q, cq, dropout_p, 0 if dropout_p else None, alibi_slopes)
     options = dict(causal=causal, softmax_scale=softmax_scale, layout="bshd",
                    precision=precision)
-    problem = _packed_mods(normalize(q[None], k[None], v[None], **options), mods, why,
+    problem = _packed_mods(normalize(q[None], k[None], v[None], **options), mods,
                            cq.size - 1)
     if backward:
         problem.direction, problem.deterministic = "backward", deterministic
-        if why is None:
-            _with_mod_args_grad(problem, return_mod_args_grad)
+        _with_mod_args_grad(problem, return_mod_args_grad)
     plan = None
     if why is None:
         plan, why = _one_launch(problem, cq, ck, cu_seqlens_q, cu_seqlens_k, causal, backend,
@@ -296,14 +280,13 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
     CuPy arrays run in one cuda.mma launch where that kernel takes them (see the module's text);
     :func:`explain_varlen` says which kernel runs and how.
     """
-    from .api import attention
+    from .api import _mod_options, attention
     from .inputs import normalize
     from .mods import row_options
     cq, ck = _check_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    drop, mods, why = _per_sequence_options(
-        q, cq, dropout_p, dropout_seed,
-        dict(_mod_options(score_mod, mask_mod, mod_args, score_mod_grad, window_size, softcap,
-                          alibi_slopes), score_mod_args_grad=score_mod_args_grad))
+    mods = _mod_options(score_mod, mask_mod, mod_args, score_mod_grad, window_size, softcap,
+                        alibi_slopes, None, None, None, score_mod_args_grad)
+    drop, why = _per_sequence_options(q, cq, dropout_p, dropout_seed, alibi_slopes)
     xp = _xp(q)
     if out is None:
         out = xp.empty((q.shape[0], q.shape[1], v.shape[2]), dtype=q.dtype)
@@ -313,7 +296,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
     problem = _packed_mods(normalize(q[None], k[None], v[None], causal=causal,
                                      softmax_scale=softmax_scale, layout="bshd",
                                      return_lse=True, out=out[None], precision=precision),
-                           mods, why, cq.size - 1)
+                           mods, cq.size - 1)
     plan = None
     if why is None:
         plan, why = _one_launch(problem, cq, ck, cu_seqlens_q, cu_seqlens_k, causal, backend,
@@ -362,14 +345,13 @@ def attention_varlen_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, m
     cuda.mma's backward takes them (not with dropout); otherwise one
     :func:`numflash.attention_backward` call per sequence, on views, into views of the packed
     gradients."""
-    from .api import _require_grads, _with_mod_args_grad, attention_backward
+    from .api import _mod_options, _require_grads, _with_mod_args_grad, attention_backward
     from .inputs import normalize_backward
     from .mods import row_options
     cq, ck = _check_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    drop, mods, why = _per_sequence_options(
-        q, cq, dropout_p, dropout_seed,
-        dict(_mod_options(score_mod, mask_mod, mod_args, score_mod_grad, window_size, softcap,
-                          alibi_slopes), score_mod_args_grad=score_mod_args_grad))
+    mods = _mod_options(score_mod, mask_mod, mod_args, score_mod_grad, window_size, softcap,
+                        alibi_slopes, None, None, None, score_mod_args_grad)
+    drop, why = _per_sequence_options(q, cq, dropout_p, dropout_seed, alibi_slopes)
     xp = _xp(q)
     if tuple(lse.shape) != (q.shape[1], q.shape[0]):
         raise ValueError(f"lse must have shape (H, total_q) = {(q.shape[1], q.shape[0])} (what "
@@ -395,13 +377,10 @@ def attention_varlen_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, m
         do[None], q[None], k[None], v[None], o[None], lse[None], causal=causal,
         softmax_scale=softmax_scale, layout="bshd", precision=precision,
         deterministic=deterministic, **{name: None if g is None else g[None] for name, g in
-                                        (("dq", dq), ("dk", dk), ("dv", dv))}), mods, why,
+                                        (("dq", dq), ("dk", dk), ("dv", dv))}), mods,
         cq.size - 1)
-    _require_grads(getattr(problem, "mods", None))
-    if why is None:
-        _with_mod_args_grad(problem, return_mod_args_grad)
-    elif return_mod_args_grad and score_mod_args_grad is None:
-        _with_mod_args_grad(problem, True)   # raises, naming what it needs
+    _require_grads(problem.mods)
+    _with_mod_args_grad(problem, return_mod_args_grad)
     plan = None
     if why is None:
         plan, why = _one_launch(problem, cq, ck, cu_seqlens_q, cu_seqlens_k, causal, backend,
@@ -412,8 +391,6 @@ def attention_varlen_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, m
         plan.run(problem)
         return tuple(grads) + ((problem.dmod_args,) if return_mod_args_grad else ())
     _no_user_mods_per_call(problem, mods, why, cq, ck)
-    if mods and cq.size > 1:   # their checks (each call's), before any gradient is zeroed
-        _check_sequence_mods(q, k, cq, ck, causal, softmax_scale, row_options(mods, 0))
     for g in grads:   # keys no query sees get zero gradients: start from zeros
         g[...] = 0
     totals = None   # mod_args' gradients, summed over the sequences in float64
@@ -442,16 +419,6 @@ def attention_varlen_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, m
                  (totals[n] if totals is not None else xp.zeros(a.shape)).astype(a.dtype)
                  for n, a in enumerate(args))
     return tuple(grads) + (dmod,)
-
-
-def _check_sequence_mods(q, k, cq, ck, causal, softmax_scale, options):
-    """Build sequence 0's modifications (``options``), so that a bad one, or a score_mod
-    without its derivative, raises before the per-sequence backward zeroes any gradient."""
-    from .api import _require_grads, _with_mods
-    from .inputs import normalize
-    _require_grads(_with_mods(normalize(q[None, :cq[1]], k[None, :ck[1]], k[None, :ck[1]],
-                                        causal=causal, softmax_scale=softmax_scale,
-                                        layout="bshd"), options).mods)
 
 
 def merge_partials(outs, lses):

@@ -258,7 +258,8 @@ def test_user_mods_on_packed_sequences_are_checked_before_anything_is_written(rn
     with pytest.raises(ValueError, match="mod_args were given without"):
         numflash.attention_varlen(q, k, v, cq, ck, mod_args=(np.ones(3),))
     for extra in ({}, dict(dropout_p=0.1, dropout_seed=1)):   # one rule, both paths
-        with pytest.raises(TypeError, match="mod_args must be a tuple; got list"):
+        with pytest.raises(TypeError, match=r"mod_args must be a tuple \(of arrays and "
+                                            r"scalars\); got list"):
             numflash.attention_varlen(q, k, v, cq, ck, score_mod=_sequence_bias,
                                       mod_args=[np.ones((2, 4))], **extra)
     assert (dq == 7).all()
