@@ -9,6 +9,7 @@ varlen_attn (flash) and SDPA on the padded batch where torch has them.
     python bench/varlen.py --cpu --total 8192 --max 2048 --heads 8 --d 64 --reps 3
     python bench/varlen.py --one-sequence 16384 --dtypes float16,float32
     python bench/varlen.py --window 1024 --softcap 30   # modifications in the one launch
+    python bench/varlen.py --dropout 0.1                # dropout in the one launch
 
 Padding on the right with causal (top-left) masking gives every real query row exactly its
 sequence's keys, so the padded batch computes the same rows as the packed one, plus the padding's
@@ -19,11 +20,18 @@ window skips are still counted). Every numflash result is checked against the fl
 on its shortest and longest sequences' first two heads. ``--window W`` / ``--softcap S`` give
 every numflash call window_size=(W, 0) and that softcap; torch's varlen_attn takes the window
 only (not timed with a softcap), SDPA on the padded batch neither (not timed with them).
+``--dropout P``: dropout_p=P, the one launch under seed DROPOUT_SEED and sequence b's own call
+under numflash.dropout.packed_seed(DROPOUT_SEED, b) (the same masks, both checked against the
+reference with them); the padded batch and the peers are not timed with it (the padded call's
+masks are drawn for its batch entries, which the reference check cannot cut apart).
 """
 import argparse
 import json
 
 import numpy as np
+
+#: the --dropout runs' seed
+DROPOUT_SEED = 1234
 
 
 def draw_lengths(rng, total, low=128, high=8192):
@@ -54,6 +62,8 @@ def main():
     ap.add_argument("--window", type=int, default=None,
                     help="window_size=(W, 0) for every numflash call")
     ap.add_argument("--softcap", type=float, default=None, help="a softcap for numflash's calls")
+    ap.add_argument("--dropout", type=float, default=0.0,
+                    help="dropout_p for the one launch and the per-sequence calls")
     a = ap.parse_args()
     if a.one_sequence:
         return one_sequence(a)
@@ -63,6 +73,7 @@ def main():
     import numflash
     from numflash import testing
     from numflash.bench.timing import median_ms
+    from numflash.dropout import packed_seed
     try:
         import torch
         from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -79,8 +90,13 @@ def main():
     opts = {name: value for name, value in (("window_size", None if a.window is None else
                                              (a.window, 0)), ("softcap", a.softcap))
             if value is not None}
+    drop = dict(dropout_p=a.dropout, dropout_seed=DROPOUT_SEED) if a.dropout else {}
+
+    def sequence_drop(b):   # sequence b's own call draws what the one launch draws for it
+        return dict(drop, dropout_seed=packed_seed(DROPOUT_SEED, b)) if drop else {}
     print(f"{B} sequences, {a.total} tokens, longest {longest} (padded: {B * longest} tokens), "
-          f"H{H}, causal{''.join(f', {n}={v}' for n, v in opts.items())}; lengths {lengths}")
+          f"H{H}, causal{''.join(f', {n}={v}' for n, v in {**opts, **drop}.items())}; "
+          f"lengths {lengths}")
     methods = ["varlen (one launch)", "per-sequence calls", "padded", "torch varlen_attn",
                "SDPA flash, padded"]
     print("ms (TFLOP/s of the sequences' own causal work)")
@@ -104,7 +120,7 @@ def main():
 
             def one_launch():
                 return numflash.attention_varlen(q, k, v, cu, cu, causal=True, return_lse=True,
-                                                 **opts)
+                                                 **opts, **drop)
 
             def per_sequence():
                 out = cupy.empty_like(q)
@@ -113,7 +129,8 @@ def main():
                     s = int(cu[b])
                     lse[:, s:s + n] = numflash.attention(
                         q[None, s:s + n], k[None, s:s + n], v[None, s:s + n], causal=True,
-                        layout="bshd", out=out[None, s:s + n], return_lse=True, **opts)[1][0]
+                        layout="bshd", out=out[None, s:s + n], return_lse=True, **opts,
+                        **sequence_drop(b))[1][0]
                 return out, lse
 
             def per_sequence_backward(out, lse):
@@ -125,7 +142,7 @@ def main():
                         do[None, sl], q[None, sl], k[None, sl], v[None, sl], out[None, sl],
                         cupy.ascontiguousarray(lse[:, sl])[None], causal=True, layout="bshd",
                         dq=grads[0][None, sl], dk=grads[1][None, sl], dv=grads[2][None, sl],
-                        **opts)
+                        **opts, **sequence_drop(b))
                 return grads
 
             def padded_forward():
@@ -139,12 +156,14 @@ def main():
             out_p, lse_p = padded_forward()
             both = {
                 "varlen (one launch)": lambda: numflash.attention_varlen_backward(
-                    do, q, k, v, *one_launch(), cu, cu, causal=True, **opts),
+                    do, q, k, v, *one_launch(), cu, cu, causal=True, **opts, **drop),
                 "per-sequence calls": lambda: per_sequence_backward(*per_sequence()),
                 "padded": lambda: numflash.attention_backward(
                     dop, qp, kp, vp, *padded_forward(), causal=True, layout="bshd", **opts),
             }
-            if torch is not None:
+            if drop:   # (the padded call would draw other masks: not timed, not checked)
+                del fwd["padded"], both["padded"]
+            if torch is not None and not drop:
                 tq, tk, tv, tdo = (torch.from_dlpack(x) for x in (q, k, v, do))
                 tcu = torch.from_dlpack(cu)
                 if varlen_attn is not None and "softcap" not in opts:
@@ -175,11 +194,12 @@ def main():
                 seq = [x[None, s:s + n, :2].get() for x in (q, k, v)]
                 for name, got in (("one launch", out_v), ("per-sequence", out_s)):
                     rep = testing.check(got[None, s:s + n, :2].get(), *seq, causal=True,
+                                        layout="bshd", **opts, **sequence_drop(b))
+                    checks.append(rep.ok)
+                if not drop:
+                    rep = testing.check(out_p[b:b + 1, :n, :2].get(), *seq, causal=True,
                                         layout="bshd", **opts)
                     checks.append(rep.ok)
-                rep = testing.check(out_p[b:b + 1, :n, :2].get(), *seq, causal=True,
-                                    layout="bshd", **opts)
-                checks.append(rep.ok)
             check = "OK" if all(checks) else "FAIL"
             for label, table, factor in (("forward", fwd, 1.0), ("fwd+bwd", both, 3.5)):
                 times = {}
@@ -197,11 +217,13 @@ def main():
                 ours = times["varlen (one launch)"]
                 peers = [t for n, t in times.items() if isinstance(t, float) and
                          n in ("torch varlen_attn", "SDPA flash, padded")]
-                vs_pad = times["padded"] / ours
+                vs_pad = (f"{times['padded'] / ours:.2f}x" if isinstance(times["padded"], float)
+                          else "-")
                 vs_peer = f"{min(peers) / ours:.2f}x" if peers else "-"
                 print(f"| {dtype} | {d} | {label} | " + " | ".join(cells) +
-                      f" | {vs_pad:.2f}x | {vs_peer} | {check} |", flush=True)
-                rows.append({"dtype": dtype, "d": d, "pass": label, "ms": times, "mods": opts,
+                      f" | {vs_pad} | {vs_peer} | {check} |", flush=True)
+                rows.append({"dtype": dtype, "d": d, "pass": label, "ms": times,
+                             "mods": {**opts, **drop},
                              "tflops_counted": flops * factor / 1e12, "check": check,
                              "lengths": lengths, "heads": H})
     if a.out:

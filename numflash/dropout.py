@@ -41,7 +41,9 @@ __all__ = ["Dropout", "build", "philox4x32_10", "keep_mask", "compiled", "packed
 
 MASK32 = np.uint64(0xFFFFFFFF)
 SHIFT32 = np.uint64(32)
-ONE, THREE, FOUR, SIX, SEVEN, BYTE = (np.uint64(n) for n in (1, 3, 4, 6, 7, 255))
+ZERO, ONE, THREE, FOUR, SIX, SEVEN, BYTE = (np.uint64(n) for n in (0, 1, 3, 4, 6, 7, 255))
+#: the last counter word of :func:`packed_seed`'s calls (the masks' is a batch index)
+PACKED_TAG = np.uint64(0xFFFFFFFF)
 # Philox-4x32's multipliers and Weyl key increments (Random123)
 PHILOX_M0 = np.uint64(0xD2511F53)
 PHILOX_M1 = np.uint64(0xCD9E8D57)
@@ -89,8 +91,16 @@ def keep(seed_lo, seed_hi, threshold, b, h, i, j):
     return byte_keeps(lo + (hi - lo) * ((np.uint64(i) >> THREE) & ONE), j, threshold)
 
 
+def packed_seed_words(seed_lo, seed_hi, index):
+    """The two 32-bit words (lo, hi) of :func:`packed_seed`: one generator call at counter
+    (index's low word, its high word, 0, PACKED_TAG) keyed by the call's seed words."""
+    w0, w1, _, _ = philox4x32_10(index & MASK32, index >> SHIFT32, ZERO, PACKED_TAG, seed_lo,
+                                 seed_hi)
+    return w0, w1
+
+
 #: the generator's functions, callees first (compiled() rebinds each one's callees)
-FUNCTIONS = (mulhilo, philox4x32_10, row_bytes, byte_keeps, keep)
+FUNCTIONS = (mulhilo, philox4x32_10, row_bytes, byte_keeps, keep, packed_seed_words)
 
 
 def compiled(jit):
@@ -102,20 +112,14 @@ def compiled(jit):
     return {fn.__name__: env[fn.__name__] for fn in FUNCTIONS}
 
 
-#: the last counter word of :func:`packed_seed`'s calls (the masks' is a batch index)
-PACKED_TAG = np.uint64(0xFFFFFFFF)
-
-
 def packed_seed(seed, index):
     """The seed of packed sequence ``index`` (numflash.attention_varlen) under a call's 64-bit
-    ``seed``: one generator call, at counter (index, 0, 0, PACKED_TAG) keyed by the seed. Every
-    sequence then draws its own mask as a batch of one, and its backward regenerates it from the
-    same seed; the one-launch kernels would need this derivation in the kernel, so dropout on
-    packed sequences runs one call per sequence."""
-    index = int(index)
-    w0, w1, _, _ = philox4x32_10(np.uint64(index & 0xFFFFFFFF), np.uint64(index >> 32),
-                                 np.uint64(0), PACKED_TAG, np.uint64(seed & 0xFFFFFFFF),
-                                 np.uint64(seed >> 32))
+    ``seed`` (:func:`packed_seed_words`). Every sequence draws its own mask as a batch of one
+    under it, so its own attention call with this seed gives the same result, and its backward
+    regenerates the mask from it; cuda.mma's one launch of packed sequences derives it in the
+    kernel, each block for its sequence."""
+    w0, w1 = packed_seed_words(np.uint64(seed & 0xFFFFFFFF), np.uint64(seed >> 32),
+                               np.uint64(int(index)))
     return int(w0) | (int(w1) << 32)
 
 

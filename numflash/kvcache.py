@@ -132,10 +132,11 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=No
     anything is written.
 
     CuPy arrays run as one cuda.mma launch that reads the cache in place when that kernel takes
-    the call (power-of-two page sizes, rows cp.async can read; no alibi_slopes: that launch's
-    plan and replay are not built with it, though the kernel would read each entry's own offset);
-    otherwise, and for NumPy arrays, one
-    :func:`numflash.attention` call per batch entry (a paged cache's pages gathered).
+    the call (power-of-two page sizes, rows cp.async can read; with alibi_slopes too, each
+    entry's distances from its own newest row, but such a call is planned every time, never
+    replayed: the recorded launches would keep the first call's slopes); otherwise, and for
+    NumPy arrays, one :func:`numflash.attention` call per batch entry (a paged cache's pages
+    gathered).
 
     Returns the output (B, Nq, H, dv) in q's dtype and kind, and with ``return_lse`` the
     (B, H, Nq) lse.
@@ -172,8 +173,8 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=No
     xp = np if array_kind(q) == "numpy" else __import__("cupy")
     flat = None if page is None else _flat_pages(k_cache, v_cache)
     # every option checked (a plan chosen) before anything is written
-    one = None if alibi_slopes is not None else _one_launch_plan(
-        xp, q, k_cache, v_cache, flat, ends, pages, page, block_table, causal, return_lse, options)
+    one = _one_launch_plan(xp, q, k_cache, v_cache, flat, ends, pages, page, block_table,
+                           causal, return_lse, options, alibi_slopes)
     if one is None:
         from .api import explain
         explain(q[:1], k_cache[:1], v_cache[:1], layout="bshd", return_lse=return_lse,
@@ -276,10 +277,11 @@ def _append(xp, k_cache, v_cache, flat, k, v, lengths, pages, page):
 
 
 def _one_launch_plan(xp, q, k_cache, v_cache, flat, ends, pages, page, block_table, causal,
-                     return_lse, options):
+                     return_lse, options, alibi_slopes):
     """(problem, plan) running the whole batch in one cuda.mma launch that reads the cache in
     place, or None where that kernel does not take the call (NumPy arrays, a page size that is
-    not a power of two, anything cuda.mma refuses: then one call per entry runs)."""
+    not a power of two, anything cuda.mma refuses: then one call per entry runs). ALiBi: the
+    kernel measures each entry's distances from its own causal offset (kv_lens[b] - Nq)."""
     from . import plan as _plan
     from .api import _with_mods
     from .inputs import normalize
@@ -291,6 +293,8 @@ def _one_launch_plan(xp, q, k_cache, v_cache, flat, ends, pages, page, block_tab
     else:   # (B, pages x page_size, Hk, d) views of every page's rows, the batch axis stride 0
         keys, values = (xp.broadcast_to(c[None], (B,) + c.shape) for c in flat)
     mods = {n: options[n] for n in ("window_size", "softcap") if options.get(n) is not None}
+    if alibi_slopes is not None:
+        mods["alibi_slopes"] = alibi_slopes
     try:
         problem = _with_mods(normalize(
             q, keys, values, causal=bool(causal), softmax_scale=options.get("softmax_scale"),

@@ -788,9 +788,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=Non
     """flash-attn's ``flash_attn_varlen_func`` on numflash: packed q (total_q, H, d), k and v
     (total_k, Hk, d), cumulative lengths ``cu_seqlens_q/k`` (int32 tensors or lists, B + 1
     entries), causal aligned to the bottom right of each sequence; differentiable. Runs
-    :func:`numflash.attention_varlen` and its backward on the tensors' memory (CUDA tensors
-    without dropout: one cuda.mma launch per pass where it takes
-    them; otherwise one call per sequence on views of the packed tensors).
+    :func:`numflash.attention_varlen` and its backward on the tensors' memory (CUDA tensors:
+    one cuda.mma launch per pass where it takes them; otherwise one call per sequence on views
+    of the packed tensors).
 
     ``return_attn_probs=True`` returns (out, softmax_lse (H, total_q), None): the per-sequence
     probabilities have no dense packed form. Takes and refuses what :func:`flash_attn_func`
@@ -835,8 +835,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     on the tensors' memory): q (B, Nq, H, d), caches (B, S, Hk, d) or paged (pages, page_size,
     Hk, d) with ``block_table``; k, v appended in place at ``cache_seqlens``; causal aligned to
     the bottom right. Inference only, as flash-attn's: no gradients. ``num_splits=0`` lets
-    numflash choose. ``alibi_slopes`` ((H,) or (B, H)) with causal=True (one call per entry;
-    its lse as :func:`flash_attn_func` says).
+    numflash choose. ``alibi_slopes`` ((H,) or (B, H)) with causal=True (each entry's
+    distances from its newest row; its lse as :func:`flash_attn_func` says).
     Refused, naming the argument: rotary embeddings, cache_batch_idx, cache_leftpad."""
     from .kvcache import attention_with_kvcache
     for name, value in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin),

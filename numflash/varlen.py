@@ -6,9 +6,10 @@ packed along one axis, q (total_q, H, d) and k, v (total_k, Hk, d), with cumulat
 and nothing is copied. On the GPU the tensor-core kernels (cuda.mma, compute capability >= 8.0)
 run every sequence in one launch per pass (MmaConfig.VARLEN: grid y walks the sequences' heads,
 each block finds its sequence's rows in cu_seqlens), forward and backward, with a window, a
-softcap, ALiBi and a user's score_mod / mask_mod (b is then the sequence, q_idx / kv_idx
-positions in it). Everywhere else (the CPU, cuda.block / cuda.row, inputs cuda.mma refuses,
-dropout) it runs one :func:`numflash.attention` call per sequence on views of the packed arrays,
+softcap, ALiBi, a user's score_mod / mask_mod (b is then the sequence, q_idx / kv_idx
+positions in it) and dropout (each sequence under its own seed, numflash.dropout.packed_seed).
+Everywhere else (the CPU, cuda.block / cuda.row, inputs cuda.mma refuses) it runs one
+:func:`numflash.attention` call per sequence on views of the packed arrays,
 writing into views of the packed outputs (a user's functions then see the sequence's index
 through numflash.mods.at_batch, on the CPU path only).
 
@@ -151,27 +152,25 @@ def _one_launch(problem, cq, ck, cu_seqlens_q, cu_seqlens_k, causal, backend, al
 USER_MODS = ("score_mod", "mask_mod")
 
 
-def _per_sequence_options(q, cq, dropout_p, dropout_seed, alibi_slopes):
-    """A packed call's dropout (a Dropout, None without), and why its sequences must run one
-    call each (None: it may run in one launch); checks the rule packing adds to alibi_slopes:
-    (H,) for every sequence or (B, H), sequence b reading row b (numflash.mods.row_options).
-    The other modification options are checked on the packed problem (_packed_mods)."""
+def _packed_options(q, cq, dropout_p, dropout_seed, alibi_slopes):
+    """A packed call's dropout (a Dropout, None without; sequence b draws its mask under
+    numflash.dropout.packed_seed(seed, b), in the one launch as in its own call), after the
+    check packing adds to alibi_slopes: (H,) for every sequence or (B, H), sequence b reading
+    row b (numflash.mods.row_options). The other modification options are checked on the
+    packed problem (_packed_mods)."""
     from .dropout import build
     from .mods import split_alibi_rows
     drop = build(dropout_p, dropout_seed)
     split_alibi_rows(alibi_slopes, cq.size - 1, q.shape[1], "packed sequence")
-    why = None
-    if drop:
-        why = ("attention dropout: each sequence draws its mask under its own seed "
-               "(numflash.dropout.packed_seed)")
-    return drop, why
+    return drop
 
 
-def _packed_mods(problem, mods, count):
-    """Attach the modifications to the packed ``problem``, built for ``count`` sequences as the
-    batch (the one launch's kernels call them with b = the sequence, q_idx / kv_idx within it,
-    and ALiBi with each sequence's own offset): every option is checked here, before anything
-    runs, whichever path then runs the call."""
+def _packed_mods(problem, mods, count, drop):
+    """Attach the modifications and dropout ``drop`` to the packed ``problem``, the
+    modifications built for ``count`` sequences as the batch (the one launch's kernels call them
+    with b = the sequence, q_idx / kv_idx within it, and ALiBi with each sequence's own offset):
+    every option is checked here, before anything runs, whichever path then runs the call."""
+    problem.dropout = drop
     if mods:
         from .mods import build
         B, H, Nq, Nk = problem.shape[:4]
@@ -214,18 +213,16 @@ def explain_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_s
     cq, ck = _check_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     mods = _mod_options(score_mod, mask_mod, mod_args, score_mod_grad, window_size, softcap,
                         alibi_slopes, None, None, None, score_mod_args_grad)
-    drop, why = _per_sequence_options(q, cq, dropout_p, 0 if dropout_p else None, alibi_slopes)
+    drop = _packed_options(q, cq, dropout_p, 0 if dropout_p else None, alibi_slopes)
     options = dict(causal=causal, softmax_scale=softmax_scale, layout="bshd",
                    precision=precision)
     problem = _packed_mods(normalize(q[None], k[None], v[None], **options), mods,
-                           cq.size - 1)
+                           cq.size - 1, drop)
     if backward:
         problem.direction, problem.deterministic = "backward", deterministic
         _with_mod_args_grad(problem, return_mod_args_grad)
-    plan = None
-    if why is None:
-        plan, why = _one_launch(problem, cq, ck, cu_seqlens_q, cu_seqlens_k, causal, backend,
-                                algorithm)
+    plan, why = _one_launch(problem, cq, ck, cu_seqlens_q, cu_seqlens_k, causal, backend,
+                            algorithm)
     if plan is not None:
         return plan
     _no_user_mods_per_call(problem, mods, why, cq, ck)
@@ -267,7 +264,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
     ``dropout_p`` and ``dropout_seed``: attention dropout as :func:`numflash.attention` applies
     it, sequence b drawing its mask as a batch of one under the seed
     ``numflash.dropout.packed_seed(dropout_seed, b)`` (so its attention call alone, with that
-    seed, gives the same result); with dropout every sequence runs its own call.
+    seed, gives the same result, and so does the one launch).
 
     ``score_mod``, ``mask_mod``, ``mod_args``, ``score_mod_grad``: :func:`numflash.attention`'s
     (numflash.mods), per sequence: the functions see b = the sequence's index (so mod_args
@@ -286,7 +283,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
     cq, ck = _check_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     mods = _mod_options(score_mod, mask_mod, mod_args, score_mod_grad, window_size, softcap,
                         alibi_slopes, None, None, None, score_mod_args_grad)
-    drop, why = _per_sequence_options(q, cq, dropout_p, dropout_seed, alibi_slopes)
+    drop = _packed_options(q, cq, dropout_p, dropout_seed, alibi_slopes)
     xp = _xp(q)
     if out is None:
         out = xp.empty((q.shape[0], q.shape[1], v.shape[2]), dtype=q.dtype)
@@ -296,11 +293,9 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
     problem = _packed_mods(normalize(q[None], k[None], v[None], causal=causal,
                                      softmax_scale=softmax_scale, layout="bshd",
                                      return_lse=True, out=out[None], precision=precision),
-                           mods, cq.size - 1)
-    plan = None
-    if why is None:
-        plan, why = _one_launch(problem, cq, ck, cu_seqlens_q, cu_seqlens_k, causal, backend,
-                                algorithm)
+                           mods, cq.size - 1, drop)
+    plan, why = _one_launch(problem, cq, ck, cu_seqlens_q, cu_seqlens_k, causal, backend,
+                            algorithm)
     if plan is not None:
         lse = plan.run(problem)[0]
         return (out, lse) if return_lse else out
@@ -342,7 +337,7 @@ def attention_varlen_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, m
     ``return_mod_args_grad`` (and ``score_mod_args_grad``, as :func:`numflash.attention_backward`
     takes them) a fourth result: mod_args' gradients summed over every sequence, a tuple aligned
     with mod_args (None where none is taken). CuPy arrays run in one launch per pass where
-    cuda.mma's backward takes them (not with dropout); otherwise one
+    cuda.mma's backward takes them; otherwise one
     :func:`numflash.attention_backward` call per sequence, on views, into views of the packed
     gradients."""
     from .api import _mod_options, _require_grads, _with_mod_args_grad, attention_backward
@@ -351,7 +346,7 @@ def attention_varlen_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, m
     cq, ck = _check_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     mods = _mod_options(score_mod, mask_mod, mod_args, score_mod_grad, window_size, softcap,
                         alibi_slopes, None, None, None, score_mod_args_grad)
-    drop, why = _per_sequence_options(q, cq, dropout_p, dropout_seed, alibi_slopes)
+    drop = _packed_options(q, cq, dropout_p, dropout_seed, alibi_slopes)
     xp = _xp(q)
     if tuple(lse.shape) != (q.shape[1], q.shape[0]):
         raise ValueError(f"lse must have shape (H, total_q) = {(q.shape[1], q.shape[0])} (what "
@@ -378,13 +373,11 @@ def attention_varlen_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, m
         softmax_scale=softmax_scale, layout="bshd", precision=precision,
         deterministic=deterministic, **{name: None if g is None else g[None] for name, g in
                                         (("dq", dq), ("dk", dk), ("dv", dv))}), mods,
-        cq.size - 1)
+        cq.size - 1, drop)
     _require_grads(problem.mods)
     _with_mod_args_grad(problem, return_mod_args_grad)
-    plan = None
-    if why is None:
-        plan, why = _one_launch(problem, cq, ck, cu_seqlens_q, cu_seqlens_k, causal, backend,
-                                algorithm)
+    plan, why = _one_launch(problem, cq, ck, cu_seqlens_q, cu_seqlens_k, causal, backend,
+                            algorithm)
     # the given buffers themselves, else the ones normalize_backward made
     grads = [r[0] if given is None else given for given, r in zip((dq, dk, dv), problem.result)]
     if plan is not None:   # every row of every gradient is written: no zeroing

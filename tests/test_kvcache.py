@@ -238,30 +238,46 @@ def test_gpu_paged_decode_matches_contiguous(rng, monkeypatch, page):
 
 
 @pytest.mark.gpu
-def test_gpu_alibi_runs_each_entry_and_never_replays_a_plain_call(rng, monkeypatch):
-    """CuPy caches with alibi_slopes: one attention call per entry (its own distances), never
-    the launch recorded for the same call without them; each entry meets the rule."""
+@pytest.mark.parametrize("page", [None, 16])
+def test_gpu_alibi_runs_in_one_launch_and_is_never_replayed(rng, monkeypatch, page):
+    """CuPy caches (contiguous and paged) with alibi_slopes: one cuda.mma launch for the batch
+    (no per-entry attention call), each entry's distances from its own newest row; a call with
+    other slopes is planned again (never the launch recorded for the same call without them,
+    nor one with the first slopes); each entry meets the rule."""
     cupy = pytest.importorskip("cupy")
-    from numflash import kvcache
+    from numflash import api, kvcache
     from numflash.cuda import fastpath
     monkeypatch.setattr(kvcache, "_recorded", {})
     monkeypatch.setattr(fastpath, "_replays", {})
+    calls = []
+    original = api.attention
+    monkeypatch.setattr(api, "attention", lambda *a, **kw: calls.append(1) or original(*a, **kw))
     B, S, H, Hk, d = 3, 512, 8, 2, 64
     k_cache, v_cache = _cache(rng, B, S, Hk, d, np.float16)
     q = rng.standard_normal((B, 1, H, d)).astype(np.float16)
-    slopes = rng.random((B, H)).astype(np.float32)
-    q_, kc, vc, sl = (cupy.asarray(a) for a in (q, k_cache, v_cache, slopes))
     lengths = np.array([1, 300, 512], np.int32)
+    extra = ()
+    if page:
+        kp, vp, table = _paged(k_cache, v_cache, page, rng)
+        caches = (cupy.asarray(kp), cupy.asarray(vp))
+        extra = (cupy.asarray(table),)
+    else:
+        caches = (cupy.asarray(k_cache), cupy.asarray(v_cache))
+    q_ = cupy.asarray(q)
     for _ in range(2):   # the second plain call is a replay
-        plain = numflash.attention_with_kvcache(q_, kc, vc, None, None, lengths, causal=True)
-    got = numflash.attention_with_kvcache(q_, kc, vc, None, None, lengths, causal=True,
-                                          alibi_slopes=sl)
-    assert not cupy.allclose(plain, got)
-    for b in range(B):
-        n = int(lengths[b])
-        rep = check(got[b:b + 1], q[b:b + 1], k_cache[b:b + 1, :n], v_cache[b:b + 1, :n],
-                    layout="bshd", causal="bottom_right", alibi_slopes=slopes[b])
-        assert rep.ok, f"entry {b}: {rep}"
+        plain = numflash.attention_with_kvcache(q_, *caches, None, None, lengths, *extra,
+                                                causal=True)
+    for slopes in (rng.random((B, H)).astype(np.float32), rng.random(H).astype(np.float32)):
+        got = numflash.attention_with_kvcache(q_, *caches, None, None, lengths, *extra,
+                                              causal=True, alibi_slopes=cupy.asarray(slopes))
+        assert not cupy.allclose(plain, got)
+        for b in range(B):
+            n = int(lengths[b])
+            rep = check(got[b:b + 1], q[b:b + 1], k_cache[b:b + 1, :n], v_cache[b:b + 1, :n],
+                        layout="bshd", causal="bottom_right",
+                        alibi_slopes=slopes[b] if slopes.ndim == 2 else slopes)
+            assert rep.ok, f"entry {b}: {rep}"
+    assert calls == []
 
 
 @pytest.mark.gpu
@@ -333,14 +349,10 @@ def test_gpu_decode_loop_replays_with_each_calls_lengths(rng, monkeypatch, page,
         cupy.testing.assert_array_equal(c, b)
 
 
-@pytest.mark.parametrize("DT, page, tile", [("f16", 16, (2, 32, 1)), ("f64", 32, (2, 16, 0)),
-                                           ("f16", 0, (2, 32, 1))])
-@pytest.mark.parametrize("causal", [False, True])
-def test_kvcache_source_emulated_on_cpu(rng, DT, page, tile, causal):
-    """cuda.mma's KVLEN / PAGE variant under the warp emulator: each entry's key count from
-    kv_lens, causal aligned bottom-right per entry, a paged cache's rows through the block table
-    (pages shuffled, a tile spanning pages or a page spanning tiles; page 0: contiguous)."""
-    from mma_tools import run_forward_kernel
+def _emulated_cache(rng, DT, page):
+    """q (B, H, Nq, d), the caches, the keys and values the emulated KVLEN / PAGE kernel reads
+    (a paged cache's pages shuffled, every page's rows with the batch axis broadcast), its
+    kvcache argument and the entries' key counts."""
     dtype = np.float16 if DT == "f16" else np.float64
     B, S, H, Hk, Nq, d = 2, 80, 2, 1, 3, 32
     k_cache, v_cache = _cache(rng, B, S, Hk, d, dtype)
@@ -354,13 +366,46 @@ def test_kvcache_source_emulated_on_cpu(rng, DT, page, tile, causal):
     else:
         keys, values = (c.transpose(0, 2, 1, 3) for c in (k_cache, v_cache))
         cache = (ends, None, 0)
+    return q, k_cache, v_cache, keys, values, cache, ends
+
+
+@pytest.mark.parametrize("DT, page, tile", [("f16", 16, (2, 32, 1)), ("f64", 32, (2, 16, 0)),
+                                           ("f16", 0, (2, 32, 1))])
+@pytest.mark.parametrize("causal", [False, True])
+def test_kvcache_source_emulated_on_cpu(rng, DT, page, tile, causal):
+    """cuda.mma's KVLEN / PAGE variant under the warp emulator: each entry's key count from
+    kv_lens, causal aligned bottom-right per entry, a paged cache's rows through the block table
+    (pages shuffled, a tile spanning pages or a page spanning tiles; page 0: contiguous)."""
+    from mma_tools import run_forward_kernel
+    q, k_cache, v_cache, keys, values, cache, ends = _emulated_cache(rng, DT, page)
     out, lse = run_forward_kernel(q, keys, values, DT, causal, 0, VEC=1, tile=tile,
                                   kvcache=cache)
-    for b in range(B):
+    for b in range(len(ends)):
         n = int(ends[b])
         kb, vb = (c[b:b + 1, :n].transpose(0, 2, 1, 3) for c in (k_cache, v_cache))
         rep = check(out[b:b + 1], q[b:b + 1], kb, vb, lse=lse[b:b + 1],
                     causal="bottom_right" if causal else False)
+        assert rep.ok, f"entry {b}: {rep}"
+
+
+@pytest.mark.parametrize("DT, page", [("f64", 16), ("f16", 0)])
+def test_kvcache_alibi_emulated_in_one_launch(rng, DT, page):
+    """The one launch with ALiBi ((B, H) slopes, causal): the kernel measures each entry's
+    distances from its own newest row (its causal offset kv_lens[b] - Nq), so each entry
+    meets the rule against the float64 reference with its row of slopes, though the slopes
+    were built for the launch's shape (the cache's capacity as Nk, offset 0)."""
+    from mma_tools import run_forward_kernel
+    from numflash import mods
+    q, k_cache, v_cache, keys, values, cache, ends = _emulated_cache(rng, DT, page)
+    slopes = rng.random(q.shape[:2])
+    launch_mods = mods.build(q.shape[:3] + (keys.shape[2],), "numpy", 0, alibi_slopes=slopes)
+    out, lse = run_forward_kernel(q, keys, values, DT, True, 0, VEC=1, tile=(2, 16, 0),
+                                  kvcache=cache, mods=launch_mods)
+    for b in range(len(ends)):
+        n = int(ends[b])
+        kb, vb = (c[b:b + 1, :n].transpose(0, 2, 1, 3) for c in (k_cache, v_cache))
+        rep = check(out[b:b + 1], q[b:b + 1], kb, vb, lse=lse[b:b + 1], causal="bottom_right",
+                    alibi_slopes=slopes[b])
         assert rep.ok, f"entry {b}: {rep}"
 
 

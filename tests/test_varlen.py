@@ -570,28 +570,35 @@ def _mod_options(table):
                 mod_args=(table,))
 
 
-@pytest.mark.parametrize("DT, causal, lengths, d, chunks, mods", [
-    ("f64", "bottom_right", SHORT, 24, 0, None),
-    ("f64", "bottom_right", SHORT, 24, 0, "mods"),
-    pytest.param("f64", True, LONG, 24, 0, None, marks=pytest.mark.extended),
-    pytest.param("f64", "bottom_right", SHORT, 96, 2, None,
+@pytest.mark.parametrize("DT, causal, lengths, d, chunks, mods, drop", [
+    ("f64", "bottom_right", SHORT, 24, 0, None, 0),
+    ("f64", "bottom_right", SHORT, 24, 0, "mods", 0),
+    ("f64", True, SHORT, 24, 0, "mods", 0.25),
+    pytest.param("f64", True, LONG, 24, 0, None, 0, marks=pytest.mark.extended),
+    pytest.param("f64", "bottom_right", SHORT, 96, 2, None, 0,
                  marks=pytest.mark.extended),  # slices
-    pytest.param("f16", False, LONG, 24, 0, None, marks=pytest.mark.extended),
-    pytest.param("f16", True, LONG, 24, 0, "mods", marks=pytest.mark.extended),
-    pytest.param("3xtf32", "bottom_right", SHORT, 24, 0, None, marks=pytest.mark.extended),
+    pytest.param("f16", False, LONG, 24, 0, None, 0, marks=pytest.mark.extended),
+    pytest.param("f16", True, LONG, 24, 0, "mods", 0, marks=pytest.mark.extended),
+    pytest.param("f16", "bottom_right", LONG, 24, 0, None, 0.4, marks=pytest.mark.extended),
+    pytest.param("3xtf32", "bottom_right", SHORT, 24, 0, None, 0, marks=pytest.mark.extended),
 ], ids=lambda x: "long" if x is LONG else "short" if x is SHORT else None)
 def test_one_launch_kernels_emulated_equal_each_sequence_alone(rng, DT, causal, lengths, d,
-                                                               chunks, mods):
+                                                               chunks, mods, drop):
     """cuda.mma's VARLEN forward and backward under the warp emulator: one launch over packed
     sequences (one without queries, one without keys, Nq != Nk both ways, GQA; LONG: blocks
     past a shorter sequence's rows return, K/V and query tiles double-buffered; column slices;
     ``mods``: a window, a softcap, ALiBi and a user's score_mod and mask_mod that read b: each
-    sequence's window and ALiBi distances from its own diagonal) gives, bit
-    for bit, what the plain kernels give each sequence alone (as batch 0, the functions' table
-    cut to the sequence's row, so that they see what the one launch shows them as sequence b),
-    and rows of an empty side get zeros (lse -inf; keys no query sees get zero dK, dV)."""
+    sequence's window and ALiBi distances from its own diagonal; ``drop``: dropout, each
+    sequence under its packed_seed, derived in the kernel) gives, bit for bit, what the plain
+    kernels give each sequence alone (as batch 0, the functions' table cut to the sequence's
+    row, so that they see what the one launch shows them as sequence b; dropout under the
+    sequence's own seed), and rows of an empty side get zeros (lse -inf; keys no query sees get
+    zero dK, dV)."""
     from mma_tools import run_backward_kernels, run_forward_kernel
+    from numflash.dropout import build, packed_seed
     from numflash.inputs import parse_causal
+    seed = 2 ** 63 + 12345   # both seed words used
+    dropout = build(drop, seed)
     q, k, v, do, cq, ck = packed(rng, *lengths, H=2, Hk=1, d=d, dv=16, dtype=_kind(DT))
     real = np.float64 if DT == "f64" else np.float32
     table = rng.standard_normal((len(cq) - 1, 2))
@@ -599,10 +606,11 @@ def test_one_launch_kernels_emulated_equal_each_sequence_alone(rng, DT, causal, 
     tile, tiles = (2, 32, 0), {"queries": (2, 32), "keys": (2, 32)}
     all_mods = _packed_mods(mods, (len(cq) - 1, 2, cq[-1], ck[-1]), 0, table)
     out, lse = run_forward_kernel(*map(_heads_first, (q, k, v)), DT, causal=bool(causal),
-                                  VEC=1, tile=tile, varlen=packing, mods=all_mods)
+                                  VEC=1, tile=tile, varlen=packing, mods=all_mods,
+                                  dropout=dropout)
     grads = run_backward_kernels(*map(_heads_first, (q, k, v, do, out[0].transpose(1, 0, 2))),
                                  lse.astype(real), DT, bool(causal), tiles=tiles,
-                                 varlen=packing, chunks=chunks, mods=all_mods)
+                                 varlen=packing, chunks=chunks, mods=all_mods, dropout=dropout)
     assert not np.isnan(out).any() and not any(np.isnan(g).any() for g in grads)
     for b in range(len(cq) - 1):
         s, e, sk, ek = cq[b], cq[b + 1], ck[b], ck[b + 1]
@@ -616,30 +624,34 @@ def test_one_launch_kernels_emulated_equal_each_sequence_alone(rng, DT, causal, 
         seq = [_heads_first(a[lo:hi]) for a, lo, hi in ((q, s, e), (k, sk, ek), (v, sk, ek))]
         is_causal, offset = parse_causal(causal, e - s, ek - sk)
         own = _packed_mods(mods, (1, 2, e - s, ek - sk), offset, table[b:b + 1])
+        own_drop = build(drop, packed_seed(seed, b))
         one, one_lse = run_forward_kernel(*seq, DT, is_causal, offset, VEC=1, tile=tile,
-                                          mods=own)
+                                          mods=own, dropout=own_drop)
         np.testing.assert_array_equal(out[:, :, s:e], one)
         np.testing.assert_array_equal(lse[:, :, s:e], one_lse)
         one_grads = run_backward_kernels(*seq, _heads_first(do[s:e]), one, one_lse, DT,
-                                         is_causal, offset, tiles=tiles, chunks=chunks, mods=own)
+                                         is_causal, offset, tiles=tiles, chunks=chunks, mods=own,
+                                         dropout=own_drop)
         for got, want, lo, hi in zip(grads, one_grads, (s, sk, sk), (e, ek, ek)):
             np.testing.assert_array_equal(got[:, :, lo:hi], want)
     s, e, sk, ek = cq[2], cq[3], ck[2], ck[3]   # and the kernel meets the accuracy rule
     seq = [_heads_first(a[lo:hi]) for a, lo, hi in ((q, s, e), (k, sk, ek), (v, sk, ek))]
     opts = {} if mods is None else _mod_options(table[2:3])
+    if drop:
+        opts.update(dropout_p=drop, dropout_seed=packed_seed(seed, 2))
     testing.assert_accurate(out[:, :, s:e], *seq, lse=lse[:, :, s:e], causal=causal, **opts)
-    if mods is not None:   # (the plain kernels' gradients were compared with the rule before)
+    if opts:   # (the plain kernels' gradients were compared with the rule before)
         testing.assert_gradients_accurate([g[:, :, lo:hi] for g, lo, hi in zip(
             grads, (s, sk, sk), (e, ek, ek))], _heads_first(do[s:e]), *seq, causal=causal,
             **opts)
 
 def test_one_launch_is_planned_for_packed_problems_and_refuses_what_it_lacks(rng):
     """cuda.mma's config turns packed problems into VARLEN variants (forward and both backward
-    passes, never split; with a window, a softcap and a user's functions too), refuses an
+    passes, never split; with a window, a softcap, a user's functions and dropout too), refuses an
     attn_bias, a forced split and more sequences x heads
     than grid y holds with the reason, and the other kernels decline packed problems saying
     what runs them."""
-    from numflash import kernels, mods
+    from numflash import dropout, kernels, mods
     from numflash.cuda import mma
     from numflash.cuda.mma import gradients
     from numflash.device import Device, Unsupported
@@ -680,7 +692,11 @@ def test_one_launch_is_planned_for_packed_problems_and_refuses_what_it_lacks(rng
                               mask_mod=_sequence_mask, mod_args=(np.ones((2, 4)),))
     cfg = mma.config(problem, h100)   # the one launch's mods: a key range, the rest compiled in
     assert cfg.VARLEN and cfg.WINDOW and "sequence_bias" in cfg.MODS and "softcap" in cfg.MODS
-    problem.mods = None
+    problem.dropout = dropout.build(0.1, 5)   # each block derives its sequence's seed
+    cfg = mma.config(problem, h100)
+    assert cfg.VARLEN and cfg.DROP and cfg.MODS
+    assert "packed_seed_words(drop_lo, drop_hi, U(b))" in mma.kernel_source(cfg)
+    problem.mods = problem.dropout = None
     for op in kernels.FORWARD + kernels.BACKWARD:
         why = op.why_not(problem, h100)
         if op.name == "cuda.mma":
@@ -746,30 +762,55 @@ def test_gpu_one_launch_meets_the_rule_for_every_sequence(rng, monkeypatch, dtyp
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float16", "float32"])
-def test_gpu_dropout_on_packed_sequences_meets_the_rule_for_every_sequence(rng, dtype):
-    """CuPy packed sequences with dropout: one cuda.mma call per sequence, each under its
-    packed_seed, forward and backward against the float64 reference with that mask."""
+@pytest.mark.parametrize("user_mods", [False, True])
+def test_gpu_dropout_on_packed_sequences_runs_in_one_launch(rng, monkeypatch, dtype,
+                                                            user_mods):
+    """CuPy packed sequences with dropout (``user_mods``: and a user's score_mod and mask_mod
+    reading b, the sequence): one cuda.mma launch per pass (no per-sequence call; explain says
+    so), sequence b drawing under packed_seed(seed, b) in the kernel, forward and gradients
+    against the float64 reference with that mask; each sequence's own call (a batch of one
+    under that seed) gives the same rows to rounding."""
     import cupy
     from numflash.dropout import packed_seed
-    q, k, v, do, cq, ck = packed(rng, [100, 1, 257], [90, 5, 300], H=4, Hk=2, d=64, dv=64,
-                                 dtype=np.dtype(dtype))
-    opts = dict(causal="bottom_right", dropout_p=0.2, dropout_seed=99)
+    dtype, calls = _dtype_and_per_sequence_calls(monkeypatch, dtype)
+    q, k, v, do, cq, ck = packed(rng, [100, 1, 257, 0], [90, 5, 300, 7], H=4, Hk=2, d=64,
+                                 dv=64, dtype=dtype)
+    table = rng.standard_normal((4, 4))
+    opts = dict(causal="bottom_right", dropout_p=0.2, dropout_seed=2 ** 63 + 99)
+    if user_mods:
+        opts.update(score_mod=_sequence_bias, score_mod_grad=_unit_grad,
+                    mask_mod=_sequence_mask)
     dev = [cupy.asarray(a) for a in (q, k, v, do, cq, ck)]
-    plan = numflash.explain_varlen(*dev[:3], *dev[4:], causal="bottom_right", dropout_p=0.2)
-    assert plan.kernel == "cuda.mma" and "one call per sequence" in str(plan), str(plan)
-    out, lse = numflash.attention_varlen(*dev[:3], *dev[4:], return_lse=True, **opts)
+    dev_args = dict(mod_args=(cupy.asarray(table),)) if user_mods else {}
+    plan = numflash.explain_varlen(*dev[:3], *dev[4:], backward=True,
+                                   **{n: x for n, x in opts.items() if n != "dropout_seed"},
+                                   **dev_args)
+    assert plan.kernel == "cuda.mma" and "4 in one launch" in str(plan), str(plan)
+    assert plan.dropout, str(plan)
+    out, lse = numflash.attention_varlen(*dev[:3], *dev[4:], return_lse=True, **opts,
+                                         **dev_args)
     grads = [g.get() for g in numflash.attention_varlen_backward(dev[3], *dev[:3], out, lse,
-                                                                 *dev[4:], **opts)]
+                                                                 *dev[4:], **opts, **dev_args)]
+    assert calls == []
     out, lse = out.get(), lse.get()
     for b in range(3):
         s, e, sk, ek = cq[b], cq[b + 1], ck[b], ck[b + 1]
         seq = [a[None, lo:hi] for a, lo, hi in ((q, s, e), (k, sk, ek), (v, sk, ek))]
-        mine = dict(causal="bottom_right", dropout_p=0.2, dropout_seed=packed_seed(99, b))
+        mine = dict(opts, dropout_seed=packed_seed(opts["dropout_seed"], b))
+        if user_mods:
+            mine.update(score_mod=_as_sequence(_sequence_bias, b),
+                        mask_mod=_as_sequence(_sequence_mask, b), mod_args=(table,))
         testing.assert_accurate(out[None, s:e], *seq, lse=lse[None, :, s:e], layout="bshd",
                                 **mine)
         testing.assert_gradients_accurate([grads[0][None, s:e], grads[1][None, sk:ek],
                                            grads[2][None, sk:ek]], do[None, s:e], *seq,
                                           layout="bshd", **mine)
+        if not user_mods:   # the sequence's own call on the GPU draws the same mask (its
+            # kernel may split the keys: equal to rounding; another mask would differ by ~0.1)
+            own = numflash.attention(*(cupy.asarray(a) for a in seq), layout="bshd",
+                                     **mine).get()
+            np.testing.assert_allclose(out[None, s:e].astype(np.float64), own, rtol=0,
+                                       atol=4e-3 if dtype.itemsize == 2 else 1e-5)
 
 
 @pytest.mark.gpu
@@ -815,7 +856,7 @@ def test_gpu_user_mods_on_packed_sequences_run_in_one_launch(rng, monkeypatch, d
     """CuPy packed sequences with a user's score_mod and mask_mod (reading b, the sequence),
     a window, a softcap and per-sequence ALiBi: one cuda.mma launch per pass (no per-sequence
     call; explain says so), each sequence's rows and gradients meet the rule against its
-    float64 reference; with dropout too the call is refused, saying why and what runs it."""
+    float64 reference (with dropout: test_gpu_dropout_on_packed_sequences_runs_in_one_launch)."""
     cupy = pytest.importorskip("cupy")
     dtype, calls = _dtype_and_per_sequence_calls(monkeypatch, dtype)
     lens_q, lens_k = [1, 0, 97, 300, 64], [5, 13, 97, 150, 0]
@@ -847,9 +888,6 @@ def test_gpu_user_mods_on_packed_sequences_run_in_one_launch(rng, monkeypatch, d
         testing.assert_gradients_accurate([grads[0][None, s:e], grads[1][None, sk:ek],
                                            grads[2][None, sk:ek]], do[None, s:e], *seq,
                                           layout="bshd", **mine)
-    with pytest.raises(ValueError, match="runs in cuda.mma's one launch.*dropout"):
-        numflash.attention_varlen(*dev[:3], *dev[4:], mod_args=mod_args, dropout_p=0.1,
-                                  dropout_seed=3, **opts)
 
 
 @pytest.mark.gpu

@@ -12,7 +12,12 @@ of i clear) and keys j + 8 n of a 64-key group. A row fragment's thread holds ro
 its warp's 16 and keys 2t + e + 8 n: one call per (e, 64 keys) serves 16 of its scores. A
 transposed fragment's thread holds keys g, g + 8 and queries 2t + e + 8 n: a call serves the two
 keys of two queries 8 apart (of one sub-tile's n, n + 1). A dropped pair is set to zero by a
-select, so a NaN or inf of a V or dO row it would read never reaches an output (0 * NaN)."""
+select, so a NaN or inf of a V or dO row it would read never reaches an output (0 * NaN).
+
+Packed sequences (MmaConfig.VARLEN): sequence b draws its mask as a batch of one under its own
+seed, numflash.dropout.packed_seed(seed, b), which each block derives from the call's seed in
+its prologue (one generator call), so the one launch draws what each sequence's own call
+draws."""
 from ... import dropout as rule
 
 #: the kernels' dropout parameters: the seed's two words and the threshold (ints), 1 / (1 - p)
@@ -34,10 +39,17 @@ def arguments(problem):
 
 
 def emit_locals(s, cfg, flt):
-    """Emit the arguments as the generator and the kernel's float arithmetic read them."""
-    if cfg.DROP:
-        s("drop_lo = U(drop_lo_in)", "drop_hi = U(drop_hi_in)",
-          "drop_threshold = U(drop_threshold_in)", f"drop_scale = {flt}(drop_scale_in)")
+    """Emit the arguments as the generator and the kernel's float arithmetic read them, and the
+    batch index the mask is drawn for (``drop_b``): b, or with VARLEN 0 under the sequence's
+    own seed (after emit_sequence: b is the sequence)."""
+    if not cfg.DROP:
+        return
+    s("drop_lo = U(drop_lo_in)", "drop_hi = U(drop_hi_in)",
+      "drop_threshold = U(drop_threshold_in)", f"drop_scale = {flt}(drop_scale_in)")
+    if cfg.VARLEN:
+        s("drop_lo, drop_hi = packed_seed_words(drop_lo, drop_hi, U(b))", "drop_b = U(0)")
+    else:
+        s("drop_b = b")
 
 
 def _dropped(reg, row, shift, scaled=True):
@@ -56,7 +68,7 @@ def emit_rows(s, NN, reg, BC, rows=("r0", "r1"), first_key="dj", scaled=True):
     at a constant place."""
     for e in (0, 1):
         for group in range(max(1, BC // 64)):
-            s(f"dlo, dhi = row_bytes(drop_lo, drop_hi, b, h, {rows[0]}, {first_key} + "
+            s(f"dlo, dhi = row_bytes(drop_lo, drop_hi, drop_b, h, {rows[0]}, {first_key} + "
               f"{64 * group + e})")
             for n in range(group * 8, min(NN, group * 8 + 8)):
                 if BC % 64 == 0:
@@ -83,7 +95,7 @@ def emit_transposed(s, n, r, c, reg, paired, draw=True, first_query="qcol", keys
     False: the bytes were drawn for this register already (a second register dropped by the
     same pair)."""
     if draw and r == c and (not paired or n % 2 == 0):   # this column's first register: draw
-        s(f"dlo{c}, dhi{c} = row_bytes(drop_lo, drop_hi, b, h, {first_query} + {8 * n + c}, "
+        s(f"dlo{c}, dhi{c} = row_bytes(drop_lo, drop_hi, drop_b, h, {first_query} + {8 * n + c}, "
           f"{keys[0]})")
         if not paired:
             s(f"drow{c} = dhi{c} if ((U({first_query} + {8 * n + c}) >> U(3)) & U(1)) "
@@ -98,7 +110,8 @@ def namespace(cfg, device_jit=None):
     if not cfg.DROP:
         return {}
     fns = rule.compiled(device_jit) if device_jit else {f.__name__: f for f in rule.FUNCTIONS}
-    return {"row_bytes": fns["row_bytes"]}
+    return {name: fns[name] for name in ("row_bytes",) + (("packed_seed_words",)
+                                                          if cfg.VARLEN else ())}
 
 
 def identity_functions(cfg):
