@@ -176,12 +176,18 @@ def test_user_mods_see_the_sequence_index_and_positions_within_it(rng, extra, ca
     assert "one call per sequence" in plan and "score_mod=_sequence_bias" in plan, plan
 
 
-def _table_at(x, b, h, i, j, table):   # score_mod_args_grad of _sequence_bias: its table entry
-    return (b, h), 1.0
+# (_sequence_bias adds one constant to a whole row, which the softmax cancels: its table's exact
+# gradient is zero, so the gradient tests train a per-sequence slope on the distance instead)
+def _sequence_distance(x, b, h, i, j, table):   # reads b: a slope per sequence and head
+    return x - 0.02 * table[b, h] * abs(i - j)
+
+
+def _distance_at(x, b, h, i, j, table):   # score_mod_args_grad of _sequence_distance
+    return (b, h), -0.02 * abs(i - j)
 
 
 def _expected_table_gradient(q, k, v, do, cq, ck, causal, table, mods=None):
-    """d loss / d table of _sequence_bias on packed sequences: each sequence's float64
+    """d loss / d table of _sequence_distance on packed sequences: each sequence's float64
     reference gradient (its functions shown b), summed."""
     total = np.zeros_like(table, np.float64)
     for b in range(len(cq) - 1):
@@ -190,9 +196,9 @@ def _expected_table_gradient(q, k, v, do, cq, ck, causal, table, mods=None):
             continue
         seq = [a[None, lo:hi] for a, lo, hi in ((q, s, e), (k, sk, ek), (v, sk, ek),
                                                 (do, s, e))]
-        own = dict(mods or {}, score_mod=_as_sequence(_sequence_bias, b),
+        own = dict(mods or {}, score_mod=_as_sequence(_sequence_distance, b),
                    score_mod_grad=_unit_grad, mod_args=(table,),
-                   score_mod_args_grad=(lambda x, _, h, i, j, t, bq=b: ((bq, h), 1.0),))
+                   score_mod_args_grad=(_as_sequence(_distance_at, b),))
         total += reference.attention_backward(seq[3], *seq[:3], causal=causal, layout="bshd",
                                               return_mod_args_grad=True, **own)[-1][0]
     return total
@@ -205,15 +211,16 @@ def test_mod_args_gradients_sum_over_the_packed_sequences(rng, causal):
     float64 reference gives it, in the table's dtype; dq, dk, dv the same to rounding."""
     q, k, v, do, cq, ck = packed(rng, [5, 0, 1, 37, 20], [7, 4, 1, 37, 29])
     table = rng.standard_normal((5, 4)).astype(np.float32)
-    mods = dict(score_mod=_sequence_bias, score_mod_grad=_unit_grad, mod_args=(table,),
+    mods = dict(score_mod=_sequence_distance, score_mod_grad=_unit_grad, mod_args=(table,),
                 softcap=6.0)
     out, lse = numflash.attention_varlen(q, k, v, cq, ck, causal=causal, return_lse=True,
                                          **mods)
     *grads, (dtable,) = numflash.attention_varlen_backward(
-        do, q, k, v, out, lse, cq, ck, causal=causal, score_mod_args_grad=(_table_at,),
+        do, q, k, v, out, lse, cq, ck, causal=causal, score_mod_args_grad=(_distance_at,),
         return_mod_args_grad=True, **mods)
     assert dtable.dtype == np.float32 and dtable.shape == table.shape
     want = _expected_table_gradient(q, k, v, do, cq, ck, causal, table, dict(softcap=6.0))
+    assert np.abs(want).max() > 1e-2   # a gradient to compare
     np.testing.assert_allclose(dtable, want, rtol=1e-5, atol=1e-6)
     assert not dtable[1].any()   # the sequence without queries
     plain = numflash.attention_varlen_backward(do, q, k, v, out, lse, cq, ck, causal=causal,
@@ -233,8 +240,8 @@ def test_mod_args_gradients_of_the_emulated_one_launch(rng):
     from numflash import mods as _mods
     q, k, v, do, cq, ck = packed(rng, *SHORT, H=2, Hk=1, d=24, dv=16)
     table = rng.standard_normal((len(cq) - 1, 2))
-    opts = dict(score_mod=_sequence_bias, score_mod_grad=_unit_grad, mod_args=(table,),
-                score_mod_args_grad=(_table_at,))
+    opts = dict(score_mod=_sequence_distance, score_mod_grad=_unit_grad, mod_args=(table,),
+                score_mod_args_grad=(_distance_at,))
     built = _mods.build((len(cq) - 1, 2, cq[-1], ck[-1]), "numpy", 0, **opts)
     out, lse = numflash.attention_varlen(q, k, v, cq, ck, causal="bottom_right",
                                          return_lse=True, **opts)
@@ -243,6 +250,7 @@ def test_mod_args_gradients_of_the_emulated_one_launch(rng):
                                                              "keys": (2, 32)},
                                          varlen=(cq, ck, True), mods=built, mod_args_grad=True)
     want = _expected_table_gradient(q, k, v, do, cq, ck, "bottom_right", table)
+    assert np.abs(want).max() > 1e-2   # a gradient to compare
     np.testing.assert_allclose(dtable, want, rtol=1e-10, atol=1e-12)
 
 
@@ -267,7 +275,7 @@ def test_user_mods_on_packed_sequences_are_checked_before_anything_is_written(rn
         numflash.attention_varlen(q, k, v, cq, ck, attn_bias=np.ones((1, 4, 10, 10)))
     plan = numflash.explain_varlen(q, k, v, cq, ck, backward=True, deterministic=True,
                                    score_mod=_sequence_bias, score_mod_grad=_unit_grad,
-                                   mod_args=(np.ones((2, 4)),), score_mod_args_grad=(_table_at,),
+                                   mod_args=(np.ones((2, 4)),), score_mod_args_grad=(_distance_at,),
                                    return_mod_args_grad=True)
     assert plan.kernel == "cpu.tiled" and "one call per sequence" in str(plan)
 
@@ -901,8 +909,8 @@ def test_gpu_mod_args_gradients_on_packed_sequences(rng, dtype):
     q, k, v, do, cq, ck = packed(rng, [1, 0, 97, 300], [5, 13, 97, 150], H=4, Hk=2, d=64,
                                  dv=64, dtype=np.dtype(dtype))
     table = rng.standard_normal((4, 4))
-    opts = dict(causal="bottom_right", score_mod=_sequence_bias, score_mod_grad=_unit_grad,
-                score_mod_args_grad=(_table_at,))
+    opts = dict(causal="bottom_right", score_mod=_sequence_distance, score_mod_grad=_unit_grad,
+                score_mod_args_grad=(_distance_at,))
     dev = [cupy.asarray(a) for a in (q, k, v, do, cq, ck)]
     mod_args = (cupy.asarray(table),)
     out, lse = numflash.attention_varlen(*dev[:3], *dev[4:], return_lse=True,
@@ -913,6 +921,7 @@ def test_gpu_mod_args_gradients_on_packed_sequences(rng, dtype):
     want = _expected_table_gradient(*(a.astype(np.float64) for a in (q, k, v, do)), cq, ck,
                                     "bottom_right", table)
     got = dtable.get()
+    assert np.abs(want).max() > 1e-2   # a gradient to compare
     assert np.abs(got - want).max() <= 2e-2 * np.abs(want).max() + 1e-6, (got, want)
     with pytest.raises(ValueError, match="deterministic=True"):
         numflash.attention_varlen_backward(dev[3], *dev[:3], out, lse, *dev[4:],
