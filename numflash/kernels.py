@@ -213,6 +213,7 @@ BACKWARD = (
     Operator("cuda.wgmma", "cuda", "wgmma", _cuda_wgmma_backward,
              dtypes=("float16", "bfloat16"), max_head_dim=128, direction="backward",
              min_cc=(9, 0), min_cc_why="Hopper's wgmma, sm_90a", runs_in_simulator=False,
+             varlen=True,
              summary="FlashAttention-3's backward loop on Hopper warpgroup products: a block "
                      "of 128 keys holds K and V in shared memory while the query tiles stream "
                      "past (two cp.async buffers, 128-byte swizzled); per tile S^T, dP^T, "

@@ -824,10 +824,11 @@ def run_wgmma_forward(q, k, v, causal=False, causal_offset=0, scale=None, tile=(
 
 
 def run_wgmma_backward(do, q, k, v, o, lse, causal=False, causal_offset=0, scale=None, NWG=2,
-                       DQ=None):
+                       DQ=None, varlen=None):
     """Run cuda.wgmma's generated key pass (dQ by adds) under the emulator: delta = rowsum(dO O)
     in float32 (the delta pass's), a zeroed float32 dQ accumulator, then dQ rounded to the
-    inputs' dtype as the operator's copy rounds it. Returns (dq, dk, dv)."""
+    inputs' dtype as the operator's copy rounds it. ``varlen``: (cu_q, cu_k, bottom_right) for
+    the VARLEN variant (the arrays hold the packed rows, batch 1). Returns (dq, dk, dv)."""
     from numflash.cuda.wgmma.backward import WgmmaBackwardConfig, kernel_source, shared_bytes
     from numflash.cuda.wgmma.tiles import head_dim_pad
     B, H, Nq, d = q.shape
@@ -835,9 +836,13 @@ def run_wgmma_backward(do, q, k, v, o, lse, causal=False, causal_offset=0, scale
     DT = "f16" if q.dtype == np.float16 else "bf16"
     D, DV = head_dim_pad(d), head_dim_pad(dv)
     DQ = DQ or ("split" if D == 128 else "alternate")
-    cfg = WgmmaBackwardConfig(D, DV, NWG, 64, DT, DQ)
+    cfg = WgmmaBackwardConfig(D, DV, NWG, 64, DT, DQ, VARLEN=int(varlen is not None))
     scale = 1 / math.sqrt(d) if scale is None else scale
-    emu = Emu(cfg.NT, (-(-Nk // cfg.BR), B * Hkv), shared_bytes(cfg))
+    grid, packing = (-(-Nk // cfg.BR), B * Hkv), ()
+    if varlen is not None:   # grid y: each sequence's K/V heads, x: the longest's key blocks
+        cu_q, cu_k, causal_offset, _, max_k = _packed_setup(varlen)
+        grid, packing = (-(-max_k // cfg.BR), (len(cu_q) - 1) * Hkv), (cu_q, cu_k)
+    emu = Emu(cfg.NT, grid, shared_bytes(cfg))
     ns = emulator_namespace(emu, DT)
     halves = f16_values if DT == "f16" else bf16_values
     ns.update(wgmma_s=emu.wgmma_ss(cfg.BC, halves), wgmma_dp=emu.wgmma_ss(cfg.BC, halves),
@@ -856,5 +861,6 @@ def run_wgmma_backward(do, q, k, v, o, lse, causal=False, causal_offset=0, scale
     with np.errstate(all="ignore"):
         emu.run(ns["wgmma_backward_keys"], tuple(as_kernel_array(a, DT) for a in (q, k, v, do)) + (
             lse.astype(np.float32), delta, as_kernel_array(dk, DT), as_kernel_array(dvv, DT),
-            scale * math.log2(math.e), scale, int(causal), int(causal_offset), dq_acc))
+            scale * math.log2(math.e), scale, int(causal), int(causal_offset)) + packing +
+            (dq_acc,))
     return dq_acc[..., :d].astype(q.dtype), dk, dvv

@@ -37,7 +37,8 @@ import numpy as np
 from ..config import TileConfig
 from ..mma.backward import (ARGUMENTS, SCALARS, _ds, _lse2, _per_query, _store_rows,
                             emit_dq_reductions, emit_transposed_mask)
-from ..mma.emit import U, Source, define, emit_thread_indices
+from ..mma.emit import (VARLEN_ARGUMENTS, U, Source, define, emit_sequence, emit_thread_indices,
+                        emit_views_at_use, head_view)
 from ..mma.forward import source_identity
 from ..ptx_wgmma import descriptor_fields
 from .forward import (common_namespace, emit_copies, emit_copies_setup, emit_pack,
@@ -53,19 +54,21 @@ DQ_FORMS = ("split", "alternate")
 class WgmmaBackwardConfig(Warpgroups, TileConfig):
     """One compile-time variant of the wgmma key pass: D, DV padded head dims (64 or 128); NWG
     warpgroups a block (BR = 64 NWG keys, NT = 128 NWG threads); BC queries a streamed tile (64:
-    dQ's product has them as its M rows); DT "f16" or "bf16"; DQ the dQ product's form."""
+    dQ's product has them as its M rows); DT "f16" or "bf16"; DQ the dQ product's form; VARLEN:
+    packed sequences in one launch (cuda.mma's VARLEN: grid y walks the sequences' K/V heads,
+    each block finds its sequence's rows in cu_q / cu_k and views them)."""
     D: int
     DV: int
     NWG: int
     BC: int
     DT: str
     DQ: str
+    VARLEN: int = 0
 
     #: what cuda.mma's shared backward pieces read off a config: 16-bit gradients, no column
-    #: slices, no packed sequences
+    #: slices
     GRAD32 = 0
     CHUNKS = 0
-    VARLEN = 0
     #: and what cuda.mma's launch of the two passes reads (gradients.launch_passes): dQ by
     #: four-float adds, no attn_bias or mod_args gradients
     DQADD = "red4"
@@ -165,12 +168,17 @@ def kernel_source(cfg):
     ops = Packed16(MmaConfig(cfg.D, cfg.DV, 4, cfg.BC, 0, cfg.DT, 1))
 
     s = Source()
-    s(f"def {KERNEL_NAME}({ARGUMENTS['keys']}{SCALARS}, dqacc):")
+    s(f"def {KERNEL_NAME}({ARGUMENTS['keys']}{SCALARS}"
+      f"{VARLEN_ARGUMENTS if cfg.VARLEN else ''}, dqacc):")
     with s.block():
         emit_thread_indices(s, "float32")
         s("bh = U(cuda.blockIdx.y)", "b = U(div_u32(bh, Hkv))", "hk = bh - b * U(Hkv)",
-          "group = U(div_u32(H, Hkv))", f"j0k = U(cuda.blockIdx.x) * {U(cfg.BR)}",
-          "kh = k[b, hk]", "vh = v[b, hk]", "dkh = dk[b, hk]", "dvh = dv[b, hk]",
+          "group = U(div_u32(H, Hkv))", f"j0k = U(cuda.blockIdx.x) * {U(cfg.BR)}")
+        if cfg.VARLEN:   # b is the sequence: its rows, counts and causal offset
+            emit_sequence(s, "j0k", "Nk_u")
+        # (packed, dK's and dV's views are made at the stores: emit_views_at_use)
+        s(*(f"{x}h = {head_view(cfg, x, 'hk', 'k')}" for x in ("k", "v") +
+            (() if cfg.VARLEN else ("dk", "dv"))),
           "smem = cuda.shared.array(0, uint32)", "smemf = cuda.shared.array(0, float32)",
           # swizzled tiles start on 1024 bytes: the dynamic shared array is padded for it
           "sbase = U(shared_addr(smem, U(0)))",
@@ -201,8 +209,8 @@ def kernel_source(cfg):
           f"{_regs('dv', NVN)} = {', '.join(['ZERO'] * 4 * NVN)}")
         s("for hq in range(group):")
         with s.block():
-            s("h = hk * group + hq", "qh = q[b, h]", "doh = do[b, h]", "lseh = lse[b, h]",
-              "deltah = delta[b, h]", "dqacch = dqacc[b, h]",
+            s("h = hk * group + hq",
+              *(f"{x}h = {head_view(cfg, x, 'h')}" for x in ("q", "do", "lse", "delta", "dqacc")),
               "cuda.syncthreads()  # the previous head's last tile is no longer read")
             emit_copies_setup(s, "cq", "qh", cfg.D, "d_u", cfg.NT)
             emit_copies_setup(s, "cdo", "doh", cfg.DV, "dv_u", cfg.NT)
@@ -266,6 +274,7 @@ def kernel_source(cfg):
                     with s.block():
                         s(f"{DV} = wait_dv_1(({DV},))", f"{DK} = wait_dk_0(({DK},))")
         s("cp_async_wait_0()")
+        emit_views_at_use(s, cfg, (("dkh", "dk", "hk", "k"), ("dvh", "dv", "hk", "k")))
         _store_rows(s, ops, cfg, ("kr0", "kr1"), "Nk",
                     [("dk", ND, "scale", "dkh", "d_u", None),
                      ("dv", NVN, "ONE", "dvh", "dv_u", None)])

@@ -2,12 +2,15 @@
 (backward.py), which computes dK and dV and adds dQ into a float32 accumulator.
 
 float16 / bfloat16, head dims up to 128 (zero-padded to 64 or 128), causal in both alignments,
-GQA, on compute capability 9.0. dQ's adds come in an order that varies from run to run, so
+GQA, packed sequences in one launch (attention_varlen: VARLEN, as cuda.mma runs them), on
+compute capability 9.0. dQ's adds come in an order that varies from run to run, so
 ``deterministic=True`` is cuda.mma's (its two passes). Not yet here (explain says so, and
-cuda.mma runs them): modifications, dropout, packed sequences, attn_bias's and mod_args'
-gradients, float32 gradients of 16-bit inputs (grad_dtype); strided rows and head dims that
-are not multiples of 8 run on cuda.row.
+cuda.mma runs them): modifications, dropout, attn_bias's and mod_args' gradients, float32
+gradients of 16-bit inputs (grad_dtype); strided rows and head dims that are not multiples of
+8 run on cuda.row.
 """
+import dataclasses
+
 from ...device import Unsupported
 from ..mma import gradients as mma_gradients
 from ..mma.backward import shared_bytes as mma_shared_bytes
@@ -25,7 +28,7 @@ TILES = {64: (2, "alternate"), 128: (2, "split")}
 def config(problem, device):
     """{"queries": cuda.mma's delta pass, "keys": WgmmaBackwardConfig} for a backward problem;
     raises Unsupported saying why not."""
-    from ..mma.config import padded_dims
+    from ..mma.config import check_packed, padded_dims
     check_hopper(device, "cuda.mma's backward")
     if getattr(problem, "deterministic", False):
         raise Unsupported(f"{NAME}'s backward adds dQ into a float32 accumulator atomically, "
@@ -42,11 +45,14 @@ def config(problem, device):
     B, H, Nq, Nk, d, dv = problem.shape
     D, DV = head_dim_pad(d), head_dim_pad(dv)
     DT = mma_gradients.KINDS[problem.dtype_name]
+    packed = int(getattr(problem, "varlen", None) is not None)
+    if packed:
+        check_packed(problem)
     NWG, form = TILES[max(D, DV)]
-    keys = WgmmaBackwardConfig(D, DV, NWG, 64, DT, form)
-    queries = mma_gradients.with_dq_adds(
+    keys = WgmmaBackwardConfig(D, DV, NWG, 64, DT, form, VARLEN=packed)
+    queries = dataclasses.replace(mma_gradients.with_dq_adds(
         mma_gradients.tiles(D, DV, device.smem_per_block_optin, DT=DT, cc=device.cc), "red4",
-        device.smem_per_block_optin)["queries"]
+        device.smem_per_block_optin)["queries"], VARLEN=packed)
     for what, need in (("key pass", shared_bytes(keys)),
                        ("delta pass", mma_shared_bytes(queries, "queries"))):
         if device.smem_per_block_optin is not None and need > device.smem_per_block_optin:
@@ -62,7 +68,8 @@ def compiled_kernels(cfg, dtype):
     from .. import launch
     return [mma_gradients.query_pass_kernel(cfg["queries"], dtype),
             (launch.get_kernel(NAME + ".backward_keys", make_kernel, cfg["keys"]),
-             mma_gradients.signature(dtype, "keys", dq_adds=True))]
+             mma_gradients.signature(dtype, "keys", varlen=bool(cfg["keys"].VARLEN),
+                                     dq_adds=True))]
 
 
 def run(problem, cfg, device):
@@ -77,7 +84,13 @@ def notes(problem, cfg, device):
     """What explain adds about this backward's config."""
     who = ("each warpgroup half of its columns" if cfg["keys"].DQ == "split" else
            "one warpgroup a query tile, in turn")
-    return [f"dQ: the wgmma key pass multiplies dS by K ({who}) and adds it into a float32 "
-            "accumulator (red.global.add.v4.f32); cuda.mma's query pass computes delta only; "
-            "the adds' order varies from run to run (deterministic=True takes cuda.mma's two "
-            "passes)"]
+    lines = [f"dQ: the wgmma key pass multiplies dS by K ({who}) and adds it into a float32 "
+             "accumulator (red.global.add.v4.f32); cuda.mma's query pass computes delta only; "
+             "the adds' order varies from run to run (deterministic=True takes cuda.mma's two "
+             "passes)"]
+    if cfg["keys"].VARLEN:
+        packed = problem.varlen
+        lines.append(packed.note(problem.causal, f"blocks for the longest sequence's "
+                                                 f"{packed.max_q} query rows (delta) and "
+                                                 f"{packed.max_k} keys", passes=True))
+    return lines
