@@ -75,8 +75,8 @@ class Operator:
                     f"attention_with_kvcache runs one call per batch entry elsewhere")
         if getattr(problem, "varlen", None) is not None and not self.varlen:
             return (f"{self.name} does not run packed sequences in one launch; cuda.mma does "
-                    f"(CuPy arrays, compute capability >= 8.0), and attention_varlen runs one "
-                    f"call per sequence elsewhere")
+                    f"(CuPy arrays, compute capability >= 8.0; on 9.0 cuda.wgmma's backward "
+                    f"too), and attention_varlen runs one call per sequence elsewhere")
         splits = getattr(problem, "num_splits", None)
         if splits is not None and splits > 1 and not self.splits:
             return (f"{self.name} does not split the keys (num_splits={splits}); cuda.mma's "
@@ -219,7 +219,8 @@ BACKWARD = (
                      "past (two cp.async buffers, 128-byte swizzled); per tile S^T, dP^T, "
                      "dV += P^T dO, dK += dS^T Q and dQ = dS K on wgmma m64nNk16, dQ added "
                      "into a float32 accumulator (red.global.add.v4.f32), delta from "
-                     "cuda.mma's query pass; compute capability 9.0 only; not "
+                     "cuda.mma's query pass; packed sequences in one launch; compute "
+                     "capability 9.0 only; not "
                      "deterministic=True (cuda.mma's two passes are)"),
     Operator("cuda.mma", "cuda", "mma", _cuda_mma_backward,
              dtypes=("float16", "bfloat16", "float32", "float64"), max_head_dim=256,
