@@ -75,8 +75,8 @@ class Operator:
                     f"attention_with_kvcache runs one call per batch entry elsewhere")
         if getattr(problem, "varlen", None) is not None and not self.varlen:
             return (f"{self.name} does not run packed sequences in one launch; cuda.mma does "
-                    f"(CuPy arrays, compute capability >= 8.0; on 9.0 cuda.wgmma's backward "
-                    f"too), and attention_varlen runs one call per sequence elsewhere")
+                    f"(CuPy arrays, compute capability >= 8.0; cuda.wgmma on 9.0), and "
+                    f"attention_varlen runs one call per sequence elsewhere")
         splits = getattr(problem, "num_splits", None)
         if splits is not None and splits > 1 and not self.splits:
             return (f"{self.name} does not split the keys (num_splits={splits}); cuda.mma's "
@@ -170,12 +170,13 @@ FORWARD = (
     Operator("cuda.wgmma", "cuda", "wgmma", _cuda_wgmma,
              dtypes=("float16", "bfloat16"), max_head_dim=128, min_cc=(9, 0),
              min_cc_why="Hopper's wgmma, sm_90a", runs_in_simulator=False,
-             auto_passes=_wgmma_passes,
+             auto_passes=_wgmma_passes, varlen=True,
              summary="FlashAttention-3's forward loop on Hopper warpgroup products: wgmma "
                      "m64nNk16 with S = Q K^T from shared memory and P V with P from "
                      "registers, the softmax of one key tile overlapped with the P V of the "
                      "one before, K/V in three cp.async buffers in the 128-byte swizzled "
-                     "layout; compute capability 9.0 only; 'auto' takes it for the 16-bit "
+                     "layout; packed sequences in one launch; compute capability 9.0 only; "
+                     "'auto' takes it for the 16-bit "
                      "forward where it runs, but for calls whose query blocks do not fill the "
                      "GPU (cuda.mma splits their keys)"),
     Operator("cuda.mma", "cuda", "mma", _cuda_mma,

@@ -103,7 +103,8 @@ _COMPILE_WGMMA = textwrap.dedent("""
     cfg = json.loads(sys.argv[1])
     fn = wgmma.make_kernel(**cfg)
     dtype = "float16" if cfg["DT"] == "f16" else "bfloat16"
-    cubin, entry, ptx, res = launch.compile_to_cubin(fn, signature(dtype), (9, 0))
+    cubin, entry, ptx, res = launch.compile_to_cubin(
+        fn, signature(dtype, varlen=bool(cfg.get("VARLEN"))), (9, 0))
     ops = {m: ptx.count(m) for m in set(re.findall(r"wgmma\\.mma_async[\\w.]+", ptx))}
     ops.update({op: ptx.count(op) for op in ("ld.local", "st.local")})
     print(json.dumps({"resources": res, "ops": ops, "cubin_bytes": len(cubin),
@@ -791,18 +792,25 @@ def run_forward_kernel(q, k, v, DT, causal=False, causal_offset=0, scale=None, V
     return out, lse
 
 
-def run_wgmma_forward(q, k, v, causal=False, causal_offset=0, scale=None, tile=(1, 32)):
+def run_wgmma_forward(q, k, v, causal=False, causal_offset=0, scale=None, tile=(1, 32),
+                      varlen=None):
     """Run cuda.wgmma's generated forward source under the emulator (wgmma as Emu.wgmma_*,
     in-flight products computed at issue); q, k, v float16 or ml_dtypes.bfloat16; ``tile``:
-    (NWG, BC). Returns (out, lse)."""
+    (NWG, BC); ``varlen``: (cu_q, cu_k, bottom_right) for the VARLEN variant (the arrays hold
+    the packed rows, batch 1). Returns (out, lse)."""
     from numflash.cuda.wgmma import WgmmaConfig, kernel_source, shared_bytes
     from numflash.cuda.wgmma.tiles import head_dim_pad
     B, H, Nq, d = q.shape
     dv = v.shape[3]
     DT = "f16" if q.dtype == np.float16 else "bf16"
-    cfg = WgmmaConfig(head_dim_pad(d), head_dim_pad(dv), *tile, DT)
+    cfg = WgmmaConfig(head_dim_pad(d), head_dim_pad(dv), *tile, DT,
+                      VARLEN=int(varlen is not None))
     scale = 1 / math.sqrt(d) if scale is None else scale
-    emu = Emu(cfg.NT, (-(-Nq // cfg.BR), B * H), shared_bytes(cfg))
+    grid, packing = (-(-Nq // cfg.BR), B * H), ()
+    if varlen is not None:   # grid y: each sequence's heads, x: the longest's query blocks
+        cu_q, cu_k, causal_offset, max_q, _ = _packed_setup(varlen)
+        grid, packing = (-(-max_q // cfg.BR), (len(cu_q) - 1) * H), (cu_q, cu_k)
+    emu = Emu(cfg.NT, grid, shared_bytes(cfg))
     ns = emulator_namespace(emu, DT)
     halves = f16_values if DT == "f16" else bf16_values
     ns.update(wgmma_qk=emu.wgmma_ss(cfg.BC, halves), wgmma_pv=emu.wgmma_rs(cfg.DV, halves, True),
@@ -819,7 +827,7 @@ def run_wgmma_forward(q, k, v, causal=False, causal_offset=0, scale=None, tile=(
                                         as_kernel_array(v, DT), as_kernel_array(out, DT), lse,
                                         np.zeros((1, 1, 1, 1), np.float32),
                                         scale * math.log2(math.e), scale, int(causal),
-                                        int(causal_offset)))
+                                        int(causal_offset)) + packing)
     return out, lse
 
 

@@ -707,7 +707,7 @@ def test_one_launch_is_planned_for_packed_problems_and_refuses_what_it_lacks(rng
     problem.mods = problem.dropout = None
     for op in kernels.FORWARD + kernels.BACKWARD:
         why = op.why_not(problem, h100)
-        if op.name == "cuda.mma" or (op.name, op.direction) == ("cuda.wgmma", "backward"):
+        if op.name in ("cuda.mma", "cuda.wgmma"):
             assert why is None or "packed" not in why
         else:
             assert "does not run packed sequences in one launch" in why, (op.name, why)
@@ -731,7 +731,7 @@ def _dtype_and_per_sequence_calls(monkeypatch, dtype):
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64"])
 def test_gpu_one_launch_meets_the_rule_for_every_sequence(rng, monkeypatch, dtype):
     """On the GPU, attention_varlen and its backward run every sequence in one launch per pass
-    (cuda.mma; the 16-bit backward on Hopper cuda.wgmma's key pass after cuda.mma's delta pass;
+    (cuda.mma; 16-bit on Hopper cuda.wgmma, the backward's key pass after cuda.mma's delta pass;
     no per-sequence attention call; explain_varlen says so), for lengths 0, 1, odd and
     1025, Nq != Nk both ways, GQA, every causal mode, and each sequence's rows and gradients meet
     the accuracy rule; two runs with deterministic=True give the same bits (by default 16-bit
@@ -741,12 +741,14 @@ def test_gpu_one_launch_meets_the_rule_for_every_sequence(rng, monkeypatch, dtyp
     lens_q, lens_k = [1, 0, 97, 1025, 300, 64], [5, 13, 97, 1025, 150, 0]
     q, k, v, do, cq, ck = packed(rng, lens_q, lens_k, H=8, Hk=2, d=64, dv=64, dtype=dtype)
     dev = [cupy.asarray(a) for a in (q, k, v, do, cq, ck)]
-    # the backward: cuda.wgmma's packed key pass for 16-bit on Hopper, else cuda.mma's passes
+    # cuda.wgmma's packed kernels for 16-bit on Hopper (the backward's key pass after cuda.mma's
+    # delta pass), else cuda.mma's
     hopper = cupy.cuda.Device().compute_capability == "90"
-    backward = "cuda.wgmma" if hopper and dtype.itemsize == 2 else "cuda.mma"
+    kernel = "cuda.wgmma" if hopper and dtype.itemsize == 2 else "cuda.mma"
     for causal in (False, True, "bottom_right"):
-        plan = numflash.explain_varlen(*dev[:3], *dev[4:], causal=causal, backward=True)
-        assert plan.kernel == backward and "6 in one launch" in str(plan), str(plan)
+        for backward in (False, True):
+            plan = numflash.explain_varlen(*dev[:3], *dev[4:], causal=causal, backward=backward)
+            assert plan.kernel == kernel and "6 in one launch" in str(plan), str(plan)
         out, lse = numflash.attention_varlen(*dev[:3], *dev[4:], causal=causal, return_lse=True)
         grads = numflash.attention_varlen_backward(dev[3], *dev[:3], out, lse, *dev[4:],
                                                    causal=causal)

@@ -50,6 +50,38 @@ def test_emulated_wgmma_forward_is_accurate(rng, case, dtype):
     assert rep.ok, str(rep)
 
 
+@pytest.mark.parametrize("d, causal, tile", [(64, "bottom_right", (1, 32)),
+                                             pytest.param(128, True, (2, 64),
+                                                          marks=pytest.mark.extended)])
+def test_emulated_wgmma_forward_of_packed_sequences(rng, d, causal, tile):
+    """The VARLEN forward (one launch over packed sequences: one without queries, one without
+    keys, Nq != Nk both ways, a sequence of several query blocks and key tiles, GQA) under the
+    warp emulator gives each sequence bit for bit what the plain kernel gives it alone; rows
+    of a sequence without keys get zeros and lse -inf."""
+    from mma_tools import run_wgmma_forward
+    from numflash.inputs import parse_causal
+    lens_q, lens_k = [5, 0, 150, 40], [7, 12, 200, 0]
+    cq, ck = (np.concatenate([[0], np.cumsum(n)]) for n in (lens_q, lens_k))
+    q, k, v = _inputs(rng, 1, 2, 1, cq[-1], ck[-1], d, d, np.float16)
+    out, lse = run_wgmma_forward(q, k, v, bool(causal), tile=tile,
+                                 varlen=(cq, ck, causal == "bottom_right"))
+    for b in range(4):
+        s, e, sk, ek = cq[b], cq[b + 1], ck[b], ck[b + 1]
+        if e == s:
+            continue
+        if ek == sk:
+            assert not out[:, :, s:e].any() and np.isneginf(lse[:, :, s:e]).all()
+            continue
+        is_causal, offset = parse_causal(causal, e - s, ek - sk)
+        one, one_lse = run_wgmma_forward(q[:, :, s:e], k[:, :, sk:ek], v[:, :, sk:ek],
+                                         is_causal, offset, tile=tile)
+        np.testing.assert_array_equal(out[:, :, s:e], one)
+        np.testing.assert_array_equal(lse[:, :, s:e], one_lse)
+        rep = check(one, q[:, :, s:e], k[:, :, sk:ek], v[:, :, sk:ek], lse=one_lse,
+                    causal=causal)
+        assert rep.ok, str(rep)
+
+
 def test_emulated_swizzle_is_what_the_descriptor_reads(rng):
     """The copies' swizzled placement and the emulator's descriptor decoding are written apart:
     one product of a staged tile against the plain matrix product."""
@@ -94,6 +126,11 @@ def _compile(cfg):
                  marks=pytest.mark.extended),
     pytest.param(dict(D=128, DV=64, NWG=2, BC=128, DT="f16"), 1, id="f16-d128-dv64",
                  marks=pytest.mark.extended),
+    # packed sequences in one launch (VARLEN): each block's sequence bounds from cu_seqlens
+    pytest.param(dict(D=128, DV=128, NWG=2, BC=128, DT="f16", VARLEN=1), 1, id="varlen-f16-d128",
+                 marks=pytest.mark.extended),
+    pytest.param(dict(D=64, DV=64, NWG=2, BC=64, DT="bf16", VARLEN=1), 2, id="varlen-bf16-d64",
+                 marks=pytest.mark.extended),
 ])
 def test_wgmma_compiles_for_sm90a_without_spills_or_serialization(cfg, blocks):
     got = _compile(cfg)
@@ -115,10 +152,28 @@ def test_wgmma_compiles_for_sm90a_without_spills_or_serialization(cfg, blocks):
     assert res["registers"] * 128 * cfg["NWG"] * blocks <= 65536, res
 
 
+def test_the_packed_d64_forward_is_capped_to_two_blocks_an_sm():
+    """Only the packed d64 forward carries a register cap (128: two 256-thread blocks an SM),
+    written into its PTX as .maxnreg and named in its code identity (a cached or shipped
+    kernel compiled without it is never taken for it)."""
+    from numflash.cuda import launch
+    from numflash.cuda.wgmma import forward
+    from numflash.cuda.wgmma.tiles import WgmmaConfig, register_cap
+    packed = dict(D=64, DV=64, NWG=2, BC=64, DT="f16", VARLEN=1)
+    assert register_cap(WgmmaConfig(**packed)) == 128
+    assert register_cap(WgmmaConfig(**dict(packed, VARLEN=0))) is None
+    assert register_cap(WgmmaConfig(**dict(packed, D=128, DV=128, BC=128))) is None
+    assert forward.make_kernel(**packed).max_registers == 128
+    assert forward.code_identity(**packed).endswith("-maxnreg128")
+    assert not forward.code_identity(**dict(packed, VARLEN=0)).endswith("-maxnreg128")
+    ptx = ".version 8.0\n.target sm_90\n.visible .entry k(\n .param .u64 a\n)\n{\n ret;\n}\n"
+    assert ".entry k(\n .param .u64 a\n)\n.maxnreg 128\n\n{" in launch.register_cap(ptx, 128)
+
+
 # ------------------------------------------------------------------------------- planning
 
 def _plan(rng, device=HOPPER, dtype=np.float16, B=4, H=16, Nq=4096, Nk=4096, d=64, dv=None,
-          algorithm="auto", strided=False, **opts):
+          algorithm="auto", strided=False, varlen=None, **opts):
     from mma_tools import DeviceView
     from numflash import plan as planner
     from numflash.api import _with_mods
@@ -130,6 +185,7 @@ def _plan(rng, device=HOPPER, dtype=np.float16, B=4, H=16, Nq=4096, Nk=4096, d=6
     p = _with_mods(normalize(q, k, v, **opts), mods)
     p = dataclasses.replace(p, kind="cupy", q=DeviceView(p.q), k=DeviceView(p.k),
                             v=DeviceView(p.v), out=DeviceView(p.out))
+    p.varlen = varlen   # (numflash.varlen.Packed: packed sequences)
     return planner._choose(p, "cuda", algorithm, device)
 
 
@@ -421,12 +477,19 @@ def test_auto_takes_the_wgmma_backward_for_16_bit_on_compute_capability_9(rng, d
     assert "adds it into a float32 accumulator" in str(plan)
 
 
-def test_auto_takes_the_wgmma_backward_for_packed_sequences(rng):
-    """A packed 16-bit backward on compute capability 9.0: cuda.wgmma's VARLEN key pass after
-    cuda.mma's VARLEN delta pass, explain saying so; with a forced split it refuses, naming
-    the reason, as cuda.mma does."""
+def test_auto_takes_wgmma_for_packed_sequences(rng):
+    """Packed 16-bit sequences on compute capability 9.0: cuda.wgmma's VARLEN forward, and its
+    VARLEN key pass after cuda.mma's VARLEN delta pass, explain saying so; with a forced split
+    each refuses, naming the reason, as cuda.mma does."""
     from numflash import plan as planner
     from numflash.varlen import Packed
+    packing = Packed(np.array([0, 5, 45]), np.array([0, 7, 10]), 40, 7, True)
+    forward = _plan(rng, B=1, H=4, Nq=45, Nk=10, causal="bottom_right", varlen=packing)
+    assert forward.kernel == "cuda.wgmma" and forward.config.VARLEN, str(forward)
+    assert "packed sequences: 2 in one launch" in str(forward)
+    with pytest.raises(ValueError, match="does not split the keys"):
+        _plan(rng, B=1, H=4, Nq=45, Nk=10, causal="bottom_right", varlen=packing,
+              algorithm="wgmma", num_splits=4)
     p = _backward_problem(rng, B=1, H=4, Hkv=2, Nq=45, Nk=10, causal="bottom_right")
     p.varlen = Packed(np.array([0, 5, 45]), np.array([0, 7, 10]), 40, 7, True)
     plan = planner._choose(p, "cuda", "auto", HOPPER)

@@ -426,9 +426,19 @@ def link_ptx(ptx, cc):
     return bytes(cubin.code), entry, parse_ptxas_report(linker.get_info_log() or "")
 
 
+def register_cap(ptx, cap):
+    """PTX whose entry asks ptxas for at most ``cap`` registers a thread (.maxnreg, a performance
+    directive between the parameter list and the body)."""
+    end = re.search(r"\.entry\s+\S+\s*\([^)]*\)", ptx).end()
+    return f"{ptx[:end]}\n.maxnreg {int(cap)}\n{ptx[end:]}"
+
+
 def kernel_ptx(pyfunc, argtypes, cc, fastmath=FASTMATH):
-    """compile_ptx, retargeted to sm_<cc>a for a kernel function marked ``arch_specific``."""
+    """compile_ptx, retargeted to sm_<cc>a for a kernel function marked ``arch_specific``, with
+    the register cap of one that sets ``max_registers`` (its code identity must name the cap)."""
     ptx = compile_ptx(pyfunc, argtypes, cc, fastmath)
+    if getattr(pyfunc, "max_registers", None):
+        ptx = register_cap(ptx, pyfunc.max_registers)
     return arch_specific(ptx, cc) if getattr(pyfunc, "arch_specific", False) else ptx
 
 

@@ -1,6 +1,7 @@
 """cuda.wgmma: the forward on Hopper's warpgroup matrix products (wgmma, sm_90a), float16 and
 bfloat16, head dims that are multiples of 8 up to 128 (zero-padded to 64 or 128), causal in
-both alignments, GQA. The kernel (forward.py) is generated as Python source per config from
+both alignments, GQA, packed sequences in one launch (attention_varlen: VARLEN, as cuda.mma
+runs them). The kernel (forward.py) is generated as Python source per config from
 cuda.mma's pieces (row bounds, masking, online softmax, epilogue); the products and their
 descriptors are ptx_wgmma's. "auto" takes it for a 16-bit forward on compute capability 9.0
 wherever it runs, but for calls whose query blocks do not fill the GPU (auto_passes).
@@ -10,7 +11,7 @@ backward loop on the same products, after cuda.mma's delta pass, with dQ added i
 accumulator.
 
 Not yet here (explain says so, and cuda.mma runs them): score / mask modifications, dropout,
-split-KV, KV caches, packed sequences, strided or misaligned rows, odd head dims, head dims
+split-KV, KV caches, strided or misaligned rows, odd head dims, head dims
 past 128, a deterministic backward. wgmma exists on compute capability 9.0 only: not on 8.x,
 and not on 10.x / 12.x.
 """
@@ -21,12 +22,12 @@ from .forward import kernel_source, make_kernel
 from .tiles import HEAD_DIMS, NAME, TILES, WgmmaConfig, check_hopper, head_dim_pad, shared_bytes
 
 __all__ = ["NAME", "HEAD_DIMS", "WgmmaConfig", "config", "auto_passes", "run", "compiled_kernels",
-           "kernel_source", "make_kernel", "shared_bytes"]
+           "notes", "kernel_source", "make_kernel", "shared_bytes"]
 
 def config(problem, device):
     """The WgmmaConfig for ``problem`` on ``device`` (what the operator's declarations admit);
     raises Unsupported saying why not."""
-    from ..mma.config import padded_dims, vector_ok
+    from ..mma.config import check_packed, padded_dims, vector_ok
     check_hopper(device, "cuda.mma")
     B, H, Nq, Nk, d, dv = problem.shape
     padded_dims(problem)   # refuses query heads that do not divide into the K/V heads
@@ -36,7 +37,11 @@ def config(problem, device):
                           f": cuda.mma takes it")
     D, DV = head_dim_pad(d), head_dim_pad(dv)
     NWG, BC = TILES[max(D, DV)]
-    cfg = WgmmaConfig(D, DV, NWG, BC, "bf16" if problem.dtype_name == "bfloat16" else "f16")
+    packed = int(getattr(problem, "varlen", None) is not None)
+    if packed:
+        check_packed(problem)
+    cfg = WgmmaConfig(D, DV, NWG, BC, "bf16" if problem.dtype_name == "bfloat16" else "f16",
+                      VARLEN=packed)
     need = shared_bytes(cfg)
     if device.smem_per_block_optin is not None and need > device.smem_per_block_optin:
         raise Unsupported(f"{NAME}: needs {need} bytes of shared memory for d={d}, dv={dv}, more "
@@ -49,8 +54,10 @@ def auto_passes(problem, device):
     """Why "auto" should take cuda.mma although this kernel runs the problem, or None: a call
     whose query blocks do not fill the GPU (decoding, short queries) is left to cuda.mma, which
     splits each block's keys over several blocks (split-KV) where this kernel would leave SMs
-    idle. The rule is not timed against this kernel at those shapes (bench/NOTES.md)."""
-    if device.sm_count is None or getattr(problem, "num_splits", None) is not None:
+    idle. The rule is not timed against this kernel at those shapes (bench/NOTES.md). Never for
+    packed sequences: cuda.mma does not split theirs."""
+    if device.sm_count is None or getattr(problem, "num_splits", None) is not None or \
+            getattr(problem, "varlen", None) is not None:
         return None
     B, H, Nq, Nk, d, dv = problem.shape
     NWG = TILES[head_dim_pad(max(d, dv))][0]
@@ -65,7 +72,8 @@ def compiled_kernels(cfg, dtype):
     """[(Kernel, numba argument types)] that run() launches (cuda.mma's argument list)."""
     from .. import launch
     from ..mma import signature
-    return [(launch.get_kernel(NAME, make_kernel, cfg), signature(dtype))]
+    return [(launch.get_kernel(NAME, make_kernel, cfg),
+             signature(dtype, varlen=bool(cfg.VARLEN)))]
 
 
 def run(problem, cfg, device):
@@ -75,8 +83,18 @@ def run(problem, cfg, device):
     B, H, Nq, Nk, d, dv = p.shape
     kernel = compiled_kernels(cfg, p.dtype_name)[0][0]
     lse = p.empty_lse()
-    kernel((-(-Nq // cfg.BR), B * H), (cfg.NT,), shared_bytes(cfg),
+    grid, causal_offset, packed = (-(-Nq // cfg.BR), B * H), int(p.causal_offset), ()
+    if cfg.VARLEN:   # the alignment in causal_offset's place, then cu_q, cu_k
+        grid = p.varlen.grid(cfg.BR, H)
+        causal_offset, packed = p.varlen.arguments()
+    kernel(grid, (cfg.NT,), shared_bytes(cfg),
            (bits(p.q), bits(p.k), bits(p.v), bits(p.out), lse, no_debug_dump(p.q.device.id),
             float(p.scale * math.log2(math.e)), float(p.scale), int(p.causal),
-            int(p.causal_offset)), device)
+            causal_offset) + packed, device)
     return lse
+
+
+def notes(problem, cfg, device):
+    """What explain adds about this config: packed sequences' one launch."""
+    from ..mma import packed_note
+    return [packed_note(problem, cfg.BR)] if cfg.VARLEN else []

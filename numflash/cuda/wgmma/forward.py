@@ -28,13 +28,14 @@ import math
 
 import numpy as np
 
-from ..mma.emit import U, Source, define, emit_prologue
+from ..mma.emit import (VARLEN_ARGUMENTS, U, Source, define, emit_prologue, emit_views_at_use,
+                        head_view, row_value)
 from ..mma.forward import ARGUMENTS, _kv_head_device, kv_head, source_identity
 from ..mma.mask import emit_row_bounds, emit_score_mask
 from ..mma.operands import _OperandKind, packed_a_step
 from ..mma.softmax import emit_accumulators, emit_epilogue, emit_online_update
 from ..ptx_wgmma import descriptor_fields
-from .tiles import ATOM, SWIZZLE, WgmmaConfig, layout, region_bytes
+from .tiles import ATOM, SWIZZLE, WgmmaConfig, layout, region_bytes, register_cap
 
 
 def emit_copies_setup(s, name, src, width, dim, NT):
@@ -207,9 +208,15 @@ def kernel_source(cfg):
     L = layout(cfg)
     NVN = cfg.DV // 8
     s = Source()
-    s(f"def wgmma_attention({ARGUMENTS}):")
+    s(f"def wgmma_attention({ARGUMENTS}{VARLEN_ARGUMENTS if cfg.VARLEN else ''}):")
     with s.block():
-        emit_prologue(s, cfg.BR, "float32", "uint32", div32="div_u32")
+        if cfg.VARLEN:   # b is the sequence: its rows' views (O's made at the stores)
+            emit_prologue(s, cfg.BR, "float32", "uint32", div32="div_u32", packed=True,
+                          views=(f"qh = {head_view(cfg, 'q', 'h')}",
+                                 f"kh = {head_view(cfg, 'k', 'hk', 'k')}",
+                                 f"vh = {head_view(cfg, 'v', 'hk', 'k')}"))
+        else:
+            emit_prologue(s, cfg.BR, "float32", "uint32", div32="div_u32")
         # swizzled tiles must start on 1024 bytes: the dynamic shared array is padded for it
         s(f"sbase = U(shared_addr(smem, {U(0)}))",
           f"qbase = (sbase + {U(ATOM - 1)}) & ~{U(ATOM - 1)}",
@@ -235,7 +242,9 @@ def kernel_source(cfg):
             _OperandKind._store_pair(
                 s, n, f"uint16(word & {U(0xFFFF)})", f"uint16(word >> {U(16)})",
                 [f"word = U({cfg.pack}(o_{n}_{ra} * inv{half}, o_{n}_{rb} * inv{half}))"])
-        emit_epilogue(s, NVN, store, lse_at="lse[b, h, ru]", reciprocal="rcp_approx")
+        emit_views_at_use(s, cfg, (("oh", "out", "h", "q"),))
+        emit_epilogue(s, NVN, store, lse_at=row_value(cfg, "lse", "h", "ru"),
+                      reciprocal="rcp_approx")
     return s.text()
 
 
@@ -282,6 +291,7 @@ def make_kernel(**config):
     fn = define(kernel_source(cfg), "numflash.cuda.wgmma", cfg, _namespace(cfg),
                 "wgmma_attention")
     fn.arch_specific = True   # wgmma exists on sm_90a only
+    fn.max_registers = register_cap(cfg)
     return fn
 
 
@@ -289,8 +299,9 @@ def code_identity(**config):
     """The variant's identity: its generated source and the code binding its names."""
     from .. import launch, ptx_wgmma
     cfg = WgmmaConfig(**config)
+    cap = register_cap(cfg)   # (launch.kernel_ptx writes it into the PTX)
     return source_identity(kernel_source(cfg), (_namespace, common_namespace, kv_head)) + \
-        launch.source_digest(ptx_wgmma.__name__)[:16]
+        launch.source_digest(ptx_wgmma.__name__)[:16] + (f"-maxnreg{cap}" if cap else "")
 
 
 make_kernel.code_identity = code_identity

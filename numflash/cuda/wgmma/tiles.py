@@ -64,15 +64,15 @@ class WgmmaConfig(Warpgroups, TileConfig):
 
     D, DV: padded head dims of q / k and v. NWG warpgroups a block, each owning 64 query rows
     (BR = 64 NWG, NT = 128 NWG threads); BC keys a K/V tile (the N of S = Q K^T's wgmma and the
-    contraction of P V's). DT: "f16" or "bf16"."""
+    contraction of P V's). DT: "f16" or "bf16". VARLEN: packed sequences in one launch
+    (cuda.mma's VARLEN: grid y walks the sequences' heads, each block finds its sequence's rows
+    in cu_q / cu_k and views them)."""
     D: int
     DV: int
     NWG: int
     BC: int
     DT: str
-
-    #: what cuda.mma's shared pieces read off a config: no packed sequences here
-    VARLEN = 0
+    VARLEN: int = 0
 
 
 #: Shared memory in bytes: the Q tile (kept: wgmma reads it from shared memory every tile), one
@@ -97,3 +97,15 @@ def shared_bytes(cfg):
 #: each block's barriers then stall only its own warpgroups (1.08x median over 10 shapes). d128
 #: with BC=128 fills 226 of the 227 KB a block may use.
 TILES = {64: (2, 64), 128: (2, 128)}
+#: blocks an SM each padded head dim's tile is sized for (65536 registers an SM)
+BLOCKS_PER_SM = {64: 2, 128: 1}
+
+
+def register_cap(cfg):
+    """The registers a thread of ``cfg``'s forward may use (ptxas's .maxnreg), or None: packed
+    sequences (VARLEN) keep their counts and offsets in registers, 139 a thread at d64 where the
+    unpacked kernel takes 124 (ptxas sm_90a, bench/NOTES.md), which would leave one block an SM
+    instead of the two the tile is sized for; capped at 128 it fits in 126 without a spill
+    (tests/test_wgmma.py checks both)."""
+    cap = 65536 // (cfg.NT * BLOCKS_PER_SM[max(cfg.D, cfg.DV)])
+    return cap if cfg.VARLEN and cap < 255 else None
