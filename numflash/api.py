@@ -132,8 +132,8 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, layout="bhsd", backe
         ``dropout_seed`` (required with dropout_p > 0) by a counter-based generator, the same on
         every backend; :func:`attention_backward` regenerates it from the same two arguments.
         p is applied in steps of 1 / 256 (the share dropped is round(256 p) / 256, the kept
-        ones scaled by its complement's inverse). The CPU path and cuda.mma take it (not packed
-        sequences or a KV cache).
+        ones scaled by its complement's inverse). The CPU path and cuda.mma take it (packed
+        sequences too, numflash.attention_varlen; not a KV cache).
 
     num_splits: split-KV, how many shares of the keys each block of queries is split into on
         the GPU (cuda.mma), their partial results then merged exactly (:func:`merge_partials`'s

@@ -14,7 +14,8 @@ no synchronization).
 
 A repeated one-launch call with the same arrays' shapes, strides, dtypes and options replays the
 recorded launch (numflash.cuda.fastpath) with the new lengths and block table instead of
-normalizing and planning again; the checks of the lengths and the table run every call.
+normalizing and planning again (not with alibi_slopes: the recorded launch would keep the first
+call's slopes); the checks of the lengths and the table run every call.
 """
 from dataclasses import dataclass
 
@@ -155,7 +156,7 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=No
         B, page, capacity = known.B, known.page, known.capacity
     else:
         B, page, capacity = _check(q, k_cache, v_cache, k, v, block_table)
-    if alibi_slopes is not None:   # (never recorded: each entry needs its own distances)
+    if alibi_slopes is not None:   # (never recorded: a replay would keep the first slopes)
         _check_alibi(alibi_slopes, B, q.shape[2], causal)
     new = 0 if k is None else k.shape[1]
     if options.get("window_size") is not None and not causal:

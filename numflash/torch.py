@@ -747,8 +747,8 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
 
 class _VarlenFunction(torch.autograd.Function):
     """Packed sequences through numflash.attention_varlen and its backward on the tensors' memory
-    (CUDA tensors: one cuda.mma launch per pass where that kernel takes them, on torch's current
-    stream); differentiable in q, k and v. ``options``: the modifications (arrays viewing their
+    (CUDA tensors: one launch per pass, cuda.mma's or on Hopper cuda.wgmma's, where those kernels
+    take them, on torch's current stream); differentiable in q, k and v. ``options``: the modifications (arrays viewing their
     tensors) and dropout, which both passes take."""
 
     @staticmethod
@@ -789,8 +789,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=Non
     (total_k, Hk, d), cumulative lengths ``cu_seqlens_q/k`` (int32 tensors or lists, B + 1
     entries), causal aligned to the bottom right of each sequence; differentiable. Runs
     :func:`numflash.attention_varlen` and its backward on the tensors' memory (CUDA tensors:
-    one cuda.mma launch per pass where it takes them; otherwise one call per sequence on views
-    of the packed tensors).
+    one launch per pass, cuda.mma's or on Hopper cuda.wgmma's, where those take them; otherwise
+    one call per sequence on views of the packed tensors).
 
     ``return_attn_probs=True`` returns (out, softmax_lse (H, total_q), None): the per-sequence
     probabilities have no dense packed form. Takes and refuses what :func:`flash_attn_func`

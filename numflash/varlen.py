@@ -7,9 +7,9 @@ and nothing is copied. On the GPU the tensor-core kernels (cuda.mma, compute cap
 run every sequence in one launch per pass (MmaConfig.VARLEN: grid y walks the sequences' heads,
 each block finds its sequence's rows in cu_seqlens), forward and backward, with a window, a
 softcap, ALiBi, a user's score_mod / mask_mod (b is then the sequence, q_idx / kv_idx
-positions in it) and dropout (each sequence under its own seed, numflash.dropout.packed_seed);
-on compute capability 9.0 plain 16-bit calls run cuda.wgmma's packed kernels (the backward's
-key pass after cuda.mma's packed delta pass). Everywhere else (the CPU, cuda.block / cuda.row, inputs cuda.mma refuses) it runs one
+positions in it) and dropout (each sequence under its own seed,
+numflash.dropout.packed_seed); on compute capability 9.0 plain 16-bit calls run cuda.wgmma's
+packed kernels (the backward's key pass after cuda.mma's packed delta pass). Everywhere else (the CPU, cuda.block / cuda.row, inputs cuda.mma refuses) it runs one
 :func:`numflash.attention` call per sequence on views of the packed arrays,
 writing into views of the packed outputs (a user's functions then see the sequence's index
 through numflash.mods.at_batch, on the CPU path only).
@@ -275,8 +275,9 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
     diagonal; ``alibi_slopes`` (H,) for every sequence, or (B, H) with row b for sequence b).
     ``score_mod_args_grad`` is checked here and used by :func:`attention_varlen_backward`.
 
-    CuPy arrays run in one cuda.mma launch where that kernel takes them (see the module's text);
-    :func:`explain_varlen` says which kernel runs and how.
+    CuPy arrays run in one launch (cuda.mma's, or cuda.wgmma's for plain 16-bit calls on
+    Hopper) where those kernels take them (see the module's text); :func:`explain_varlen` says
+    which kernel runs and how.
     """
     from .api import _mod_options, attention
     from .inputs import normalize
@@ -338,7 +339,7 @@ def attention_varlen_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, m
     ``return_mod_args_grad`` (and ``score_mod_args_grad``, as :func:`numflash.attention_backward`
     takes them) a fourth result: mod_args' gradients summed over every sequence, a tuple aligned
     with mod_args (None where none is taken). CuPy arrays run in one launch per pass where
-    cuda.mma's backward takes them; otherwise one
+    cuda.mma's backward (or on Hopper cuda.wgmma's) takes them; otherwise one
     :func:`numflash.attention_backward` call per sequence, on views, into views of the packed
     gradients."""
     from .api import _mod_options, _require_grads, _with_mod_args_grad, attention_backward

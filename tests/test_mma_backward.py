@@ -463,12 +463,12 @@ def test_backward_plan_adds_dq_with_windows_mods_dropout_and_packed_sequences(rn
         bm = numflash.create_block_mask(lambda b, h, i, j: j <= i, 1, 1, 256, 256,
                                         block_size=128)
         p.mods = mods.build(p.shape, "numpy", 0, block_mask=bm)
-    plan = _plan(p, HOPPER)
+    plan = _mma_plan(p, HOPPER)   # (plain packed 16-bit calls: "auto" takes cuda.wgmma)
     assert plan.kernel == "cuda.mma"
     assert {c.DQADD for c in plan.config.values()} == {want}
     p.deterministic = True
     if option != "bias gradient":   # a full bias's gradient keeps deterministic=True
-        assert {c.DQADD for c in _plan(p, HOPPER).config.values()} == {""}
+        assert {c.DQADD for c in _mma_plan(p, HOPPER).config.values()} == {""}
 
 
 @pytest.mark.parametrize("dtype, d, device, queries, keys, form", [

@@ -825,6 +825,8 @@ def test_gpu_dropout_on_packed_sequences_runs_in_one_launch(rng, monkeypatch, dt
                                      **mine).get()
             np.testing.assert_allclose(out[None, s:e].astype(np.float64), own, rtol=0,
                                        atol=4e-3 if dtype.itemsize == 2 else 1e-5)
+    sk, ek = ck[3], ck[4]   # the keys of the sequence without queries: no gradient
+    assert not grads[1][sk:ek].any() and not grads[2][sk:ek].any()
 
 
 @pytest.mark.gpu

@@ -123,24 +123,25 @@ MAX_GRID_Y = 65535
 PACKED_MODS = frozenset({"window_size", "softcap", "alibi_slopes", "score_mod", "mask_mod"})
 
 
-def check_packed(problem):
+def check_packed(problem, name=NAME):
     """Raise Unsupported for what the one-launch kernels of packed sequences (VARLEN) do not
     take yet: modifications besides PACKED_MODS, a forced split, more sequences x heads than
-    grid y holds."""
+    grid y holds (``name``: the kernel the message names; cuda.wgmma's packed kernels share
+    these limits)."""
     count, H = problem.varlen.count, problem.shape[1]
     if count * H > MAX_GRID_Y:
-        raise Unsupported(f"{NAME} runs packed sequences in one launch with a grid row per "
+        raise Unsupported(f"{name} runs packed sequences in one launch with a grid row per "
                           f"sequence's head, at most {MAX_GRID_Y}; {count} sequences x {H} "
                           f"heads is more (attention_varlen runs one call per sequence)")
     mods = getattr(problem, "mods", None)
     other = sorted(mods.kinds - PACKED_MODS) if mods is not None else []
     if other:
-        raise Unsupported(f"{NAME} runs packed sequences in one launch with "
+        raise Unsupported(f"{name} runs packed sequences in one launch with "
                           f"{', '.join(sorted(PACKED_MODS))} only, not {', '.join(other)}; "
                           f"attention_varlen runs those one call per sequence")
     splits = getattr(problem, "num_splits", None)
     if splits is not None and splits > 1:
-        raise Unsupported(f"{NAME} does not split the keys (num_splits={splits}) of packed "
+        raise Unsupported(f"{name} does not split the keys (num_splits={splits}) of packed "
                           f"sequences: their blocks fill the GPU by sequence")
 
 

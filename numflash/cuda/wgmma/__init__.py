@@ -4,7 +4,7 @@ both alignments, GQA, packed sequences in one launch (attention_varlen: VARLEN, 
 runs them). The kernel (forward.py) is generated as Python source per config from
 cuda.mma's pieces (row bounds, masking, online softmax, epilogue); the products and their
 descriptors are ptx_wgmma's. "auto" takes it for a 16-bit forward on compute capability 9.0
-wherever it runs, but for calls whose query blocks do not fill the GPU (auto_passes).
+wherever it runs, but for unpacked calls whose query blocks do not fill the GPU (auto_passes).
 
 The backward's key pass (backward.py, the operator in gradients.py) is FlashAttention-3's
 backward loop on the same products, after cuda.mma's delta pass, with dQ added into a float32
@@ -39,7 +39,7 @@ def config(problem, device):
     NWG, BC = TILES[max(D, DV)]
     packed = int(getattr(problem, "varlen", None) is not None)
     if packed:
-        check_packed(problem)
+        check_packed(problem, NAME)
     cfg = WgmmaConfig(D, DV, NWG, BC, "bf16" if problem.dtype_name == "bfloat16" else "f16",
                       VARLEN=packed)
     need = shared_bytes(cfg)

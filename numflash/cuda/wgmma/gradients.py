@@ -47,7 +47,7 @@ def config(problem, device):
     DT = mma_gradients.KINDS[problem.dtype_name]
     packed = int(getattr(problem, "varlen", None) is not None)
     if packed:
-        check_packed(problem)
+        check_packed(problem, NAME)
     NWG, form = TILES[max(D, DV)]
     keys = WgmmaBackwardConfig(D, DV, NWG, 64, DT, form, VARLEN=packed)
     queries = dataclasses.replace(mma_gradients.with_dq_adds(
