@@ -9,9 +9,10 @@ each block finds its sequence's rows in cu_seqlens), forward and backward, with 
 softcap, ALiBi, a user's score_mod / mask_mod (b is then the sequence, q_idx / kv_idx
 positions in it) and dropout (each sequence under its own seed,
 numflash.dropout.packed_seed); on compute capability 9.0 plain 16-bit calls run cuda.wgmma's
-packed kernels (the backward's key pass after cuda.mma's packed delta pass). Everywhere else (the CPU, cuda.block / cuda.row, inputs cuda.mma refuses) it runs one
-:func:`numflash.attention` call per sequence on views of the packed arrays,
-writing into views of the packed outputs (a user's functions then see the sequence's index
+packed kernels (the backward's key pass after cuda.mma's packed delta pass). Everywhere else
+(the CPU, cuda.block / cuda.row, inputs cuda.mma refuses) it runs one
+:func:`numflash.attention` call per sequence on views of the packed arrays, writing into views
+of the packed outputs (a user's functions then see the sequence's index
 through numflash.mods.at_batch, on the CPU path only).
 
 :func:`merge_partials` combines results computed over disjoint sets of keys (split-KV, cascade or
