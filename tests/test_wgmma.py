@@ -432,7 +432,7 @@ def test_wgmma_backward_compiles_for_sm90a_without_spills_or_serialization(cfg):
     assert not got["serialized"], "ptxas serializes the wgmma (C7509): " + got["serialized"]
     res = got["resources"]
     if cfg.get("VARLEN") and cfg["D"] == 128:
-        assert 0 < res.get("spill_store_bytes", 0) <= VARLEN_SPILLS, res
+        assert res.get("spill_store_bytes", 0) <= VARLEN_SPILLS, res
         return
     assert got["ops"]["ld.local"] == 0 and got["ops"]["st.local"] == 0
     assert res.get("spill_store_bytes", 0) == 0 and res.get("stack_bytes", 0) == 0, res
