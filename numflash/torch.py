@@ -748,8 +748,8 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
 class _VarlenFunction(torch.autograd.Function):
     """Packed sequences through numflash.attention_varlen and its backward on the tensors' memory
     (CUDA tensors: one launch per pass, cuda.mma's or on Hopper cuda.wgmma's, where those kernels
-    take them, on torch's current stream); differentiable in q, k and v. ``options``: the modifications (arrays viewing their
-    tensors) and dropout, which both passes take."""
+    take them, on torch's current stream); differentiable in q, k and v. ``options``: the
+    modifications (arrays viewing their tensors) and dropout, which both passes take."""
 
     @staticmethod
     def forward(ctx, q, k, v, cu_q, cu_k, causal, scale, deterministic, options):

@@ -167,7 +167,7 @@ def test_the_packed_d64_forward_is_capped_to_two_blocks_an_sm():
     assert forward.code_identity(**packed).endswith("-maxnreg128")
     assert not forward.code_identity(**dict(packed, VARLEN=0)).endswith("-maxnreg128")
     ptx = ".version 8.0\n.target sm_90\n.visible .entry k(\n .param .u64 a\n)\n{\n ret;\n}\n"
-    assert ".entry k(\n .param .u64 a\n)\n.maxnreg 128\n\n{" in launch.register_cap(ptx, 128)
+    assert ".entry k(\n .param .u64 a\n)\n.maxnreg 128\n\n{" in launch.cap_registers(ptx, 128)
 
 
 # ------------------------------------------------------------------------------- planning

@@ -426,7 +426,7 @@ def link_ptx(ptx, cc):
     return bytes(cubin.code), entry, parse_ptxas_report(linker.get_info_log() or "")
 
 
-def register_cap(ptx, cap):
+def cap_registers(ptx, cap):
     """PTX whose entry asks ptxas for at most ``cap`` registers a thread (.maxnreg, a performance
     directive between the parameter list and the body)."""
     end = re.search(r"\.entry\s+\S+\s*\([^)]*\)", ptx).end()
@@ -438,7 +438,7 @@ def kernel_ptx(pyfunc, argtypes, cc, fastmath=FASTMATH):
     the register cap of one that sets ``max_registers`` (its code identity must name the cap)."""
     ptx = compile_ptx(pyfunc, argtypes, cc, fastmath)
     if getattr(pyfunc, "max_registers", None):
-        ptx = register_cap(ptx, pyfunc.max_registers)
+        ptx = cap_registers(ptx, pyfunc.max_registers)
     return arch_specific(ptx, cc) if getattr(pyfunc, "arch_specific", False) else ptx
 
 

@@ -401,6 +401,14 @@ def launch_passes(problem, cfg, device, kernels, smem):
             g[...] = a
 
 
+def packed_note(problem):
+    """explain's line about a packed backward (VARLEN: both passes in one launch each; cuda.wgmma's
+    key pass too)."""
+    packed = problem.varlen
+    return packed.note(problem.causal, f"blocks for the longest sequence's {packed.max_q} query "
+                                       f"rows and {packed.max_k} keys", passes=True)
+
+
 def notes(problem, cfg, device):
     """What explain adds about a backward config: float32 gradients, packed sequences, the column
     slices of a wide head dim."""
@@ -429,10 +437,7 @@ def notes(problem, cfg, device):
         lines.append("grad_dtype float32: dQ, dK and dV stored as accumulated in float32, not "
                      "rounded to the inputs' 16 bits")
     if cfg["queries"].VARLEN:
-        packed = problem.varlen
-        lines.append(packed.note(problem.causal, f"blocks for the longest sequence's "
-                                                 f"{packed.max_q} query rows and {packed.max_k} "
-                                                 "keys", passes=True))
+        lines.append(packed_note(problem))
     n = cfg["queries"].CHUNKS
     if not n:
         return lines

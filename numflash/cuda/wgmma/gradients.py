@@ -89,8 +89,5 @@ def notes(problem, cfg, device):
              "the adds' order varies from run to run (deterministic=True takes cuda.mma's two "
              "passes)"]
     if cfg["keys"].VARLEN:
-        packed = problem.varlen
-        lines.append(packed.note(problem.causal, f"blocks for the longest sequence's "
-                                                 f"{packed.max_q} query rows (delta) and "
-                                                 f"{packed.max_k} keys", passes=True))
+        lines.append(mma_gradients.packed_note(problem))
     return lines
