@@ -166,6 +166,10 @@ def _cuda_row_backward():
     return row_backward
 
 
+#: the modification kinds cuda.row's forward takes (any GPU it runs on: Turing and Volta too)
+ROW_MODS = ("window_size", "attn_mask", "mask_mod", "softcap", "alibi_slopes", "attn_bias",
+            "score_mod")
+
 FORWARD = (
     Operator("cuda.wgmma", "cuda", "wgmma", _cuda_wgmma,
              dtypes=("float16", "bfloat16"), max_head_dim=128, min_cc=(9, 0),
@@ -201,7 +205,10 @@ FORWARD = (
                      "register micro-tiles, online softmax per row"),
     Operator("cuda.row", "cuda", "row", _cuda_row,
              dtypes=("float16", "float32", "float64"), max_head_dim=256,
-             summary="FA1 per-row: one thread owns one query row, K/V tiles in shared memory"),
+             mods=ROW_MODS,
+             summary="FA1 per-row: one thread owns one query row, K/V tiles in shared memory; "
+                     "modifications (not a block mask) applied score by score as cuda.mma's "
+                     "device functions, a window as each row's key range"),
 )
 
 BACKWARD = (
@@ -241,9 +248,10 @@ BACKWARD = (
                      "attn_bias's and mod_args' gradients added from the key pass"),
     Operator("cuda.row", "cuda", "row", _cuda_row_backward,
              dtypes=("float16", "bfloat16", "float32", "float64"), max_head_dim=256,
-             direction="backward",
+             direction="backward", mods=ROW_MODS,
              summary="FMA FlashAttention-2 backward, one thread a row: a key pass (dK, dV) and a "
-                     "query pass (dQ) that recomputes S, no atomics (always deterministic)"),
+                     "query pass (dQ) that recomputes S, no atomics (always deterministic); "
+                     "modifications as cuda.row's forward takes them, with their derivatives"),
 )
 
 _BY_NAME = {"forward": {op.name: op for op in FORWARD},

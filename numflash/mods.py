@@ -27,8 +27,8 @@ Which kernels take modifications (each declares the kinds it takes, numflash.ker
 path (cpu.tiled, forward and backward) takes them all; the tensor-core kernels (cuda.mma, forward
 and backward) take ``window_size`` as a key range per row (:func:`window_key_range`), skipping
 the key tiles outside it, and every other one as CUDA device functions applied score by score
-(numflash/cuda/mma/mods.py); cuda.block and cuda.row refuse them with a reason
-(``numflash.explain`` shows it). A ``block_mask`` (numflash.block_mask) is a mask_mod with its
+(numflash/cuda/mma/mods.py), cuda.row too (but a block mask); cuda.block refuses them with a
+reason (``numflash.explain`` shows it). A ``block_mask`` (numflash.block_mask) is a mask_mod with its
 blocks marked once: kernels skip its EMPTY blocks (cuda.mma also its evaluation in FULL ones). With CuPy inputs the arrays of a modification must be CuPy
 arrays on q's GPU. A new modification compiles a new CPU kernel (a few seconds) once per process
 and combination of argument types; on the GPU kernels are cached on disk, a user's function named

@@ -18,7 +18,8 @@ The layers, innermost first (as flash-attn stacks extension -> custom op -> auto
 
 Repeated CUDA calls replay the recorded kernel launch with the tensors' data pointers (as
 numflash.cuda.fastpath does for CuPy), so a call costs two torch allocations (out, lse) and one
-launch.
+launch; a repeated backward replays its launches too (fastpath.GradientReplay: the gradients
+and scratch from torch's allocator).
 """
 import threading
 
@@ -197,6 +198,44 @@ def _replay_key(q, k, v, options):
             v.data_ptr() % 16, options)
 
 
+def _gradient_replay_key(tensors, options):
+    """A backward's replay key: None unless the six tensors are plain tensors and q is on the
+    current device."""
+    if any(type(t) is not torch.Tensor for t in tensors):
+        return None
+    if tensors[1].device.index != _current_device():
+        return None
+    return ("backward",) + tuple((t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16)
+                                 for t in tensors) + (options,)
+
+
+def _torch_bytes(device):
+    def allocate(nbytes):
+        t = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        return t, t.data_ptr()
+    return allocate
+
+
+def _replay_gradients(replay, tensors):
+    """(dq, dk, dv) as new tensors from a fastpath.GradientReplay, on torch's current stream
+    (scratch from torch's allocator, ordered on that stream)."""
+    device = tensors[1].device
+    grads = tuple(torch.empty(t.shape, dtype=t.dtype, device=device) for t in tensors[1:4])
+    replay.launch(_current_stream(device.index), [t.data_ptr() for t in tensors + grads],
+                  _torch_bytes(device))
+    return grads
+
+
+def _remember_gradients(key, launches, tensors, grads):
+    replay = _fastpath.gradient_replay(launches, [t.data_ptr() for t in (*tensors, *grads)],
+                                       grads)
+    if replay is not None:
+        with _replay_lock:
+            if len(_replays) >= _MAX_REPLAYS:
+                _replays.clear()
+            _replays[key] = replay
+
+
 def _forward_impl(q, k, v, causal, scale, layout, backend, algorithm, precision):
     """(out, lse) as new tensors on q's device: the operator's body."""
     on_cuda = q.is_cuda
@@ -238,11 +277,22 @@ def _backward_impl(do, q, k, v, o, lse, causal, scale, layout, backend, algorith
                    mod_args_grad=False):
     """(dq, dk, dv): into ``grads`` when given (checked by numflash), else new tensors; with
     ``bias_grad``, attn_bias's gradient (a new tensor) next; with ``mod_args_grad``, last, the
-    tuple of mod_args' gradients (new tensors; None where an argument takes none)."""
+    tuple of mod_args' gradients (new tensors; None where an argument takes none). A
+    repeated CUDA call without any of those replays its recorded launches
+    (numflash.cuda.fastpath.GradientReplay)."""
+    tensors = (do, q, k, v, o, lse)
+    key = None
+    if grads is None and not mods and grad_dtype is None and not bias_grad and \
+            not mod_args_grad and q.is_cuda:
+        key = _gradient_replay_key(tensors, (causal, scale, layout, backend, algorithm,
+                                             precision, deterministic))
+        replay = _replays.get(key)
+        if replay is not None:  # the key holds the current device: it is q's
+            return _replay_gradients(replay, tensors)
     _check_tensors(do=do, q=q, k=k, v=v, o=o, lse=lse)
     if grads is None:
         grads = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v)]
-    with _on_torch_stream(q):
+    with _on_torch_stream(q), _fastpath.recording() as launches:
         arrays = _views(do, q, k, v, o, lse, *grads)
         result = _api.attention_backward(
             *arrays[:6], causal=_CAUSAL_ARG[causal], softmax_scale=scale, layout=layout,
@@ -250,6 +300,8 @@ def _backward_impl(do, q, k, v, o, lse, causal, scale, layout, backend, algorith
             deterministic=deterministic, dq=arrays[6], dk=arrays[7], dv=arrays[8],
             grad_dtype=grad_dtype, return_bias_grad=bias_grad,
             return_mod_args_grad=mod_args_grad, **_mod_arrays(mods))
+    if key is not None:
+        _remember_gradients(key, launches, tensors, grads)
     extra = ((_tensor(result[3], q),) if bias_grad else ()) + (
         (tuple(None if g is None else _tensor(g, q) for g in result[-1]),) if mod_args_grad
         else ())
@@ -490,8 +542,8 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, layout="bhsd", backe
     ``mods``: numflash's modification options (window_size, softcap, alibi_slopes, attn_bias,
     attn_mask, score_mod, mask_mod, mod_args, score_mod_grad, score_mod_args_grad; see
     :func:`numflash.attention`), tensors allowed. They run where numflash runs them (the CPU
-    path and, on CUDA tensors, the tensor-core kernels take them all, forward and backward;
-    cuda.block / cuda.row refuse them, naming them) and are differentiable in q, k and v, in
+    path and, on CUDA tensors, the tensor-core kernels take them all, forward and backward,
+    cuda.row all but a block mask; cuda.block refuses them, naming them) and are differentiable in q, k and v, in
     ``attn_bias`` when it requires grad (its gradient has its shape: a broadcast bias gets the
     sum over the dims it broadcasts along), and in a mod_args tensor that requires grad when
     ``score_mod_args_grad`` gives its derivative (see numflash.attention_backward), not in the

@@ -759,16 +759,17 @@ def test_gpu_mma_gradients_meet_the_rule_and_repeat_bitwise(rng, case):
     q, k, v, do = make(rng, B, H, Nq, Nk, d, dv, dtype=dtype, kv_heads=Hkv, layout=layout)
     opts = dict(causal=causal, layout=layout)
     qg, kg, vg, dog = (cupy.asarray(a) for a in (q, k, v, do))
-    plan = numflash.explain(qg, kg, vg, backward=True, **opts)
+    # cuda.mma's backward by name: "auto" takes cuda.wgmma for 16-bit inputs on sm_90
+    plan = numflash.explain(qg, kg, vg, backward=True, algorithm="mma", **opts)
     assert plan.kernel == "cuda.mma"
     o, lse = numflash.attention(qg, kg, vg, return_lse=True, **opts)
-    runs = [numflash.attention_backward(dog, qg, kg, vg, o, lse, deterministic=True, **opts)
-            for _ in range(2)]
+    runs = [numflash.attention_backward(dog, qg, kg, vg, o, lse, deterministic=True,
+                                        algorithm="mma", **opts) for _ in range(2)]
     assert all(bool((a == b).all()) for a, b in zip(*runs))
     assert all(g.dtype == dtype for g in runs[0])
     testing.assert_gradients_accurate([g.get() for g in runs[0]], do, q, k, v, **opts)
     if plan.config["keys"].DQADD:   # the default: dQ added by the key pass (16-bit, sm_90)
-        grads = numflash.attention_backward(dog, qg, kg, vg, o, lse, **opts)
+        grads = numflash.attention_backward(dog, qg, kg, vg, o, lse, algorithm="mma", **opts)
         assert all(g.dtype == dtype for g in grads)
         assert all(bool((a == b).all()) for a, b in zip(grads[1:], runs[0][1:]))
         testing.assert_gradients_accurate([g.get() for g in grads], do, q, k, v, **opts)

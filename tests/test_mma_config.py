@@ -318,7 +318,7 @@ def test_simulator_refuses_mma_with_a_reason(rng, dtype, opts, match):
 
 def test_mma_takes_a_sliding_window_and_the_other_mods():
     """cuda.mma takes window_size (a key range per row, tile skipping) and every other
-    modification (device functions, MODS); cuda.block / cuda.row refuse all of them; an operator
+    modification (device functions, MODS); cuda.block refuses all of them; an operator
     declaring some kinds refuses the others by name."""
     import dataclasses
     from numflash import mods as _mods

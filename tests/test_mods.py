@@ -256,7 +256,9 @@ def test_backward_of_a_score_mod_without_derivative_says_how_to_give_one(rng):
 
 
 @pytest.mark.simulator
-def test_cuda_kernels_refuse_modifications_and_explain_says_why(rng):
+def test_cuda_kernels_take_or_refuse_modifications_and_explain_says_why(rng):
+    """In the simulator (no cuda.mma): cuda.row takes the modifications, cuda.block refuses
+    them, and a block mask, which cuda.row does not take, is refused with both reasons."""
     q, k, v, _ = _qkv(rng, Nq=8, Nk=8)
     # a plan memoized for the same shapes without modifications must not be reused for them
     numflash.attention(q, k, v, backend="cuda")
@@ -264,8 +266,13 @@ def test_cuda_kernels_refuse_modifications_and_explain_says_why(rng):
     plan = numflash.explain(q, k, v, softcap=2.0, window_size=(3, -1))
     assert "cpu.tiled" in str(plan)
     assert "modifications: window_size=(3, -1), softcap=2 (compiled into the kernel" in str(plan)
-    with pytest.raises(ValueError, match="does not take score/mask modifications yet"):
-        numflash.attention(q, k, v, backend="cuda", softcap=2.0)
+    plan = numflash.explain(q, k, v, backend="cuda", softcap=2.0)
+    assert plan.kernel == "cuda.row", str(plan)
+    assert "does not take score/mask modifications yet" in plan.rejected["cuda.block"]
+    block = numflash.create_block_mask(lambda b, h, i, j: j <= i, *q.shape[:3], k.shape[2])
+    with pytest.raises(ValueError, match="(?s)does not take score/mask modifications yet.*"
+                                         "not block_mask"):
+        numflash.attention(q, k, v, backend="cuda", block_mask=block)
 
 
 def test_window_key_range_is_the_window_mask_as_a_range():

@@ -31,9 +31,11 @@ def test_shipped_ptx_is_current_and_covers_the_common_set():
     found = common_targets()
     kinds = {(k.name.split(".backward")[0], plan.direction) for k, _, _, plan in found}
     # every common forward and backward runs on cuda.mma (float32 as 3xTF32), but the 16-bit
-    # forward and backward on sm_90 (cuda.wgmma; its backward's delta pass is cuda.mma's)
+    # forward and backward on sm_90 (cuda.wgmma; its backward's delta pass is cuda.mma's, and
+    # its dQ adds end with cuda.dq_round)
     assert kinds == {("cuda.mma", "forward"), ("cuda.mma", "backward"),
-                     ("cuda.wgmma", "forward"), ("cuda.wgmma", "backward")}, kinds
+                     ("cuda.wgmma", "forward"), ("cuda.wgmma", "backward"),
+                     ("cuda.dq_round", "backward")}, kinds
     for kernel, sig, cc, _ in found:
         path = prebuilt.find(kernel.prebuilt_key(sig), cc)
         assert path is not None and path.name.endswith(f"sm{cc[0]}{cc[1]}.ptx.xz"), (

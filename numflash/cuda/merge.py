@@ -63,8 +63,9 @@ def merge_splits(part, part_lse, out, lse):
         lse[b, h, i] = row_lse
 """
 
-#: how a merged value (float32 or float64) is written into the output, by its kind
-_STORE = {"f16": "uint16(U(pack_f16x2(value, ZERO)) & U(0xFFFF))",
+#: how a value (float32 or float64) is written into an output of each kind, 16-bit ones as their
+#: bits rounded to nearest even (cuda.dq_round's kernel writes dQ so too)
+STORE = {"f16": "uint16(U(pack_f16x2(value, ZERO)) & U(0xFFFF))",
           "bf16": "uint16(U(pack_bf16x2(value, ZERO)) & U(0xFFFF))",
           "f32": "value", "f64": "value"}
 
@@ -75,7 +76,7 @@ OUT_KIND = {"float16": "f16", "bfloat16": "bf16", "float32": "f32", "float64": "
 def kernel_source(OUT):
     """Python source of the merge kernel writing outputs of kind ``OUT`` (f16, bf16, f32,
     f64)."""
-    return _SOURCE.format(store=_STORE[OUT])
+    return _SOURCE.format(store=STORE[OUT])
 
 
 def make_kernel(OUT):

@@ -15,17 +15,23 @@ spills for any head dim up to 256, float32 or float64, on sm_75/80/90 (tests/tes
 On the H100 this beat keeping everything in registers and letting ptxas spill 0.3-0.5 KB: float32
 d=128 45.4 against 47.0 ms, float64 d=64 39.6 against 43.5 ms (bench/NOTES.md).
 """
+import hashlib
+import inspect
 import math
 from dataclasses import dataclass
 
 import numpy as np
-from numba import cuda
+from numba import cuda, int64
 
+from .. import mods as user_mods
 from ..device import Unsupported
 from . import launch
 from .config import SIMT_ACC, SimtConfig, simt_dt
-from .common import NEG_INF, SMEM_ALIGN, compute_type, element_size, exp_for, forward_signature, \
-    head_dim_bucket, key_end, stage_chunk, tile_stager, vector_load
+from .common import NEG_INF, SMEM_ALIGN, compute_type, device_function, element_size, exp_for, \
+    forward_signature, head_dim_bucket, inlined_device, key_end, stage_chunk, tile_stager, \
+    vector_load
+from .mma import mods
+from .mma.emit import Source
 
 NAME = "cuda.row"
 REG_WORDS = 160   # 32-bit words of q row + accumulator a thread keeps in registers (no spills)
@@ -49,11 +55,17 @@ class RowConfig(SimtConfig):
     BC: int
     HOLDQ: int
     DT: str
+    MODS: str = ""    # the modifications applied score by score (cuda.mma.mods' token)
+    WINDOW: int = 0   # a sliding window: each row's keys, and the block's tiles, limited to it
 
 
-def make_kernel(D, DV, BR, BC, HOLDQ, DT):
+def make_kernel(D, DV, BR, BC, HOLDQ, DT, MODS="", WINDOW=0):
     """Kernel for q/k head dims padded to D, DV output columns a block, BR query rows (threads) a
-    block, BC keys a tile; HOLDQ: the q row stays in registers, else in shared memory.
+    block, BC keys a tile; HOLDQ: the q row stays in registers, else in shared memory. With
+    MODS, each scaled score goes through the call's composed modifications (cuda.mma.mods: the
+    device functions the tensor-core kernels call; a refused pair's -inf skips the key), their
+    arguments passed after the others; with WINDOW, each row's key range is cut to the window
+    (numflash.mods.window_key_range) and the block visits only the tiles its rows' ranges meet.
 
     Shared-memory indices are uint64 (with uint64 constants) so numba emits no negative-index
     wraparound code in the inner loops.
@@ -74,7 +86,11 @@ def make_kernel(D, DV, BR, BC, HOLDQ, DT):
     VW = 16 // element_size(acc)  # elements per 16-byte load; D and DV are multiples of 16
     uVW = u(VW)
 
-    def row_attention(q, k, v, out, lse, scale, causal, causal_offset):
+    mod_score = mod_functions(MODS, acc)
+
+    @inlined_device
+    def row_attention(q, k, v, out, lse, scale, causal, causal_offset, window_left,
+                      window_right, margs):
         H = q.shape[1]
         Nq, d, Nk, dv = u(q.shape[2]), u(q.shape[3]), u(k.shape[2]), u(v.shape[3])
         sc = ACC(scale)
@@ -105,14 +121,29 @@ def make_kernel(D, DV, BR, BC, HOLDQ, DT):
         l = ACC(0)
 
         row_keys = u(key_end(i, Nk, causal, causal_offset)) if i < Nq else zero
-        block_keys = u(key_end(min(Nq, block_first + uBR) - u(1), Nk, causal, causal_offset))
-        for j0 in range(zero, block_keys, uBC):
+        last_row = min(Nq, block_first + uBR) - u(1)
+        block_keys = u(key_end(last_row, Nk, causal, causal_offset))
+        row_first = zero
+        block_start = zero
+        if WINDOW:  # (a window's edges only move right from row to row)
+            first, end = window_range(int64(i), int64(Nk), window_left, window_right,
+                                      causal_offset)
+            row_first = u(first)
+            row_keys = min(row_keys, u(max(first, end))) if i < Nq else zero
+            first, end = window_range(int64(last_row), int64(Nk), window_left, window_right,
+                                      causal_offset)
+            block_keys = min(block_keys, u(max(first, end)))
+            first, end = window_range(int64(block_first), int64(Nk), window_left,
+                                      window_right, causal_offset)
+            block_start = u(first) // uBC * uBC
+        for j0 in range(block_start, block_keys, uBC):
             cuda.syncthreads()  # the previous tile is no longer read
             stage_k(kbh, j0, Nk, d, regs, smem, zero, tid)
             stage_v(vbh, j0, Nk, cols, regs, smem, V_OFF, tid)
             cuda.syncthreads()
             keys = min(uBC, row_keys - j0) if row_keys > j0 else zero
-            for j in range(keys):  # K and V rows: 16-byte loads, broadcast to every thread
+            skip = row_first - j0 if WINDOW and row_first > j0 else zero
+            for j in range(skip, keys):  # K and V rows: 16-byte loads, broadcast to every thread
                 kj = j * uD
                 vj = V_OFF + j * uDV
                 for w in range(uVW):  # VW partial sums: VW independent FMA chains, not one
@@ -125,6 +156,10 @@ def make_kernel(D, DV, BR, BC, HOLDQ, DT):
                 for w in range(u(1), uVW):
                     dot += dots[w]
                 s = dot * sc  # scale the score, not q: pre-scaling would round q once more
+                if MODS:
+                    s = mod_score(s, int64(b), int64(h), int64(i), int64(j0 + j), *margs)
+                    if s == NEG_INF:  # a refused pair: the key takes no part
+                        continue
                 if s > m:  # new max: rescale what was accumulated, this key's weight is 1
                     alpha = exp(m - s)
                     l = l * alpha + 1
@@ -149,7 +184,57 @@ def make_kernel(D, DV, BR, BC, HOLDQ, DT):
             if col0 == zero:
                 lse[b, h, i] = m + math.log(l) if l != 0 else NEG_INF
 
-    return row_attention
+    return entry("row_attention", row_attention, FORWARD_PARAMETERS, MODS, WINDOW, acc)
+
+
+FORWARD_PARAMETERS = "q, k, v, out, lse, scale, causal, causal_offset"
+
+window_range = device_function(user_mods.window_key_range)
+
+
+def mod_functions(token, acc, name="mod_score"):
+    """The composed modification function ``name`` (cuda.mma.mods.namespace's mod_score, or
+    mod_score_grad for a backward) of a MODS token, or None without."""
+    if not token:
+        return None
+    return mods.namespace(token, np.dtype(acc).type, device_function)[name]
+
+
+def entry(name, body, parameters, token, window, acc):
+    """The kernel ``name``: ``parameters``, then (``window``) the window's left and right, then
+    (``token``) the modifications' arguments; it calls ``body`` with ``parameters``, the
+    window's edges (0, 0 without) and the modifications' arguments as a tuple (floats in the
+    compute type, as the tensor-core kernels take them). Generated, since a kernel's arguments
+    are its signature's: cuda.row's forward and backward kernels are such entries."""
+    s = Source()
+    params = parameters + (", window_left, window_right" if window else "") + \
+        mods.parameters(token)
+    s(f"def {name}({params}):")
+    with s.block():
+        if token:
+            mods.emit_locals(s, token, acc)
+        margs = mods.composition(token).locals if token else ""
+        s(f"body({parameters}, {'window_left, window_right' if window else '0, 0'}, "
+          f"({margs}{',' if margs else ''}))")
+    ns = {"body": body, acc: mods._real_type(np.dtype(acc).type, device_function)}
+    exec(compile(s.text(), f"<{NAME} {name}>", "exec"), ns)  # noqa: S102 - generated here
+    return ns[name]
+
+
+def identity(module_name, token):
+    """A cuda.row variant's code: its module's sources and, with modifications, their
+    functions'."""
+    digest = launch.source_digest(module_name)
+    if not token:
+        return digest
+    h = hashlib.sha256(digest.encode())
+    for fn in mods.identity_functions(token):
+        h.update(inspect.getsource(fn).encode())
+    return h.hexdigest()[:16]
+
+
+make_kernel.code_identity = lambda **config: identity(__name__, config.get("MODS", ""))
+make_kernel.cacheable = lambda **config: mods.cacheable(config.get("MODS", ""))
 
 
 def config(problem, device):
@@ -167,11 +252,13 @@ def config(problem, device):
         q_shared = room == 0 or -(-DV // room) > MAX_SPLITS
         DV = min(DV, ACC_WORDS // words if q_shared else room)
     limit = None if device.simulator else device.smem_per_block_optin
+    token = mods.token_for(problem.mods)   # (the window and a block mask are not in it)
+    window = int(bool(getattr(problem.mods, "window", None)))
     # The most rows a block (q in shared memory costs BR x D words), then the largest
     # power-of-two key tile (8..64) whose K and V fit KV_TILE_BYTES and the device's limit.
     for rows in ((32,) if device.simulator else (128, 64, 32, 16)):
         for bc in (64, 32, 16, 8):
-            cfg = RowConfig(D, DV, rows, bc, int(not q_shared), DT)
+            cfg = RowConfig(D, DV, rows, bc, int(not q_shared), DT, token, window)
             if bc * (D + DV) * esize <= KV_TILE_BYTES and (
                     limit is None or shared_bytes(cfg) <= limit):
                 return cfg
@@ -188,7 +275,9 @@ def shared_bytes(cfg):
 def compiled_kernels(cfg, dtype):
     """What run() launches for this config and input dtype: [(Kernel, numba argument types)],
     for `numflash.precompile` and `explain`'s cache status."""
-    return [(launch.get_kernel(NAME, make_kernel, cfg), forward_signature(dtype))]
+    from numba import types
+    return [(launch.get_kernel(NAME, make_kernel, cfg), forward_signature(dtype) +
+             (types.int64,) * (2 * cfg.WINDOW) + mods.argument_types(cfg.MODS))]
 
 
 def run(problem, cfg, device):
@@ -197,7 +286,11 @@ def run(problem, cfg, device):
     (kernel, _), = compiled_kernels(cfg, p.dtype_name)
     lse = p.empty_lse()
     grid = (B * H, -(-Nq // cfg.BR), -(-dv // cfg.DV))
-    kernel(grid, (cfg.NT,), shared_bytes(cfg),
-           (p.q, p.k, p.v, p.out, lse, float(p.scale), int(p.causal), int(p.causal_offset)),
-           device)
+    extra = tuple(int(w) for w in p.mods.window) if cfg.WINDOW else ()
+    if cfg.MODS:
+        extra += mods.arguments(p.mods)
+    with user_mods.compile_errors(p.mods, NAME):
+        kernel(grid, (cfg.NT,), shared_bytes(cfg),
+               (p.q, p.k, p.v, p.out, lse, float(p.scale), int(p.causal),
+                int(p.causal_offset)) + extra, device)
     return lse

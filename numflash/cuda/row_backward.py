@@ -22,13 +22,15 @@ accumulators stay in registers at any head dim (as the forward row kernel splits
 from dataclasses import dataclass
 
 import numpy as np
-from numba import cuda
+from numba import cuda, int64
 
 from ..device import Unsupported
-from . import launch
+from .. import mods as user_mods
+from . import launch, row
 from .config import SIMT_ACC, SimtConfig, simt_dt
 from .common import NEG_INF, SMEM_ALIGN, compute_type, device_function, element_size, exp_for, \
-    head_dim_bucket, key_end, stage_chunk, tile_stager
+    head_dim_bucket, inlined_device, key_end, stage_chunk, tile_stager
+from .mma import mods
 
 NAME = "cuda.row"
 ACC_WORDS = 64        # 32-bit words of accumulated gradient columns a thread keeps (no spills)
@@ -56,12 +58,16 @@ class RowBackwardConfig(SimtConfig):
     CW_KEY: int
     CW_QUERY: int
     SUMS: int = 1
+    MODS: str = ""    # as cuda.row's forward: modifications score by score (their derivatives)
+    WINDOW: int = 0   # a sliding window: each row's (key's) range limited to it
 
     def pass_config(self, kernel):
         """The compile-time config of the "keys" or "queries" kernel."""
         cw = self.CW_KEY if kernel == "keys" else self.CW_QUERY
         return {"D": self.D, "DV": self.DV, "CW": cw, "BR": self.BR, "BC": self.BC,
-                "DT": self.DT, "SUMS": self.SUMS}
+                "DT": self.DT, "SUMS": self.SUMS,
+                **{name: getattr(self, name) for name in ("MODS", "WINDOW")
+                   if getattr(self, name)}}
 
 
 def _own_rows_loader(D, BR, ACC):
@@ -89,9 +95,10 @@ def _pass_pieces(BC, D, DV, BR, acc):
             _own_rows_loader(DV, BR, ACC))
 
 
-def make_key_kernel(D, DV, CW, BR, BC, DT, SUMS=1):
+def make_key_kernel(D, DV, CW, BR, BC, DT, SUMS=1, MODS="", WINDOW=0):
     """dK and dV: BR key rows a block, query tiles of BC rows, CW accumulated columns of the
-    concatenated [dK | dV] (D + DV padded columns) per block (grid z); SUMS levels of sums."""
+    concatenated [dK | dV] (D + DV padded columns) per block (grid z); SUMS levels of sums;
+    MODS, WINDOW as cuda.row's forward (a pair's dS times the modifications' derivative)."""
     acc = SIMT_ACC[DT]
     ACC = compute_type(acc)
     exp = exp_for(acc)
@@ -105,8 +112,11 @@ def make_key_kernel(D, DV, CW, BR, BC, DT, SUMS=1):
     DS = LS + uBC
     zero = u(0)
     stage_q, stage_do, STAGE_REGS, load_own_row, load_own_v = _pass_pieces(BC, D, DV, BR, acc)
+    mod_score_grad = row.mod_functions(MODS, acc, "mod_score_grad")
 
-    def key_gradients(q, k, v, do, lse, delta, dk, dv, scale, causal, causal_offset):
+    @inlined_device
+    def key_gradients(q, k, v, do, lse, delta, dk, dv, scale, causal, causal_offset,
+                      window_left, window_right, margs):
         H = q.shape[1]  # dk, dv: (B, H, Nk, .), each query head's share (see run())
         Nq, d, Nk, dvd = u(q.shape[2]), u(q.shape[3]), u(k.shape[2]), u(v.shape[3])
         sc = ACC(scale)
@@ -129,8 +139,16 @@ def make_key_kernel(D, DV, CW, BR, BC, DT, SUMS=1):
         i_start = zero
         if causal and int(j_first) - causal_offset > 0:
             i_start = u(int(j_first) - causal_offset) // uBC * uBC
+        i_end = Nq
+        if WINDOW:  # the rows whose window reaches the block's keys
+            if window_right >= 0 and int(j_first) - causal_offset - window_right > 0:
+                i_start = max(i_start, u(int(j_first) - causal_offset - window_right) // uBC
+                              * uBC)
+            if window_left >= 0:
+                last = int(j_first) + int(uBR) - 1 - causal_offset + window_left + 1
+                i_end = min(Nq, u(max(0, last)))
         qbh, dobh = q[b, h], do[b, h]
-        for i0 in range(i_start, Nq, uBC):
+        for i0 in range(i_start, i_end, uBC):
             cuda.syncthreads()  # the previous tile is no longer read
             stage_q(qbh, i0, Nq, d, regs, smem, QS, tid)
             stage_do(dobh, i0, Nq, dvd, regs, smem, DOS, tid)
@@ -147,14 +165,26 @@ def make_key_kernel(D, DV, CW, BR, BC, DT, SUMS=1):
                 m = smem[LS + r]
                 if j >= Nk or m == NEG_INF or j >= u(key_end(i0 + r, Nk, causal, causal_offset)):
                     continue  # this key is not seen by the row, or the row sees no key
+                if WINDOW:
+                    first, end = row.window_range(int64(i0 + r), int64(Nk), window_left,
+                                                  window_right, causal_offset)
+                    if int64(j) < first or int64(j) >= end:
+                        continue
                 s = ACC(0)
                 for c in range(uD):
                     s += smem[QS + r * uD + c] * smem[KT + c * uBR + tid]
                 dp = ACC(0)
                 for c in range(uDV):
                     dp += smem[DOS + r * uDV + c] * smem[VT + c * uBR + tid]
-                p = exp(s * sc - m)
-                ds = p * (dp - smem[DS + r]) * sc
+                x = s * sc
+                grad = ACC(1)
+                if MODS:
+                    x, grad = mod_score_grad(x, int64(b), int64(h), int64(i0 + r), int64(j),
+                                             *margs)
+                    if x == NEG_INF:  # a refused pair
+                        continue
+                p = exp(x - m)
+                ds = p * (dp - smem[DS + r]) * grad * sc
                 for w in range(uCW):
                     c = col0 + w
                     if c < uD:
@@ -178,12 +208,16 @@ def make_key_kernel(D, DV, CW, BR, BC, DT, SUMS=1):
                 elif uD <= c and c - uD < dvd:
                     dv[b, h, j, c - uD] = acc_g[w]
 
-    return key_gradients
+    return row.entry("key_gradients", key_gradients, KEY_PARAMETERS, MODS, WINDOW, acc)
 
 
-def make_query_kernel(D, DV, CW, BR, BC, DT, SUMS=1):
+KEY_PARAMETERS = "q, k, v, do, lse, delta, dk, dv, scale, causal, causal_offset"
+QUERY_PARAMETERS = "q, k, v, do, lse, delta, dq, scale, causal, causal_offset"
+
+
+def make_query_kernel(D, DV, CW, BR, BC, DT, SUMS=1, MODS="", WINDOW=0):
     """dQ: BR query rows a block, key tiles of BC rows, CW columns of dQ per block (grid z);
-    SUMS levels of sums."""
+    SUMS levels of sums; MODS, WINDOW as the key pass."""
     acc = SIMT_ACC[DT]
     ACC = compute_type(acc)
     exp = exp_for(acc)
@@ -195,8 +229,11 @@ def make_query_kernel(D, DV, CW, BR, BC, DT, SUMS=1):
     VS = KS + u(BC * D)
     zero = u(0)
     stage_k, stage_v, STAGE_REGS, load_own_row, load_own_do = _pass_pieces(BC, D, DV, BR, acc)
+    mod_score_grad = row.mod_functions(MODS, acc, "mod_score_grad")
 
-    def query_gradients(q, k, v, do, lse, delta, dq, scale, causal, causal_offset):
+    @inlined_device
+    def query_gradients(q, k, v, do, lse, delta, dq, scale, causal, causal_offset, window_left,
+                        window_right, margs):
         H = q.shape[1]
         Nq, d, Nk, dvd = u(q.shape[2]), u(q.shape[3]), u(k.shape[2]), u(v.shape[3])
         sc = ACC(scale)
@@ -217,10 +254,24 @@ def make_query_kernel(D, DV, CW, BR, BC, DT, SUMS=1):
         for c in range(uCW):
             acc_g[c] = 0
         row_keys = u(key_end(i, Nk, causal, causal_offset)) if i < Nq and m != NEG_INF else zero
-        block_keys = u(key_end(min(Nq, block_first + uBR) - u(1), Nk, causal, causal_offset))
+        last_row = min(Nq, block_first + uBR) - u(1)
+        block_keys = u(key_end(last_row, Nk, causal, causal_offset))
+        row_first = zero
+        block_start = zero
+        if WINDOW:  # as cuda.row's forward
+            first, end = row.window_range(int64(i), int64(Nk), window_left, window_right,
+                                          causal_offset)
+            row_first = u(first)
+            row_keys = min(row_keys, u(max(first, end)))
+            first, end = row.window_range(int64(last_row), int64(Nk), window_left,
+                                          window_right, causal_offset)
+            block_keys = min(block_keys, u(max(first, end)))
+            first, end = row.window_range(int64(block_first), int64(Nk), window_left,
+                                          window_right, causal_offset)
+            block_start = u(first) // uBC * uBC
         hk = h // u(H // k.shape[1])  # grouped-query attention: the key/value head h reads
         kbh, vbh = k[b, hk], v[b, hk]
-        for j0 in range(zero, block_keys, uBC):
+        for j0 in range(block_start, block_keys, uBC):
             cuda.syncthreads()
             stage_k(kbh, j0, Nk, d, regs, smem, KS, tid)
             stage_v(vbh, j0, Nk, dvd, regs, smem, VS, tid)
@@ -229,14 +280,22 @@ def make_query_kernel(D, DV, CW, BR, BC, DT, SUMS=1):
             if two_level:
                 for w in range(uCW):
                     acc_t[w] = 0
-            for jj in range(keys):
+            skip = row_first - j0 if WINDOW and row_first > j0 else zero
+            for jj in range(skip, keys):
                 s = ACC(0)
                 for c in range(uD):
                     s += smem[QT + c * uBR + tid] * smem[KS + jj * uD + c]
                 dp = ACC(0)
                 for c in range(uDV):
                     dp += smem[DOT + c * uBR + tid] * smem[VS + jj * uDV + c]
-                ds = exp(s * sc - m) * (dp - di) * sc
+                x = s * sc
+                grad = ACC(1)
+                if MODS:
+                    x, grad = mod_score_grad(x, int64(b), int64(h), int64(i), int64(j0 + jj),
+                                             *margs)
+                    if x == NEG_INF:  # a refused pair
+                        continue
+                ds = exp(x - m) * (dp - di) * grad * sc
                 for w in range(uCW):
                     c = col0 + w
                     if c < uD:
@@ -253,7 +312,12 @@ def make_query_kernel(D, DV, CW, BR, BC, DT, SUMS=1):
                 if c < d:
                     dq[b, h, i, c] = acc_g[w]
 
-    return query_gradients
+    return row.entry("query_gradients", query_gradients, QUERY_PARAMETERS, MODS, WINDOW, acc)
+
+
+for _factory in (make_key_kernel, make_query_kernel):
+    _factory.code_identity = lambda **config: row.identity(__name__, config.get("MODS", ""))
+    _factory.cacheable = lambda **config: mods.cacheable(config.get("MODS", ""))
 
 
 def _chunk_width(total, words):
@@ -273,11 +337,13 @@ def config(problem, device):
     D, DV = head_dim_bucket(d), head_dim_bucket(dv)
     words = esize // 4
     limit = None if device.simulator else device.smem_per_block_optin
+    token = mods.token_for(problem.mods)
+    window = int(bool(getattr(problem.mods, "window", None)))
     for rows in ((32,) if device.simulator else (128, 64, 32)):
         for tile in (64, 32, 16, 8):
             cfg = RowBackwardConfig(D, DV, rows, tile, DT,
                                     _chunk_width(D + DV, words), _chunk_width(D, words),
-                                    2 if problem.dtype_name == "float32" else 1)
+                                    2 if problem.dtype_name == "float32" else 1, token, window)
             if tile * (D + DV) * esize <= TILE_BYTES and (
                     limit is None or shared_bytes(cfg) <= limit):
                 return cfg
@@ -292,17 +358,18 @@ def shared_bytes(cfg):
     return (own + tiles) * element_size(cfg.acc)
 
 
-def signature(dtype, kernel):
+def signature(dtype, kernel, window=0, token=""):
     """The argument types of the "keys" or "queries" kernel: q, k, v, dO (bfloat16 staged as
     float32), lse and D in the compute type, then dK, dV or dQ in the compute type, then scale,
-    causal, causal_offset."""
+    causal, causal_offset (then a window's two edges, then the modifications' arguments)."""
     from numba import types
     from .launch import array_type
     acc = SIMT_ACC[simt_dt(dtype)]
     arr = array_type("float32" if dtype == "bfloat16" else dtype)
     rows, grad = array_type(acc, 3), array_type(acc)
     grads = (grad, grad) if kernel == "keys" else (grad,)
-    return (arr, arr, arr, arr, rows, rows, *grads, types.float64, types.int64, types.int64)
+    return (arr, arr, arr, arr, rows, rows, *grads, types.float64, types.int64, types.int64) + \
+        (types.int64,) * (2 * window) + mods.argument_types(token)
 
 
 def compiled_kernels(cfg, dtype):
@@ -311,11 +378,14 @@ def compiled_kernels(cfg, dtype):
     keys = launch.get_kernel(NAME + ".backward_keys", make_key_kernel, cfg.pass_config("keys"))
     queries = launch.get_kernel(NAME + ".backward_queries", make_query_kernel,
                                 cfg.pass_config("queries"))
-    return [(keys, signature(dtype, "keys")), (queries, signature(dtype, "queries"))]
+    return [(keys, signature(dtype, "keys", cfg.WINDOW, cfg.MODS)),
+            (queries, signature(dtype, "queries", cfg.WINDOW, cfg.MODS))]
 
 
 def run(problem, cfg, device):
     """Fill problem.dq, dk, dv (the gradients) for a normalized device or simulator problem."""
+    from . import fastpath
+    fastpath.note_unreplayable("cuda.row's backward: CuPy computes delta, copies and GQA sums")
     p = problem
     xp = p.xp
     B, H, Nq, Nk, d, dv = p.shape
@@ -337,14 +407,20 @@ def run(problem, cfg, device):
                                            for g in grads[1:]]
     D, DV, BR = cfg.D, cfg.DV, cfg.BR
     opts = (float(p.scale), int(p.causal), int(p.causal_offset))
+    if cfg.WINDOW:
+        opts += tuple(int(w) for w in p.mods.window)
+    if cfg.MODS:
+        opts += mods.arguments(p.mods)
     (key_kernel, _), (query_kernel, _) = compiled_kernels(cfg, p.dtype_name)
-    key_kernel((B * H, -(-Nk // BR), -(-(D + DV) // cfg.CW_KEY)), (cfg.NT,),
-               shared_bytes(cfg), (q, k, v, do, lse, delta, shares[0], shares[1], *opts), device)
-    if group > 1:
-        for g, share in zip(grads[1:], shares):
-            g[...] = share.reshape(B, H // group, group, Nk, g.shape[3]).sum(axis=2)
-    query_kernel((B * H, -(-Nq // BR), -(-D // cfg.CW_QUERY)), (cfg.NT,), shared_bytes(cfg),
-                 (q, k, v, do, lse, delta, grads[0], *opts), device)
+    with user_mods.compile_errors(p.mods, NAME):
+        key_kernel((B * H, -(-Nk // BR), -(-(D + DV) // cfg.CW_KEY)), (cfg.NT,),
+                   shared_bytes(cfg), (q, k, v, do, lse, delta, shares[0], shares[1], *opts),
+                   device)
+        if group > 1:
+            for g, share in zip(grads[1:], shares):
+                g[...] = share.reshape(B, H // group, group, Nk, g.shape[3]).sum(axis=2)
+        query_kernel((B * H, -(-Nq // BR), -(-D // cfg.CW_QUERY)), (cfg.NT,),
+                     shared_bytes(cfg), (q, k, v, do, lse, delta, grads[0], *opts), device)
     for g, mine in zip((p.dq, p.dk, p.dv), grads):
         if g is not mine:
             g[...] = mine

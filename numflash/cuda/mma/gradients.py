@@ -211,6 +211,10 @@ def dq_adds(problem, keys, device):
         return ""
     if device.cc is None or device.cc < (9, 0):   # red.global.add.v4.f32 is sm_90's
         return ""
+    from .. import dq_round
+    B, H, Nq = problem.shape[:3]
+    if not dq_round.fits(B * H * Nq, keys.D):   # (a packed problem's B is 1)
+        return ""
     return "red4"
 
 
@@ -310,11 +314,20 @@ def signature(dtype, kernel, window=False, token="", varlen=False, grad32=False,
 
 
 def compiled_kernels(cfg, dtype):
-    """[(Kernel, numba argument types)] run() launches: the query pass, then the key pass."""
+    """[(Kernel, numba argument types)] run() launches: the query pass, then the key pass (and,
+    with DQADD, cuda.dq_round's)."""
     from .. import launch
     return [query_pass_kernel(cfg["queries"], dtype),
             (launch.get_kernel(NAME + ".backward_keys", make_key_kernel, cfg["keys"]),
-             _signature(dtype, "keys", cfg["keys"]))]
+             _signature(dtype, "keys", cfg["keys"]))] + dq_round_kernel(cfg, dtype)
+
+
+def dq_round_kernel(cfg, dtype):
+    """[(Kernel, argument types)] of cuda.dq_round for a DQADD backward config, else []."""
+    if not cfg["keys"].DQADD:
+        return []
+    from .. import dq_round
+    return [dq_round.kernel("float32" if cfg["queries"].GRAD32 else str(dtype))]
 
 
 def query_pass_kernel(queries, dtype):
@@ -333,7 +346,7 @@ def _signature(dtype, kernel, c):
 def run(problem, cfg, device):
     """Fill problem.dq, dk, dv (and dbias when asked for) for a normalized CuPy problem."""
     launch_passes(problem, cfg, device, [kernel for kernel, _ in
-                                         compiled_kernels(cfg, problem.dtype_name)],
+                                         compiled_kernels(cfg, problem.dtype_name)[:2]],
                   (shared_bytes(cfg["queries"], "queries"), shared_bytes(cfg["keys"], "keys")))
 
 
@@ -342,6 +355,7 @@ def launch_passes(problem, cfg, device, kernels, smem):
     each: cuda.mma's, or another key pass that takes the DQADD key pass's arguments and reads
     the same config fields, as cuda.wgmma's does) and fill the problem's gradients."""
     import cupy
+    from .. import dq_round, fastpath
     p = problem
     B, H, Nq, Nk, d, dv = p.shape
     # 16-bit kernels take the bits; 3xTF32 and float64 read their inputs as they are
@@ -349,11 +363,14 @@ def launch_passes(problem, cfg, device, kernels, smem):
         (lambda a: a)
     with cupy.cuda.Device(p.q.device.id):     # on the arrays' GPU, not the current one
         # rowsum(dO * O), in the lse's precision: the query pass writes it
-        delta = cupy.empty((B, H, Nq), p.lse.dtype)
+        delta = fastpath.note_scratch(cupy.empty((B, H, Nq), p.lse.dtype))
         # DQADD: dQ's float32 accumulator, at the padded head dim (whole mma tiles)
-        dq_acc = cupy.zeros(p.q.shape[:3] + (cfg["keys"].D,), cupy.float32) \
+        dq_acc = fastpath.note_scratch(cupy.zeros(p.q.shape[:3] + (cfg["keys"].D,),
+                                                  cupy.float32), zeroed=True) \
             if cfg["keys"].DQADD else None
         bias_args = ()
+        if cfg["keys"].DBIAS or cfg["keys"].MARGS:   # CuPy work on their accumulators below
+            fastpath.note_unreplayable("attn_bias's or mod_args' gradients")
         if cfg["keys"].DBIAS:
             acc, view = bias_grad_accumulator(cupy, p.dbias, (B, H, Nq, Nk), cupy.dtype(
                 bias_accumulator_type(cfg["keys"].DBIAS, cfg["keys"].DT)))
@@ -388,7 +405,7 @@ def launch_passes(problem, cfg, device, kernels, smem):
              inputs + (lse, delta, grad(p.dk), grad(p.dv)) + scalars + bias_args +
              arg_args + ((dq_acc,) if kc.DQADD else ()), device)
     if kc.DQADD:   # rounded to the gradient's dtype as the query pass's stores round
-        p.dq[...] = dq_acc[..., :d]
+        dq_round.run(dq_acc, grad(p.dq), "float32" if qc.GRAD32 else p.dtype_name, device)
     if bias_args and acc.data.ptr != p.dbias.data.ptr:
         p.dbias[...] = acc.reshape(p.dbias.shape)
     if arg_args:

@@ -1,5 +1,6 @@
 """cuda.wgmma's backward operator: cuda.mma's delta pass, then the wgmma key pass
-(backward.py), which computes dK and dV and adds dQ into a float32 accumulator.
+(backward.py), which computes dK and dV and adds dQ into a float32 accumulator, then
+cuda.dq_round's launch, which rounds that into dQ.
 
 float16 / bfloat16, head dims up to 128 (zero-padded to 64 or 128), causal in both alignments,
 GQA, packed sequences in one launch (attention_varlen: VARLEN, as cuda.mma runs them), on
@@ -12,6 +13,7 @@ gradients of 16-bit inputs (grad_dtype); strided rows and head dims that are not
 import dataclasses
 
 from ...device import Unsupported
+from .. import dq_round
 from ..mma import gradients as mma_gradients
 from ..mma.backward import shared_bytes as mma_shared_bytes
 from .backward import WgmmaBackwardConfig, make_kernel, shared_bytes
@@ -49,6 +51,10 @@ def config(problem, device):
     if packed:
         check_packed(problem, NAME)
     NWG, form = TILES[max(D, DV)]
+    if not dq_round.fits(B * H * Nq, D):
+        raise Unsupported(f"{NAME}'s backward adds dQ into a float32 accumulator of "
+                          f"{B * H * Nq * D} words, past the 2**34 cuda.dq_round indexes: "
+                          f"cuda.mma's backward takes it (two passes, no accumulator)")
     keys = WgmmaBackwardConfig(D, DV, NWG, 64, DT, form, VARLEN=packed)
     queries = dataclasses.replace(mma_gradients.with_dq_adds(
         mma_gradients.tiles(D, DV, device.smem_per_block_optin, DT=DT, cc=device.cc), "red4",
@@ -63,19 +69,20 @@ def config(problem, device):
 
 
 def compiled_kernels(cfg, dtype):
-    """[(Kernel, numba argument types)] run() launches: cuda.mma's delta pass, then the wgmma
-    key pass."""
+    """[(Kernel, numba argument types)] run() launches: cuda.mma's delta pass, the wgmma key
+    pass, then cuda.dq_round's."""
     from .. import launch
     return [mma_gradients.query_pass_kernel(cfg["queries"], dtype),
             (launch.get_kernel(NAME + ".backward_keys", make_kernel, cfg["keys"]),
              mma_gradients.signature(dtype, "keys", varlen=bool(cfg["keys"].VARLEN),
-                                     dq_adds=True))]
+                                     dq_adds=True))] + mma_gradients.dq_round_kernel(cfg, dtype)
 
 
 def run(problem, cfg, device):
     """Fill problem.dq, dk, dv for a normalized CuPy problem."""
     mma_gradients.launch_passes(problem, cfg, device,
-                                [kernel for kernel, _ in compiled_kernels(cfg, problem.dtype_name)],
+                                [kernel for kernel, _ in
+                                 compiled_kernels(cfg, problem.dtype_name)[:2]],
                                 (mma_shared_bytes(cfg["queries"], "queries"),
                                  shared_bytes(cfg["keys"])))
 
