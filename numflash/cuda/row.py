@@ -252,8 +252,9 @@ def config(problem, device):
         q_shared = room == 0 or -(-DV // room) > MAX_SPLITS
         DV = min(DV, ACC_WORDS // words if q_shared else room)
     limit = None if device.simulator else device.smem_per_block_optin
-    token = mods.token_for(problem.mods)   # (the window and a block mask are not in it)
-    window = int(bool(getattr(problem.mods, "window", None)))
+    mod = getattr(problem, "mods", None)
+    token = mods.token_for(mod)   # (the window and a block mask are not in it)
+    window = int(bool(getattr(mod, "window", None)))
     # The most rows a block (q in shared memory costs BR x D words), then the largest
     # power-of-two key tile (8..64) whose K and V fit KV_TILE_BYTES and the device's limit.
     for rows in ((32,) if device.simulator else (128, 64, 32, 16)):

@@ -337,8 +337,9 @@ def config(problem, device):
     D, DV = head_dim_bucket(d), head_dim_bucket(dv)
     words = esize // 4
     limit = None if device.simulator else device.smem_per_block_optin
-    token = mods.token_for(problem.mods)
-    window = int(bool(getattr(problem.mods, "window", None)))
+    mod = getattr(problem, "mods", None)
+    token = mods.token_for(mod)
+    window = int(bool(getattr(mod, "window", None)))
     for rows in ((32,) if device.simulator else (128, 64, 32)):
         for tile in (64, 32, 16, 8):
             cfg = RowBackwardConfig(D, DV, rows, tile, DT,
