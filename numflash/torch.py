@@ -226,14 +226,18 @@ def _replay_gradients(replay, tensors):
     return grads
 
 
+def _keep_replay(key, replay):
+    with _replay_lock:
+        if len(_replays) >= _MAX_REPLAYS:
+            _replays.clear()
+        _replays[key] = replay
+
+
 def _remember_gradients(key, launches, tensors, grads):
     replay = _fastpath.gradient_replay(launches, [t.data_ptr() for t in (*tensors, *grads)],
                                        grads)
     if replay is not None:
-        with _replay_lock:
-            if len(_replays) >= _MAX_REPLAYS:
-                _replays.clear()
-            _replays[key] = replay
+        _keep_replay(key, replay)
 
 
 def _forward_impl(q, k, v, causal, scale, layout, backend, algorithm, precision):
@@ -252,10 +256,7 @@ def _forward_impl(q, k, v, causal, scale, layout, backend, algorithm, precision)
     recipe = None if key is None else _fastpath.replayable(
         launches, [t.data_ptr() for t in (q, k, v, out, lse)])
     if recipe is not None:
-        with _replay_lock:
-            if len(_replays) >= _MAX_REPLAYS:
-                _replays.clear()
-            _replays[key] = _Replay(recipe, tuple(out.shape), tuple(lse.shape), q.dtype)
+        _keep_replay(key, _Replay(recipe, tuple(out.shape), tuple(lse.shape), q.dtype))
     return out, lse
 
 

@@ -125,17 +125,10 @@ def make_kernel(D, DV, BR, BC, HOLDQ, DT, MODS="", WINDOW=0):
         block_keys = u(key_end(last_row, Nk, causal, causal_offset))
         row_first = zero
         block_start = zero
-        if WINDOW:  # (a window's edges only move right from row to row)
-            first, end = window_range(int64(i), int64(Nk), window_left, window_right,
-                                      causal_offset)
-            row_first = u(first)
-            row_keys = min(row_keys, u(max(first, end))) if i < Nq else zero
-            first, end = window_range(int64(last_row), int64(Nk), window_left, window_right,
-                                      causal_offset)
-            block_keys = min(block_keys, u(max(first, end)))
-            first, end = window_range(int64(block_first), int64(Nk), window_left,
-                                      window_right, causal_offset)
-            block_start = u(first) // uBC * uBC
+        if WINDOW:
+            row_first, row_keys, block_keys, block_start = window_keys(
+                i, last_row, block_first, Nk, row_keys, block_keys, window_left, window_right,
+                causal_offset, uBC)
         for j0 in range(block_start, block_keys, uBC):
             cuda.syncthreads()  # the previous tile is no longer read
             stage_k(kbh, j0, Nk, d, regs, smem, zero, tid)
@@ -190,6 +183,21 @@ def make_kernel(D, DV, BR, BC, HOLDQ, DT, MODS="", WINDOW=0):
 FORWARD_PARAMETERS = "q, k, v, out, lse, scale, causal, causal_offset"
 
 window_range = device_function(user_mods.window_key_range)
+
+
+@inlined_device
+def window_keys(i, last_row, block_first, nk, row_keys, block_keys, left, right, offset, tile):
+    """A window's cut of the keys a thread's row i and its block visit (the forward's and the
+    dQ pass's): (row_first, row_keys, block_keys, block_start), row_keys and block_keys the
+    causal / Nk ends before it; the block's tiles start at its first row's first key (a
+    window's edges only move right from row to row), rounded down to a ``tile``."""
+    first, end = window_range(int64(i), int64(nk), left, right, offset)
+    row_first = np.uint64(first)
+    row_keys = min(row_keys, np.uint64(max(first, end)))
+    first, end = window_range(int64(last_row), int64(nk), left, right, offset)
+    block_keys = min(block_keys, np.uint64(max(first, end)))
+    first, end = window_range(int64(block_first), int64(nk), left, right, offset)
+    return row_first, row_keys, block_keys, np.uint64(first) // tile * tile
 
 
 def mod_functions(token, acc, name="mod_score"):

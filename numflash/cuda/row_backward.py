@@ -258,17 +258,10 @@ def make_query_kernel(D, DV, CW, BR, BC, DT, SUMS=1, MODS="", WINDOW=0):
         block_keys = u(key_end(last_row, Nk, causal, causal_offset))
         row_first = zero
         block_start = zero
-        if WINDOW:  # as cuda.row's forward
-            first, end = row.window_range(int64(i), int64(Nk), window_left, window_right,
-                                          causal_offset)
-            row_first = u(first)
-            row_keys = min(row_keys, u(max(first, end)))
-            first, end = row.window_range(int64(last_row), int64(Nk), window_left,
-                                          window_right, causal_offset)
-            block_keys = min(block_keys, u(max(first, end)))
-            first, end = row.window_range(int64(block_first), int64(Nk), window_left,
-                                          window_right, causal_offset)
-            block_start = u(first) // uBC * uBC
+        if WINDOW:
+            row_first, row_keys, block_keys, block_start = row.window_keys(
+                i, last_row, block_first, Nk, row_keys, block_keys, window_left, window_right,
+                causal_offset, uBC)
         hk = h // u(H // k.shape[1])  # grouped-query attention: the key/value head h reads
         kbh, vbh = k[b, hk], v[b, hk]
         for j0 in range(block_start, block_keys, uBC):
