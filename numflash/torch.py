@@ -171,17 +171,21 @@ _replay_lock = threading.Lock()
 
 
 class _Replay:
-    __slots__ = ("recipe", "out_shape", "lse_shape", "dtype", "lse_dtype")
+    """The outputs are made the cheapest way torch has (H200 host, bench/NOTES.md "The
+    forward's host time"): empty_like(q) 3.9 us where q's shape and layout are the output's
+    (a contiguous q, dv = d: the key holds q's strides), q.new_empty 5.3 us, against 6.5 us for
+    torch.empty(shape, dtype=, device=)."""
+    __slots__ = ("recipe", "out_shape", "out_like_q", "lse_shape", "lse_dtype")
 
-    def __init__(self, recipe, out_shape, lse_shape, dtype):
+    def __init__(self, recipe, q, out_shape, lse_shape):
         self.recipe, self.out_shape, self.lse_shape = recipe, out_shape, lse_shape
-        self.dtype, self.lse_dtype = dtype, _lse_dtype(dtype)
+        self.out_like_q = out_shape == tuple(q.shape) and q.is_contiguous()
+        self.lse_dtype = _lse_dtype(q.dtype)
 
     def __call__(self, q, k, v):
-        device = q.device
-        out = torch.empty(self.out_shape, dtype=self.dtype, device=device)
-        lse = torch.empty(self.lse_shape, dtype=self.lse_dtype, device=device)
-        self.recipe.launch(_current_stream(device.index), (
+        out = torch.empty_like(q) if self.out_like_q else q.new_empty(self.out_shape)
+        lse = q.new_empty(self.lse_shape, dtype=self.lse_dtype)
+        self.recipe.launch(_current_stream(q.device.index), (
             q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr()))
         return out, lse
 
@@ -220,7 +224,7 @@ def _replay_gradients(replay, tensors):
     """(dq, dk, dv) as new tensors from a fastpath.GradientReplay, on torch's current stream
     (scratch from torch's allocator, ordered on that stream)."""
     device = tensors[1].device
-    grads = tuple(torch.empty(t.shape, dtype=t.dtype, device=device) for t in tensors[1:4])
+    grads = tuple(t.new_empty(t.shape) for t in tensors[1:4])   # contiguous, as recorded
     replay.launch(_current_stream(device.index), [t.data_ptr() for t in tensors + grads],
                   _torch_bytes(device))
     return grads
@@ -256,7 +260,7 @@ def _forward_impl(q, k, v, causal, scale, layout, backend, algorithm, precision)
     recipe = None if key is None else _fastpath.replayable(
         launches, [t.data_ptr() for t in (q, k, v, out, lse)])
     if recipe is not None:
-        _keep_replay(key, _Replay(recipe, tuple(out.shape), tuple(lse.shape), q.dtype))
+        _keep_replay(key, _Replay(recipe, q, tuple(out.shape), tuple(lse.shape)))
     return out, lse
 
 
@@ -459,13 +463,14 @@ def _refuse_what_the_backward_cannot_do():
                                   "double backward (create_graph=True) is not supported")
 
 
-def _gradients(backward, ctx, d_out):
+def _gradients(backward, ctx, d_out, options=7):
+    """(dq, dk, dv) and a None for each of the forward's ``options`` inputs."""
     _refuse_what_the_backward_cannot_do()
     q, k, v, out, lse = ctx.saved_tensors
     if d_out is None:
         d_out = torch.zeros_like(out)
     grads = backward(d_out, q, k, v, out, lse, *ctx.options)
-    return tuple(grads) + (None,) * 7
+    return tuple(grads) + (None,) * options
 
 
 def _op_backward(ctx, d_out, d_lse):
@@ -497,17 +502,38 @@ class _AttentionFunction(torch.autograd.Function):
     record a graph. Old-style (ctx first, no setup_context): with a setup_context, torch binds
     the forward's signature with inspect on every call. Measured on this project's 2-core CPU
     with a stand-in forward: 11 us a call, against 44 us for the setup_context form and 55 us
-    for the custom operator's own autograd."""
+    for the custom operator's own autograd. The options travel as one tuple: torch's apply
+    handles each argument (5.5 us a call against 6.5 us with them one by one, same CPU)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, *options):
+    def forward(ctx, q, k, v, options):
         out, lse = _forward_impl(q, k, v, *options[:-1])
         _setup_context(ctx, (q, k, v, *options), (out, lse))
         return out, lse
 
     @staticmethod
     def backward(ctx, d_out, d_lse):
-        return _gradients(_backward_impl, ctx, d_out)
+        return _gradients(_backward_impl, ctx, d_out, options=1)
+
+
+def _bind_apply(function):
+    """``function.apply`` without torch's Python layer around it (autograd.Function.apply), for
+    a caller that has checked that no torch.func transform is active: that layer then only
+    unwraps tensors a finished transform left behind, which the returned call does itself.
+    4.5 us a call against 5.5 us (this project's CPU, stand-in forward). torch's own apply where
+    this torch lacks the private pieces."""
+    apply_c = getattr(getattr(torch._C, "_FunctionBase", None), "__dict__", {}).get("apply")
+    unwrap = getattr(torch._C._functorch, "unwrap_if_dead", None)
+    if apply_c is None or unwrap is None:
+        return function.apply
+    bound = apply_c.__get__(None, function)
+
+    def apply(q, k, v, options):
+        return bound(unwrap(q), unwrap(k), unwrap(v), options)
+    return apply
+
+
+_attention_function_apply = _bind_apply(_AttentionFunction)
 
 
 def _run_forward(q, k, v, *options):
@@ -523,7 +549,7 @@ def _run_forward(q, k, v, *options):
                 raise NotImplementedError(_FUNC_GRAD_REASON) from e
             raise
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return _AttentionFunction.apply(q, k, v, *options)
+        return _attention_function_apply(q, k, v, options)
     return _forward_impl(q, k, v, *options[:-1])
 
 
@@ -555,11 +581,13 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, layout="bhsd", backe
     ``dropout_seed`` the seed is drawn from torch's default generator (so ``torch.manual_seed``
     makes it reproducible), and the backward regenerates the same mask.
     """
-    mods = {name: value for name, value in mods.items() if value is not None}
-    unknown = set(mods) - set(_api.MOD_OPTIONS)
-    if unknown:
-        raise TypeError(f"attention() got unexpected keyword arguments {sorted(unknown)}")
-    mods.update(_dropout_options(dropout_p, dropout_seed))
+    if mods:  # (skipped when there are none: a plain call's host time counts, issue 14)
+        mods = {name: value for name, value in mods.items() if value is not None}
+        unknown = set(mods) - set(_api.MOD_OPTIONS)
+        if unknown:
+            raise TypeError(f"attention() got unexpected keyword arguments {sorted(unknown)}")
+    if dropout_p:
+        mods.update(_dropout_options(dropout_p, dropout_seed))
     if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor)
             and isinstance(v, torch.Tensor)):
         _check_tensors(q=q, k=k, v=v)  # raises; the rest is checked where the call runs
@@ -798,6 +826,34 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     return out
 
 
+def _varlen_forward(q, k, v, cu_q, cu_k, causal, scale, options, out=None):
+    """numflash.attention_varlen on packed tensors' memory, on torch's current stream: (out, lse
+    (H, total_q)); ``out`` (total_q, H, dv) written when given. ``causal``: numflash's argument
+    ("bottom_right" or False); ``options``: modification arrays and dropout."""
+    from .varlen import attention_varlen
+    if out is None:
+        out = torch.empty((q.shape[0], q.shape[1], v.shape[2]), dtype=q.dtype, device=q.device)
+    lse = torch.empty((q.shape[1], q.shape[0]), dtype=_lse_dtype(q.dtype), device=q.device)
+    with _on_torch_stream(q):   # views made here: DLPack orders them on torch's stream
+        views = _views(q, k, v, cu_q, cu_k, out, lse)
+        _, got = attention_varlen(*views[:5], causal=causal, softmax_scale=scale,
+                                  return_lse=True, out=views[5], **options)
+        views[6][...] = got
+    return out, lse
+
+
+def _varlen_backward(do, q, k, v, out, lse, cu_q, cu_k, causal, scale, deterministic, options):
+    """numflash.attention_varlen_backward on packed tensors' memory: [dq, dk, dv], new tensors."""
+    from .varlen import attention_varlen_backward
+    grads = [torch.empty_like(x) for x in (q, k, v)]
+    with _on_torch_stream(q):
+        views = _views(do.contiguous(), q, k, v, out, lse, cu_q, cu_k, *grads)
+        attention_varlen_backward(*views[:8], causal=causal, softmax_scale=scale,
+                                  deterministic=deterministic, dq=views[8], dk=views[9],
+                                  dv=views[10], **options)
+    return grads
+
+
 class _VarlenFunction(torch.autograd.Function):
     """Packed sequences through numflash.attention_varlen and its backward on the tensors' memory
     (CUDA tensors: one launch per pass, cuda.mma's or on Hopper cuda.wgmma's, where those kernels
@@ -806,14 +862,7 @@ class _VarlenFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, cu_q, cu_k, causal, scale, deterministic, options):
-        from .varlen import attention_varlen
-        out = torch.empty((q.shape[0], q.shape[1], v.shape[2]), dtype=q.dtype, device=q.device)
-        lse = torch.empty((q.shape[1], q.shape[0]), dtype=_lse_dtype(q.dtype), device=q.device)
-        with _on_torch_stream(q):   # views made here: DLPack orders them on torch's stream
-            views = _views(q, k, v, cu_q, cu_k, out, lse)
-            _, got = attention_varlen(*views[:5], causal=causal, softmax_scale=scale,
-                                      return_lse=True, out=views[5], **options)
-            views[6][...] = got
+        out, lse = _varlen_forward(q, k, v, cu_q, cu_k, causal, scale, options)
         ctx.save_for_backward(q, k, v, cu_q, cu_k, out, lse)
         ctx.options = (causal, scale, deterministic, options)
         ctx.mark_non_differentiable(lse)
@@ -821,17 +870,32 @@ class _VarlenFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, d_out, d_lse):
-        from .varlen import attention_varlen_backward
         _refuse_what_the_backward_cannot_do()
         q, k, v, cu_q, cu_k, out, lse = ctx.saved_tensors
-        causal, scale, deterministic, options = ctx.options
-        grads = [torch.empty_like(x) for x in (q, k, v)]
-        with _on_torch_stream(q):
-            views = _views(d_out.contiguous(), q, k, v, out, lse, cu_q, cu_k, *grads)
-            attention_varlen_backward(*views[:8], causal=causal, softmax_scale=scale,
-                                      deterministic=deterministic, dq=views[8], dk=views[9],
-                                      dv=views[10], **options)
+        grads = _varlen_backward(d_out, q, k, v, out, lse, cu_q, cu_k, *ctx.options)
         return (*grads, None, None, None, None, None, None)
+
+
+def _packed_arguments(where, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                      causal, window_size=None, softcap=0.0, alibi_slopes=None):
+    """A packed call's checked offsets (int32 tensors on q's device; NumPy-backed on the CPU)
+    and its flash-attn options as numflash modification arrays, or a refusal naming the
+    argument. Reads the lengths on the host (a device-to-host copy for CUDA offsets)."""
+    from .varlen import _check_packed
+    _check_tensors(q=q, k=k, v=v)
+    lengths = [c.tolist() if isinstance(c, torch.Tensor) else c
+               for c in (cu_seqlens_q, cu_seqlens_k)]
+    cq, ck = _check_packed(q, k, v, *lengths, max_seqlen_q, max_seqlen_k, torch_ok=True)
+    mods = _flash_attn_mods(where, window_size, softcap, alibi_slopes, causal,
+                            zip((cq[1:] - cq[:-1]).tolist(), (ck[1:] - ck[:-1]).tolist()))
+    if q.device.type == "cuda":   # the int32 offsets the one-launch kernels read, on q's GPU
+        offsets = [c if isinstance(c, torch.Tensor) and c.device == q.device
+                   and c.dtype == torch.int32 else torch.tensor(n, dtype=torch.int32,
+                                                                device=q.device)
+                   for c, n in zip((cu_seqlens_q, cu_seqlens_k), (cq, ck))]
+    else:
+        offsets = [torch.from_numpy(c) for c in (cq, ck)]
+    return offsets, _mod_arrays(mods)
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None,
@@ -853,26 +917,14 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=Non
     torch.func transforms (vmap, grad): packed tensors have no batch to fold a mapped
     dimension into; :func:`flash_attn_func` takes them.
     """
-    from .varlen import _check_packed
     if torch._C._are_functorch_transforms_active():
         raise NotImplementedError("flash_attn_varlen_func does not run under torch.func "
                                   "transforms (vmap, grad): call it eagerly, or use "
                                   "flash_attn_func / numflash.torch.attention, which vmap")
-    _check_tensors(q=q, k=k, v=v)
-    lengths = [c.tolist() if isinstance(c, torch.Tensor) else c
-               for c in (cu_seqlens_q, cu_seqlens_k)]
-    cq, ck = _check_packed(q, k, v, *lengths, max_seqlen_q, max_seqlen_k, torch_ok=True)
-    mods = _flash_attn_mods("flash_attn_varlen_func", window_size, softcap, alibi_slopes, causal,
-                            zip((cq[1:] - cq[:-1]).tolist(), (ck[1:] - ck[:-1]).tolist()))
-    options = _mod_arrays(mods)
+    offsets, options = _packed_arguments("flash_attn_varlen_func", q, k, v, cu_seqlens_q,
+                                         cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                                         window_size, softcap, alibi_slopes)
     options.update(_dropout_options(dropout_p, None))
-    if q.device.type == "cuda":   # the int32 offsets the one-launch kernels read, on q's GPU
-        offsets = [c if isinstance(c, torch.Tensor) and c.device == q.device
-                   and c.dtype == torch.int32 else torch.tensor(n, dtype=torch.int32,
-                                                                device=q.device)
-                   for c, n in zip((cu_seqlens_q, cu_seqlens_k), (cq, ck))]
-    else:
-        offsets = [torch.from_numpy(c) for c in (cq, ck)]
     out, lse = _VarlenFunction.apply(q, k, v, *offsets, "bottom_right" if causal else False,
                                      softmax_scale, bool(deterministic), options)
     return (out, lse, None) if return_attn_probs else out
@@ -957,7 +1009,7 @@ def _sdpa_flash_backward(grad_out, query, key, value, out, logsumexp, cum_seq_q,
                          scale=None):
     """``aten::_scaled_dot_product_flash_attention_backward`` on numflash's backward (with
     dropout, the forward's seed read back from ``philox_seed``: one small device-to-host
-    copy)."""
+    copy); deterministic where torch.use_deterministic_algorithms asks for it."""
     dropout = {}
     if dropout_p:
         dropout = {"dropout_p": dropout_p, "dropout_seed": int(philox_seed[0].item())}
@@ -965,7 +1017,121 @@ def _sdpa_flash_backward(grad_out, query, key, value, out, logsumexp, cum_seq_q,
         return _backward_impl(grad_out, query, key, value, out, logsumexp,
                               "top_left" if is_causal else "none",
                               _scale(scale, query.shape[-1]), "bhsd", "auto", "auto", "auto",
-                              False, mods=dropout)
+                              torch.are_deterministic_algorithms_enabled(), mods=dropout)
+
+
+def _flash_refusals(return_debug_mask, seqused_k, alibi_slopes, block_table):
+    if return_debug_mask:
+        raise RuntimeError("numflash's flash attention implementation returns no debug mask")
+    if seqused_k is not None or block_table is not None:
+        raise NotImplementedError(
+            "numflash's aten::_flash_attention_forward takes no seqused_k or block_table: for a "
+            "KV cache call numflash.torch.flash_attn_with_kvcache")
+    if alibi_slopes is not None:
+        raise NotImplementedError(
+            "numflash's aten::_flash_attention_forward refuses alibi_slopes: "
+            "aten::_flash_attention_backward has none, so a gradient would silently lose them; "
+            "numflash.torch.flash_attn_func and flash_attn_varlen_func take them")
+
+
+def _flash_window(left, right):
+    return (-1 if left is None else int(left), -1 if right is None else int(right))
+
+
+def _flash_forward_into(out, query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p,
+                        is_causal, scale, window, dropout_seed=None):
+    """The body of aten::_flash_attention_forward (and its in-place form): (out, lse, options)."""
+    where = "aten::_flash_attention_forward"
+    softmax_scale = _scale(scale, query.shape[-1])
+    dropout = _dropout_options(dropout_p, dropout_seed)
+    with torch.no_grad():   # below autograd already: aten's formula calls the backward below
+        if cum_seq_q is None and cum_seq_k is None:   # (B, N, H, d)
+            options = _flash_attn_mods(where, window, 0.0, None, is_causal,
+                                       [(query.shape[1], key.shape[1])])
+            options.update(dropout)
+            if out is None:
+                out = torch.empty(_out_shape(query, value, "bshd"), dtype=query.dtype,
+                                  device=query.device)
+            lse, _ = _forward_into(out, query, key, value,
+                                   "bottom_right" if is_causal else "none", softmax_scale,
+                                   "bshd", "auto", "auto", "auto", options)
+            return out, lse, dropout
+        offsets, options = _packed_arguments(where, query, key, value, cum_seq_q, cum_seq_k,
+                                             max_q, max_k, is_causal, window)
+        options.update(dropout)
+        out, lse = _varlen_forward(query, key, value, *offsets,
+                                   "bottom_right" if is_causal else False, softmax_scale,
+                                   options, out=out)
+    return out, lse, dropout
+
+
+def _flash_forward(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal,
+                   return_debug_mask, *, scale=None, window_size_left=None,
+                   window_size_right=None, seqused_k=None, alibi_slopes=None, block_table=None,
+                   num_splits=None):
+    """``aten::_flash_attention_forward`` on numflash, with flash-attn's conventions (causal
+    and windows aligned to the bottom right): packed query (total_q, H, d), key and value
+    (total_k, Hk, d) with ``cum_seq_q/k`` (what torch.nn.attention.varlen.varlen_attn calls;
+    one launch per pass on CUDA tensors where numflash's packed kernels take them), or (B, N, H,
+    d) tensors without. Returns (out, lse, rng_state, unused, debug mask) with lse (H, total_q)
+    packed, (B, H, Nq) otherwise; with ``dropout_p`` the seed (numflash.dropout, drawn from
+    torch's default generator) is rng_state's first entry. ``num_splits`` is a tuning hint that
+    numflash's planner does not need. Refused by name: a debug mask, seqused_k and block_table,
+    alibi_slopes (see _flash_refusals)."""
+    _flash_refusals(return_debug_mask, seqused_k, alibi_slopes, block_table)
+    out, lse, dropout = _flash_forward_into(None, query, key, value, cum_seq_q, cum_seq_k, max_q,
+                                            max_k, dropout_p, is_causal, scale,
+                                            _flash_window(window_size_left, window_size_right))
+    state = torch.tensor([dropout.get("dropout_seed", 0), 0], dtype=torch.uint64,
+                         device=query.device)
+    unused = torch.zeros((), dtype=torch.uint64, device=query.device)
+    debug = torch.empty(0, dtype=query.dtype, device=query.device)
+    return out, lse, state, unused, debug
+
+
+def _flash_forward_inplace(out, query, key, value, cum_seq_q, cum_seq_k, max_q, max_k,
+                           dropout_p, is_causal, return_debug_mask, *, scale=None,
+                           window_size_left=None, window_size_right=None, seqused_k=None,
+                           alibi_slopes=None, block_table=None, num_splits=None):
+    """``aten::_flash_attention_forward_no_dropout_inplace`` (varlen_attn_out's call): the
+    forward into ``out``; returns the lse."""
+    if dropout_p:
+        raise ValueError(f"aten::_flash_attention_forward_no_dropout_inplace takes no dropout; "
+                         f"got dropout_p={dropout_p!r}")
+    _flash_refusals(return_debug_mask, seqused_k, alibi_slopes, block_table)
+    _check_tensors(query=query, out=out)
+    return _flash_forward_into(out, query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, 0.0,
+                               is_causal, scale,
+                               _flash_window(window_size_left, window_size_right))[1]
+
+
+def _flash_backward(grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q,
+                    max_k, dropout_p, is_causal, rng_state, unused, *, scale=None,
+                    window_size_left=None, window_size_right=None):
+    """``aten::_flash_attention_backward`` on numflash's backward, packed or not as the forward
+    was (dq, dk, dv); the dropout seed read back from ``rng_state`` (one small device-to-host
+    copy); deterministic where torch.use_deterministic_algorithms asks for it."""
+    where = "aten::_flash_attention_backward"
+    window = _flash_window(window_size_left, window_size_right)
+    softmax_scale = _scale(scale, query.shape[-1])
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    dropout = {}
+    if dropout_p:
+        dropout = {"dropout_p": dropout_p, "dropout_seed": int(rng_state[0].item())}
+    with torch.no_grad():
+        if cum_seq_q is None and cum_seq_k is None:
+            mods = _flash_attn_mods(where, window, 0.0, None, is_causal,
+                                    [(query.shape[1], key.shape[1])])
+            mods.update(dropout)
+            return _backward_impl(grad_out, query, key, value, out, logsumexp,
+                                  "bottom_right" if is_causal else "none", softmax_scale,
+                                  "bshd", "auto", "auto", "auto", deterministic, mods=mods)
+        offsets, options = _packed_arguments(where, query, key, value, cum_seq_q, cum_seq_k,
+                                             max_q, max_k, is_causal, window)
+        options.update(dropout)
+        return tuple(_varlen_backward(grad_out, query, key, value, out, logsumexp, *offsets,
+                                      "bottom_right" if is_causal else False, softmax_scale,
+                                      deterministic, options))
 
 
 class _SdpaHandle:
@@ -981,10 +1147,20 @@ class _SdpaHandle:
             self.library = None
 
 
+_SDPA_KERNELS = {
+    "_scaled_dot_product_flash_attention": _sdpa_flash_forward,
+    "_scaled_dot_product_flash_attention_backward": _sdpa_flash_backward,
+    "_flash_attention_forward": _flash_forward,
+    "_flash_attention_forward_no_dropout_inplace": _flash_forward_inplace,
+    "_flash_attention_backward": _flash_backward,
+}
+
+
 def _register_sdpa_kernels():
     lib = torch.library.Library("aten", "IMPL", "CUDA")
-    lib.impl("_scaled_dot_product_flash_attention", _sdpa_flash_forward, "CUDA")
-    lib.impl("_scaled_dot_product_flash_attention_backward", _sdpa_flash_backward, "CUDA")
+    for name, kernel in _SDPA_KERNELS.items():
+        if hasattr(torch.ops.aten, name):   # (the in-place forward is newer than the others)
+            lib.impl(name, kernel, "CUDA")
     return _SdpaHandle(lib)
 
 
@@ -992,7 +1168,9 @@ def install_as_sdpa():
     """Make numflash torch's SDPA flash implementation: afterwards unchanged code calling
     ``torch.nn.functional.scaled_dot_product_attention`` runs numflash's CUDA kernels (forward
     and backward) wherever torch picks its flash backend (float16 / bfloat16 CUDA tensors it
-    judges flash-able); torch picks its other backends for the rest, as before.
+    judges flash-able); torch picks its other backends for the rest, as before. So does
+    ``torch.nn.attention.varlen.varlen_attn`` (packed sequences: aten::_flash_attention_forward
+    and _backward, see _flash_forward).
     ``torch.nn.attention.restore_flash_attention_impl()`` undoes it. Needs a torch with
     ``torch.nn.attention.register_flash_attention_impl``; returns the registered name.
 

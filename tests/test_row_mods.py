@@ -13,7 +13,8 @@ import numflash
 from numflash.testing import assert_gradients_accurate, check
 from test_mods import tanh_cap, tanh_cap_grad   # a softcap written by hand (a user's score_mod)
 
-pytestmark = pytest.mark.simulator
+# the simulator tests are marked one by one: a module mark would also skip the GPU test on a GPU
+simulator = pytest.mark.simulator
 
 
 def _document(b, h, i, j, ids):
@@ -21,7 +22,7 @@ def _document(b, h, i, j, ids):
 
 
 def _options(name, rng, B, H, Nq, Nk, dtype):
-    ids = np.repeat(np.arange(8), 13)[:max(Nq, Nk)]
+    ids = np.arange(max(Nq, Nk)) * 8 // max(Nq, Nk)   # 8 documents at any length
     return {
         "window": dict(window_size=(5, 3)),
         "window-causal-softcap": dict(causal="bottom_right", window_size=(7, 0), softcap=3.0),
@@ -46,6 +47,7 @@ CASES = [  # (options, dtype, B, H, Hk, Nq, Nk, d, dv)
 ]
 
 
+@simulator
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{c[1]}")
 def test_row_kernels_apply_modifications_forward_and_backward(rng, case):
     name, dtype, B, H, Hk, Nq, Nk, d, dv = case
@@ -68,6 +70,7 @@ def test_row_kernels_apply_modifications_forward_and_backward(rng, case):
     assert_gradients_accurate(grads, do, q, k, v, **opts)
 
 
+@simulator
 def test_a_window_changes_the_row_kernels_result(rng):
     """The window is applied, not only accepted: outside the reference's tolerance of the
     unwindowed result, forward and backward."""
@@ -82,6 +85,7 @@ def test_a_window_changes_the_row_kernels_result(rng):
     assert np.abs(g[1] - g_all[1]).max() > 0.1
 
 
+@simulator
 def test_on_a_turing_gpu_auto_takes_cuda_row_for_modifications_and_refuses_the_rest(rng):
     from numflash import mods as _mods
     from numflash.dropout import build as dropout
@@ -104,6 +108,7 @@ def test_on_a_turing_gpu_auto_takes_cuda_row_for_modifications_and_refuses_the_r
     assert "has no dropout" in operators()["cuda.row"].why_not(p, turing)
 
 
+@simulator
 def test_row_variants_with_modifications_compile_for_turing_without_spills():
     """ptxas for sm_75 (and sm_90) on cuda.row's forward and backward variants with a window, a
     softcap and ALiBi, and with a user mask and a bias, in each compute type."""

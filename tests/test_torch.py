@@ -648,10 +648,11 @@ def test_explain_takes_torch_tensors():
 
 
 @pytest.mark.gpu
-def test_cuda_flash_attn_window_runs_on_tensor_cores_and_its_backward_is_refused():
+def test_cuda_flash_attn_window_runs_on_tensor_cores_and_trains():
     """flash_attn_func's window_size on CUDA tensors: the tensor-core forward (a key range per
-    row) against flash-attn's semantics in float64; no CUDA backward takes a window yet, so
-    the gradient raises, naming the modification, instead of training without it."""
+    row) against flash-attn's semantics in float64, and its gradients (the CUDA backward takes
+    the window) against the float64 reference under the accuracy rule."""
+    from numflash.testing import assert_gradients_accurate
     q, k, v = tensors((2, 300, 4, 64), (2, 457, 4, 64), torch.float16, device="cuda", grad=True)
     out = nt.flash_attn_func(q, k, v, causal=True, window_size=(50, 0))
     ref = _flash_reference(*(t.detach().double().cpu() for t in (q, k, v)), True, 64 ** -0.5,
@@ -660,8 +661,10 @@ def test_cuda_flash_attn_window_runs_on_tensor_cores_and_its_backward_is_refused
     plan = numflash.explain(*(t.detach() for t in (q, k, v)), layout="bshd",
                             causal="bottom_right", window_size=(50, 0))
     assert plan.kernel == "cuda.mma" and plan.config["WINDOW"] == 1, str(plan)
-    with pytest.raises(ValueError, match="window_size"):
-        out.sum().backward()
+    do = torch.randn_like(out)
+    out.backward(do)
+    assert_gradients_accurate([np_(t.grad) for t in (q, k, v)], np_(do), *map(np_, (q, k, v)),
+                              layout="bshd", causal="bottom_right", window_size=(50, 0))
 
 
 # ---- install_as_sdpa: numflash as torch's SDPA flash implementation
@@ -705,6 +708,94 @@ def test_install_as_sdpa_registers_and_restores_and_its_kernels_are_numflash():
                                     got[6], got[7], scale=0.3)
     testing.assert_gradients_accurate([np_(g) for g in grads], np_(do), np_(q), np_(k), np_(v),
                                       **opts)
+
+
+def test_install_as_sdpa_flash_attention_kernels_are_numflash_packed_and_dense():
+    """aten::_flash_attention_forward / _backward (and the in-place forward), the kernels that
+    torch.nn.attention.varlen.varlen_attn calls, run here on CPU tensors: packed sequences
+    (GQA, a window, bottom-right causal) give flash_attn_varlen_func's output, lse and gradients
+    bit for bit, (B, N, H, d) tensors flash_attn_func's; the dropout seed travels in rng_state;
+    what they cannot take is refused by name."""
+    cu = torch.tensor([0, 5, 17, 30], dtype=torch.int32)
+    cuk = torch.tensor([0, 9, 17, 41], dtype=torch.int32)
+    q, k, v = tensors((30, 4, 16), (41, 2, 16), torch.float32, seed=3)
+    do = torch.randn(30, 4, 16, dtype=torch.float32)
+    got = nt._flash_forward(q, k, v, cu, cuk, 13, 24, 0.0, True, False, scale=0.3,
+                            window_size_left=6, window_size_right=0, num_splits=2)
+    qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+    ref, ref_lse, _ = nt.flash_attn_varlen_func(qg, kg, vg, cu, cuk, 13, 24, softmax_scale=0.3,
+                                                causal=True, window_size=(6, 0),
+                                                return_attn_probs=True)
+    assert torch.equal(got[0], ref) and torch.equal(got[1], ref_lse)
+    assert got[1].shape == (4, 30) and got[2].dtype == torch.uint64 and got[4].numel() == 0
+    grads = nt._flash_backward(do, q, k, v, got[0], got[1], cu, cuk, 13, 24, 0.0, True, got[2],
+                               got[3], scale=0.3, window_size_left=6, window_size_right=0)
+    ref_grads = torch.autograd.grad(ref, (qg, kg, vg), do)
+    assert all(map(torch.equal, grads, ref_grads))
+    out = torch.empty_like(got[0])
+    lse = nt._flash_forward_inplace(out, q, k, v, cu, cuk, 13, 24, 0.0, True, False, scale=0.3,
+                                    window_size_left=6, window_size_right=0)
+    assert torch.equal(out, ref) and torch.equal(lse, ref_lse)
+    # (B, N, H, d), Nq != Nk: flash-attn's bottom-right causal
+    q, k, v = tensors((2, 13, 4, 16), (2, 21, 2, 16), torch.float64, seed=5)
+    do = torch.randn(2, 13, 4, 16, dtype=torch.float64)
+    got = nt._flash_forward(q, k, v, None, None, 13, 21, 0.0, True, False)
+    qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+    ref, ref_lse, _ = nt.flash_attn_func(qg, kg, vg, causal=True, return_attn_probs=True)
+    assert torch.equal(got[0], ref) and torch.equal(got[1], ref_lse)
+    grads = nt._flash_backward(do, q, k, v, got[0], got[1], None, None, 13, 21, 0.0, True,
+                               got[2], got[3])
+    assert all(map(torch.equal, grads, torch.autograd.grad(ref, (qg, kg, vg), do)))
+    testing.assert_gradients_accurate([np_(g) for g in grads], np_(do), np_(q), np_(k), np_(v),
+                                      layout="bshd", causal="bottom_right")
+    # dropout: the seed drawn from torch's generator, handed back in rng_state
+    torch.manual_seed(9)
+    got = nt._flash_forward(q, k, v, None, None, 13, 21, 0.2, True, False)
+    opts = dict(layout="bshd", causal="bottom_right", dropout_p=0.2,
+                dropout_seed=int(got[2][0].item()))
+    testing.assert_accurate(np_(got[0]), np_(q), np_(k), np_(v), lse=np_(got[1]), **opts)
+    grads = nt._flash_backward(do, q, k, v, got[0], got[1], None, None, 13, 21, 0.2, True,
+                               got[2], got[3])
+    testing.assert_gradients_accurate([np_(g) for g in grads], np_(do), np_(q), np_(k), np_(v),
+                                      **opts)
+    args = (q, k, v, None, None, 13, 21, 0.0, True, False)
+    with pytest.raises(NotImplementedError, match="alibi_slopes"):
+        nt._flash_forward(*args, alibi_slopes=torch.ones(4))
+    with pytest.raises(NotImplementedError, match="flash_attn_with_kvcache"):
+        nt._flash_forward(*args, seqused_k=torch.tensor([21, 21], dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="debug mask"):
+        nt._flash_forward(*args[:-1], True)
+    with pytest.raises(ValueError, match="dropout"):
+        nt._flash_forward_inplace(torch.empty_like(q), q, k, v, None, None, 13, 21, 0.1, True,
+                                  False)
+    with pytest.raises(ValueError, match="cu_seqlens"):   # offsets past the packed tokens
+        nt._flash_forward(q[0], k[0], v[0], torch.tensor([0, 20], dtype=torch.int32),
+                          torch.tensor([0, 21], dtype=torch.int32), 20, 21, 0.0, False, False)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _HAS_FLASH_REGISTRY, reason="this torch has no "
+                    "register_flash_attention_impl")
+def test_gpu_varlen_attn_runs_numflash_after_install():
+    """torch.nn.attention.varlen.varlen_attn after install_as_sdpa: numflash's packed kernels
+    (flash_attn_varlen_func's output and gradients bit for bit, dQ to an ulp where it is added
+    atomically); after restore, torch's own kernel again."""
+    varlen = pytest.importorskip("torch.nn.attention.varlen")
+    from torch.nn import attention as A
+    cu = torch.tensor([0, 300, 1000, 1031], dtype=torch.int32, device="cuda")
+    q, k, v = tensors((1031, 8, 128), (1031, 8, 128), torch.bfloat16, device="cuda", grad=True)
+    do = torch.randn(q.shape, device="cuda").bfloat16()
+    ref = nt.flash_attn_varlen_func(q, k, v, cu, cu, 700, 700, causal=True)
+    ref_grads = torch.autograd.grad(ref, (q, k, v), do)
+    try:
+        nt.install_as_sdpa()
+        out = varlen.varlen_attn(q, k, v, cu, cu, 700, 700, is_causal=True)
+        grads = torch.autograd.grad(out, (q, k, v), do)
+    finally:
+        A.restore_flash_attention_impl()
+    assert torch.equal(out, ref) and all(map(torch.equal, grads[1:], ref_grads[1:]))
+    assert (grads[0].float() - ref_grads[0].float()).abs().max().item() <= \
+        2 ** -7 * ref_grads[0].float().abs().max().item()
 
 
 @pytest.mark.gpu

@@ -192,10 +192,7 @@ class Recipe:
         for slot, ptr in zip(self.slots, pointers):
             if ptr is not None:
                 values[slot] = ptr
-        err = (_launch_fn or _cu_launch_kernel())(*self._head, stream, params, None)
-        if err:
-            from cuda.bindings import driver
-            _driver_call((driver.CUresult(err),))
+        (_launch_fn or _kernel_launcher())(*self._head, stream, params, 0)
 
 
 _F64, _F64_BITS = struct.Struct("d"), struct.Struct("q")
@@ -686,25 +683,42 @@ class _Loaded:
 
     def __init__(self, module, fn, meta):
         self.module, self.fn, self.meta = module, fn, meta
-        self.handle = int(fn)  # the CUfunction pointer, for the ctypes launch
+        self.handle = int(fn)  # the CUfunction pointer, for the launch binding
         self.max_shared = 48 * 1024
 
 
 _launch_fn = None
 
 
-def _cu_launch_kernel():
-    """cuLaunchKernel from the driver library through ctypes with fixed argument types: the
-    cuda.bindings wrapper converts its arguments on every call, several microseconds each launch.
-    Modules are still loaded through cuda.bindings (once per kernel)."""
+def _kernel_launcher():
+    """cuLaunchKernel(function, grid x3, block x3, shared bytes, stream, params, extra) at the
+    least cost Python has, raising on an error: CuPy's Cython binding (driver.launchKernel), else
+    the driver library through ctypes with fixed argument types. Measured on the H200's host
+    (bench/NOTES.md, "The forward's host time"): CuPy's binding issues a launch in 5.8 us where
+    ctypes takes 8.7 us; cuda.bindings' wrapper converts its arguments on every call and costs
+    more than either. Modules are still loaded through cuda.bindings (once per kernel)."""
     global _launch_fn
     if _launch_fn is None:
-        lib = ctypes.CDLL("nvcuda.dll" if os.name == "nt" else "libcuda.so.1")
-        fn = lib.cuLaunchKernel
-        fn.restype = ctypes.c_int
-        fn.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
-        _launch_fn = fn
+        try:
+            from cupy_backends.cuda.api.driver import launchKernel
+            _launch_fn = launchKernel
+        except ImportError:
+            _launch_fn = _ctypes_launcher()
     return _launch_fn
+
+
+def _ctypes_launcher():
+    lib = ctypes.CDLL("nvcuda.dll" if os.name == "nt" else "libcuda.so.1")
+    fn = lib.cuLaunchKernel
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
+
+    def launch(*args):
+        err = fn(*args)
+        if err:
+            from cuda.bindings import driver
+            _driver_call((driver.CUresult(err),))
+    return launch
 
 
 _kernels = {}
