@@ -193,7 +193,8 @@ class _Replay:
 def _replay_key(q, k, v, options):
     """None unless q, k, v are plain tensors and q is on the current device (a replay launches
     in the current context)."""
-    if type(k) is not torch.Tensor or type(v) is not torch.Tensor:
+    if type(q) is not torch.Tensor or type(k) is not torch.Tensor or \
+            type(v) is not torch.Tensor:   # (a subclass's replay would return its own type)
         return None
     if q.device.index != _current_device():
         return None
@@ -804,8 +805,10 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     fewer heads than q (GQA / MQA). ``window_size``, ``softcap`` and ``alibi_slopes`` run as
     numflash modifications (gradients for q, k, v; on CUDA tensors on the tensor-core kernels,
     forward and backward). ``dropout_p > 0``: attention dropout (numflash.dropout; the seed
-    drawn from torch's default generator). Refused with NotImplementedError naming the option:
-    a window or ALiBi with causal=False and Nq != Nk (see :func:`_flash_attn_mods`).
+    drawn from torch's default generator). Windows as flash-attn reads them (_flash_window: a
+    right side of 0 is bottom-right causal). Refused with NotImplementedError naming the
+    option: another window or ALiBi with causal=False and Nq != Nk (see
+    :func:`_flash_attn_mods`).
 
     ALiBi's output is flash-attn's; its lse is that of numflash's scores, s - slope |i + Nk - Nq
     - j|. flash-attn adds slope j instead where causal (the same softmax over the visible keys),
@@ -813,6 +816,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     and flash_attn_with_kvcache.
     """
     _check_tensors(q=q, k=k, v=v)
+    causal, window_size = _flash_window(window_size, causal, k.shape[1] if k.dim() == 4 else None)
     mods = _flash_attn_mods("flash_attn_func", window_size, softcap, alibi_slopes, causal,
                             [(q.shape[1], k.shape[1])] if q.dim() == k.dim() == 4 else [])
     causal_mode = "bottom_right" if causal else False
@@ -921,6 +925,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=Non
         raise NotImplementedError("flash_attn_varlen_func does not run under torch.func "
                                   "transforms (vmap, grad): call it eagerly, or use "
                                   "flash_attn_func / numflash.torch.attention, which vmap")
+    causal, window_size = _flash_window(window_size, causal, max_seqlen_k)
     offsets, options = _packed_arguments("flash_attn_varlen_func", q, k, v, cu_seqlens_q,
                                          cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
                                          window_size, softcap, alibi_slopes)
@@ -997,8 +1002,7 @@ def _sdpa_flash_forward(query, key, value, dropout_p=0.0, is_causal=False,
         else:
             out, lse = _forward_impl(query, key, value, causal, softmax_scale, "bhsd", "auto",
                                      "auto", "auto")
-    state = torch.tensor([dropout.get("dropout_seed", 0), 0], dtype=torch.uint64,
-                         device=query.device)
+    state = _rng_state(dropout, query.device)
     offset = torch.zeros((), dtype=torch.uint64, device=query.device)
     debug = torch.empty(0, dtype=query.dtype, device=query.device)
     return out, lse, None, None, query.shape[2], key.shape[2], state, offset, debug
@@ -1034,16 +1038,41 @@ def _flash_refusals(return_debug_mask, seqused_k, alibi_slopes, block_table):
             "numflash.torch.flash_attn_func and flash_attn_varlen_func take them")
 
 
-def _flash_window(left, right):
-    return (-1 if left is None else int(left), -1 if right is None else int(right))
+def _flash_window(window_size, is_causal, max_k):
+    """(causal, window) as flash-attn reads a (left, right) window (None entries unbounded): a
+    side at least ``max_k`` wide (when given) is unbounded; causal means right = 0, and right =
+    0 means causal (flash-attn measures windows from the bottom-right diagonal, so it is the
+    bottom-right causal mask, whatever Nq and Nk). So torch's causal varlen_attn, which passes
+    (-1, 0), runs as plain causal attention (no window modification, which cuda.wgmma does
+    not take)."""
+    try:
+        left, right = (-1 if w is None else int(w) for w in
+                       ((-1, -1) if window_size is None else window_size))
+    except (TypeError, ValueError):
+        raise ValueError(f"window_size must be (left, right) integers (-1 = unbounded); got "
+                         f"{window_size!r}") from None
+    if max_k:
+        left, right = (-1 if w >= int(max_k) else w for w in (left, right))
+    if is_causal or right == 0:
+        return True, (left, -1)
+    return False, (left, right)
+
+
+def _rng_state(dropout, device):
+    """The (seed, 0) state torch's flash kernels return; zeros without dropout."""
+    if not dropout:
+        return torch.zeros(2, dtype=torch.uint64, device=device)
+    return torch.tensor([dropout["dropout_seed"], 0], dtype=torch.uint64, device=device)
 
 
 def _flash_forward_into(out, query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p,
-                        is_causal, scale, window, dropout_seed=None):
-    """The body of aten::_flash_attention_forward (and its in-place form): (out, lse, options)."""
+                        is_causal, window, scale):
+    """The body of aten::_flash_attention_forward (and its in-place form): (out, lse, dropout
+    options). ``is_causal`` and ``window`` as _flash_window gives them."""
     where = "aten::_flash_attention_forward"
+    _check_tensors(query=query, key=key, value=value)
     softmax_scale = _scale(scale, query.shape[-1])
-    dropout = _dropout_options(dropout_p, dropout_seed)
+    dropout = _dropout_options(dropout_p, None)
     with torch.no_grad():   # below autograd already: aten's formula calls the backward below
         if cum_seq_q is None and cum_seq_k is None:   # (B, N, H, d)
             options = _flash_attn_mods(where, window, 0.0, None, is_causal,
@@ -1076,14 +1105,16 @@ def _flash_forward(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropou
     d) tensors without. Returns (out, lse, rng_state, unused, debug mask) with lse (H, total_q)
     packed, (B, H, Nq) otherwise; with ``dropout_p`` the seed (numflash.dropout, drawn from
     torch's default generator) is rng_state's first entry. ``num_splits`` is a tuning hint that
-    numflash's planner does not need. Refused by name: a debug mask, seqused_k and block_table,
-    alibi_slopes (see _flash_refusals)."""
+    numflash's planner does not need. Windows as flash-attn reads them (_flash_window). Refused
+    by name: a debug mask, seqused_k and block_table, alibi_slopes (see _flash_refusals).
+    Packed calls read the offsets on the host (a device-to-host copy each pass), so they cannot
+    be captured in a CUDA graph."""
     _flash_refusals(return_debug_mask, seqused_k, alibi_slopes, block_table)
     out, lse, dropout = _flash_forward_into(None, query, key, value, cum_seq_q, cum_seq_k, max_q,
-                                            max_k, dropout_p, is_causal, scale,
-                                            _flash_window(window_size_left, window_size_right))
-    state = torch.tensor([dropout.get("dropout_seed", 0), 0], dtype=torch.uint64,
-                         device=query.device)
+                                            max_k, dropout_p, *_flash_window(
+                                                (window_size_left, window_size_right),
+                                                is_causal, max_k), scale)
+    state = _rng_state(dropout, query.device)
     unused = torch.zeros((), dtype=torch.uint64, device=query.device)
     debug = torch.empty(0, dtype=query.dtype, device=query.device)
     return out, lse, state, unused, debug
@@ -1101,8 +1132,8 @@ def _flash_forward_inplace(out, query, key, value, cum_seq_q, cum_seq_k, max_q, 
     _flash_refusals(return_debug_mask, seqused_k, alibi_slopes, block_table)
     _check_tensors(query=query, out=out)
     return _flash_forward_into(out, query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, 0.0,
-                               is_causal, scale,
-                               _flash_window(window_size_left, window_size_right))[1]
+                               *_flash_window((window_size_left, window_size_right), is_causal,
+                                              max_k), scale)[1]
 
 
 def _flash_backward(grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q,
@@ -1112,7 +1143,7 @@ def _flash_backward(grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_
     was (dq, dk, dv); the dropout seed read back from ``rng_state`` (one small device-to-host
     copy); deterministic where torch.use_deterministic_algorithms asks for it."""
     where = "aten::_flash_attention_backward"
-    window = _flash_window(window_size_left, window_size_right)
+    is_causal, window = _flash_window((window_size_left, window_size_right), is_causal, max_k)
     softmax_scale = _scale(scale, query.shape[-1])
     deterministic = torch.are_deterministic_algorithms_enabled()
     dropout = {}

@@ -379,7 +379,7 @@ def test_flash_attn_varlen_takes_the_same_modifications():
     for g, r in zip(grads, ref):
         np.testing.assert_allclose(g.numpy(), r, rtol=0, atol=1e-14)
     with pytest.raises(NotImplementedError, match="causal=False and 7 queries != 5 keys"):
-        nt.flash_attn_varlen_func(q, k, v, cu, [0, 5, 20], window_size=(3, 0))
+        nt.flash_attn_varlen_func(q, k, v, cu, [0, 5, 20], window_size=(3, 1))
 
 
 def test_flash_attn_varlen_refuses_double_backward_and_torch_func():
@@ -392,8 +392,21 @@ def test_flash_attn_varlen_refuses_double_backward_and_torch_func():
         torch.func.vmap(lambda a: nt.flash_attn_varlen_func(a, k, v, cu, cu))(q[None])
 
 
+def test_flash_attn_window_with_right_side_zero_is_bottom_right_causal():
+    """flash-attn measures windows from the bottom-right diagonal, so window_size=(W, 0)
+    without causal is causal with a left window W, also where Nq != Nk; flash_attn_func and
+    flash_attn_varlen_func read it so (a right side of 1 is refused, below)."""
+    q, k, v = tensors((1, 5, 2, 8), (1, 7, 2, 8), torch.float64)
+    plain = nt.flash_attn_func(q, k, v, window_size=(4, 0))
+    ref = _flash_reference(q, k, v, True, 8 ** -0.5, (4, 0))
+    assert torch.equal(plain, nt.flash_attn_func(q, k, v, causal=True, window_size=(4, 0)))
+    assert (plain - ref).abs().max().item() < 1e-12
+    packed = nt.flash_attn_varlen_func(q[0], k[0], v[0], [0, 5], [0, 7], window_size=(4, 0))
+    assert (packed - ref[0]).abs().max().item() < 1e-12
+
+
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(window_size=(4, 0)), "causal=False and 5 queries != 7 keys"),
+    (dict(window_size=(4, 1)), "causal=False and 5 queries != 7 keys"),
     (dict(alibi_slopes=torch.ones(2)), "causal=False and 5 queries != 7 keys"),
     (dict(alibi_slopes=torch.ones(2, requires_grad=True), causal=True), "requires grad"),
 ])
@@ -720,7 +733,8 @@ def test_install_as_sdpa_flash_attention_kernels_are_numflash_packed_and_dense()
     cuk = torch.tensor([0, 9, 17, 41], dtype=torch.int32)
     q, k, v = tensors((30, 4, 16), (41, 2, 16), torch.float32, seed=3)
     do = torch.randn(30, 4, 16, dtype=torch.float32)
-    got = nt._flash_forward(q, k, v, cu, cuk, 13, 24, 0.0, True, False, scale=0.3,
+    # right = 0 is causal for flash-attn, is_causal or not (torch passes is_causal=False then)
+    got = nt._flash_forward(q, k, v, cu, cuk, 13, 24, 0.0, False, False, scale=0.3,
                             window_size_left=6, window_size_right=0, num_splits=2)
     qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
     ref, ref_lse, _ = nt.flash_attn_varlen_func(qg, kg, vg, cu, cuk, 13, 24, softmax_scale=0.3,
@@ -728,7 +742,7 @@ def test_install_as_sdpa_flash_attention_kernels_are_numflash_packed_and_dense()
                                                 return_attn_probs=True)
     assert torch.equal(got[0], ref) and torch.equal(got[1], ref_lse)
     assert got[1].shape == (4, 30) and got[2].dtype == torch.uint64 and got[4].numel() == 0
-    grads = nt._flash_backward(do, q, k, v, got[0], got[1], cu, cuk, 13, 24, 0.0, True, got[2],
+    grads = nt._flash_backward(do, q, k, v, got[0], got[1], cu, cuk, 13, 24, 0.0, False, got[2],
                                got[3], scale=0.3, window_size_left=6, window_size_right=0)
     ref_grads = torch.autograd.grad(ref, (qg, kg, vg), do)
     assert all(map(torch.equal, grads, ref_grads))
@@ -736,6 +750,33 @@ def test_install_as_sdpa_flash_attention_kernels_are_numflash_packed_and_dense()
     lse = nt._flash_forward_inplace(out, q, k, v, cu, cuk, 13, 24, 0.0, True, False, scale=0.3,
                                     window_size_left=6, window_size_right=0)
     assert torch.equal(out, ref) and torch.equal(lse, ref_lse)
+    # flash-attn's reading of aten's windows: torch's causal varlen_attn passes (-1, 0), which
+    # is causal without a window (so cuda.wgmma can take it); a side as wide as the keys is none
+    assert nt._flash_window((-1, 0), False, 24) == (True, (-1, -1))
+    assert nt._flash_window((None, None), True, 24) == (True, (-1, -1))
+    assert nt._flash_window((30, 3), True, 24) == (True, (-1, -1))
+    assert nt._flash_window((5, 24), False, 24) == (False, (5, -1))
+    with pytest.raises(ValueError, match="window_size"):
+        nt._flash_window((1, 2, 3), False, 24)
+    # torch's own varlen_attn through the kernels (registered here for CPU tensors)
+    varlen = pytest.importorskip("torch.nn.attention.varlen")
+    lib = torch.library.Library("aten", "IMPL", "CPU")
+    try:
+        for name, kernel in nt._SDPA_KERNELS.items():
+            if name.startswith("_flash") and hasattr(torch.ops.aten, name):
+                lib.impl(name, kernel, "CPU")
+        for window in ((6, 0), (-1, 0)):
+            qg, kg, vg, qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v) * 2)
+            out = varlen.varlen_attn(qg, kg, vg, cu, cuk, 13, 24, window_size=window, scale=0.3,
+                                     enable_gqa=True)
+            ref = nt.flash_attn_varlen_func(qr, kr, vr, cu, cuk, 13, 24, softmax_scale=0.3,
+                                            causal=True,
+                                            window_size=(6, 0) if window[0] >= 0 else (-1, -1))
+            assert torch.equal(out, ref)
+            assert all(map(torch.equal, torch.autograd.grad(out, (qg, kg, vg), do),
+                           torch.autograd.grad(ref, (qr, kr, vr), do)))
+    finally:
+        lib._destroy()
     # (B, N, H, d), Nq != Nk: flash-attn's bottom-right causal
     q, k, v = tensors((2, 13, 4, 16), (2, 21, 2, 16), torch.float64, seed=5)
     do = torch.randn(2, 13, 4, 16, dtype=torch.float64)
@@ -780,6 +821,7 @@ def test_gpu_varlen_attn_runs_numflash_after_install():
     """torch.nn.attention.varlen.varlen_attn after install_as_sdpa: numflash's packed kernels
     (flash_attn_varlen_func's output and gradients bit for bit, dQ to an ulp where it is added
     atomically); after restore, torch's own kernel again."""
+    import inspect
     varlen = pytest.importorskip("torch.nn.attention.varlen")
     from torch.nn import attention as A
     cu = torch.tensor([0, 300, 1000, 1031], dtype=torch.int32, device="cuda")
@@ -789,7 +831,9 @@ def test_gpu_varlen_attn_runs_numflash_after_install():
     ref_grads = torch.autograd.grad(ref, (q, k, v), do)
     try:
         nt.install_as_sdpa()
-        out = varlen.varlen_attn(q, k, v, cu, cu, 700, 700, is_causal=True)
+        causal = {"is_causal": True} if "is_causal" in \
+            inspect.signature(varlen.varlen_attn).parameters else {"window_size": (-1, 0)}
+        out = varlen.varlen_attn(q, k, v, cu, cu, 700, 700, **causal)
         grads = torch.autograd.grad(out, (q, k, v), do)
     finally:
         A.restore_flash_attention_impl()
