@@ -314,7 +314,8 @@ def test_bench_mods_cost_cpu_table_checks_every_row_and_its_sdpa_peer(tmp_path):
     rows = [[c.strip() for c in line.split("|")[1:-1]] for line in run.stdout.splitlines()
             if line.startswith("| ") and not line.startswith("| modification")]
     assert len(rows) == 10 and rows[0][0] == "causal", run.stdout
-    for name, ms, ratio, checked, sdpa_ms, sdpa_ratio, against, sdpa_checked in rows:
+    for name, kernel, ms, ratio, checked, sdpa_ms, sdpa_ratio, against, sdpa_checked in rows:
+        assert kernel == "cpu.tiled", (name, run.stdout)
         assert checked == "ok" and float(ms) > 0 and float(ratio) > 0, (name, run.stdout)
         if name.startswith("softcap"):
             assert (sdpa_ms, sdpa_checked) == ("-", "-")
