@@ -1002,10 +1002,7 @@ def _sdpa_flash_forward(query, key, value, dropout_p=0.0, is_causal=False,
         else:
             out, lse = _forward_impl(query, key, value, causal, softmax_scale, "bhsd", "auto",
                                      "auto", "auto")
-    state = _rng_state(dropout, query.device)
-    offset = torch.zeros((), dtype=torch.uint64, device=query.device)
-    debug = torch.empty(0, dtype=query.dtype, device=query.device)
-    return out, lse, None, None, query.shape[2], key.shape[2], state, offset, debug
+    return (out, lse, None, None, query.shape[2], key.shape[2], *_flash_states(dropout, query))
 
 
 def _sdpa_flash_backward(grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k,
@@ -1058,11 +1055,30 @@ def _flash_window(window_size, is_causal, max_k):
     return False, (left, right)
 
 
-def _rng_state(dropout, device):
-    """The (seed, 0) state torch's flash kernels return; zeros without dropout."""
+def _flash_states(dropout, query):
+    """What torch's flash forwards return after the lse: the (seed, 0) rng state (zeros without
+    dropout), the unused offset and an empty debug mask."""
+    device = query.device
     if not dropout:
-        return torch.zeros(2, dtype=torch.uint64, device=device)
-    return torch.tensor([dropout["dropout_seed"], 0], dtype=torch.uint64, device=device)
+        state = torch.zeros(2, dtype=torch.uint64, device=device)
+    else:
+        state = torch.tensor([dropout["dropout_seed"], 0], dtype=torch.uint64, device=device)
+    return (state, torch.zeros((), dtype=torch.uint64, device=device),
+            torch.empty(0, dtype=query.dtype, device=device))
+
+
+def _flash_options(where, query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, is_causal,
+                   window, dropout):
+    """What aten's flash forward and backward both need: (the packed offsets, or None for
+    (B, N, H, d) tensors; the modification and dropout options)."""
+    if cum_seq_q is None and cum_seq_k is None:
+        offsets, options = None, _flash_attn_mods(where, window, 0.0, None, is_causal,
+                                                  [(query.shape[1], key.shape[1])])
+    else:
+        offsets, options = _packed_arguments(where, query, key, value, cum_seq_q, cum_seq_k,
+                                             max_q, max_k, is_causal, window)
+    options.update(dropout)
+    return offsets, options
 
 
 def _flash_forward_into(out, query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p,
@@ -1073,11 +1089,10 @@ def _flash_forward_into(out, query, key, value, cum_seq_q, cum_seq_k, max_q, max
     _check_tensors(query=query, key=key, value=value)
     softmax_scale = _scale(scale, query.shape[-1])
     dropout = _dropout_options(dropout_p, None)
+    offsets, options = _flash_options(where, query, key, value, cum_seq_q, cum_seq_k, max_q,
+                                      max_k, is_causal, window, dropout)
     with torch.no_grad():   # below autograd already: aten's formula calls the backward below
-        if cum_seq_q is None and cum_seq_k is None:   # (B, N, H, d)
-            options = _flash_attn_mods(where, window, 0.0, None, is_causal,
-                                       [(query.shape[1], key.shape[1])])
-            options.update(dropout)
+        if offsets is None:   # (B, N, H, d)
             if out is None:
                 out = torch.empty(_out_shape(query, value, "bshd"), dtype=query.dtype,
                                   device=query.device)
@@ -1085,9 +1100,6 @@ def _flash_forward_into(out, query, key, value, cum_seq_q, cum_seq_k, max_q, max
                                    "bottom_right" if is_causal else "none", softmax_scale,
                                    "bshd", "auto", "auto", "auto", options)
             return out, lse, dropout
-        offsets, options = _packed_arguments(where, query, key, value, cum_seq_q, cum_seq_k,
-                                             max_q, max_k, is_causal, window)
-        options.update(dropout)
         out, lse = _varlen_forward(query, key, value, *offsets,
                                    "bottom_right" if is_causal else False, softmax_scale,
                                    options, out=out)
@@ -1114,10 +1126,7 @@ def _flash_forward(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropou
                                             max_k, dropout_p, *_flash_window(
                                                 (window_size_left, window_size_right),
                                                 is_causal, max_k), scale)
-    state = _rng_state(dropout, query.device)
-    unused = torch.zeros((), dtype=torch.uint64, device=query.device)
-    debug = torch.empty(0, dtype=query.dtype, device=query.device)
-    return out, lse, state, unused, debug
+    return (out, lse, *_flash_states(dropout, query))
 
 
 def _flash_forward_inplace(out, query, key, value, cum_seq_q, cum_seq_k, max_q, max_k,
@@ -1149,17 +1158,13 @@ def _flash_backward(grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_
     dropout = {}
     if dropout_p:
         dropout = {"dropout_p": dropout_p, "dropout_seed": int(rng_state[0].item())}
+    offsets, options = _flash_options(where, query, key, value, cum_seq_q, cum_seq_k, max_q,
+                                      max_k, is_causal, window, dropout)
     with torch.no_grad():
-        if cum_seq_q is None and cum_seq_k is None:
-            mods = _flash_attn_mods(where, window, 0.0, None, is_causal,
-                                    [(query.shape[1], key.shape[1])])
-            mods.update(dropout)
+        if offsets is None:
             return _backward_impl(grad_out, query, key, value, out, logsumexp,
                                   "bottom_right" if is_causal else "none", softmax_scale,
-                                  "bshd", "auto", "auto", "auto", deterministic, mods=mods)
-        offsets, options = _packed_arguments(where, query, key, value, cum_seq_q, cum_seq_k,
-                                             max_q, max_k, is_causal, window)
-        options.update(dropout)
+                                  "bshd", "auto", "auto", "auto", deterministic, mods=options)
         return tuple(_varlen_backward(grad_out, query, key, value, out, logsumexp, *offsets,
                                       "bottom_right" if is_causal else False, softmax_scale,
                                       deterministic, options))
