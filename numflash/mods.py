@@ -23,16 +23,18 @@ one call are composed into one :class:`Mods`: masks are and-ed, score_mods appli
 every (query, key) pair they compute; the reference (numflash.reference) calls the same functions
 in plain Python.
 
-Which kernels take modifications (each declares the kinds it takes, numflash.kernels): the CPU
-path (cpu.tiled, forward and backward) takes them all; the tensor-core kernels (cuda.mma, forward
-and backward) take ``window_size`` as a key range per row (:func:`window_key_range`), skipping
-the key tiles outside it, and every other one as CUDA device functions applied score by score
-(numflash/cuda/mma/mods.py), cuda.row too (but a block mask); cuda.block refuses them with a
-reason (``numflash.explain`` shows it). A ``block_mask`` (numflash.block_mask) is a mask_mod with its
-blocks marked once: kernels skip its EMPTY blocks (cuda.mma also its evaluation in FULL ones). With CuPy inputs the arrays of a modification must be CuPy
-arrays on q's GPU. A new modification compiles a new CPU kernel (a few seconds) once per process
-and combination of argument types; on the GPU kernels are cached on disk, a user's function named
-by its fingerprint (numflash.fingerprint; one it cannot fingerprint compiles once per process).
+Which kernels take modifications (each declares the kinds it takes, numflash.kernels): the CPU path
+(cpu.tiled, forward and backward) takes them all; the tensor-core kernels (cuda.mma, forward and
+backward) take ``window_size`` as a key range per row (:func:`window_key_range`), skipping the key
+tiles outside it, and every other one as CUDA device functions applied score by score
+(numflash/cuda/mma/mods.py), cuda.row too (but a block mask), and cuda.wgmma's forward (but a
+window, a block mask and packed sequences); cuda.block refuses them with a reason
+(``numflash.explain`` shows it). A ``block_mask`` (numflash.block_mask) is a mask_mod with its
+blocks marked once: kernels skip its EMPTY blocks (cuda.mma also its evaluation in FULL ones). With
+CuPy inputs the arrays of a modification must be CuPy arrays on q's GPU. A new modification
+compiles a new CPU kernel (a few seconds) once per process and combination of argument types; on
+the GPU kernels are cached on disk, a user's function named by its fingerprint
+(numflash.fingerprint; one it cannot fingerprint compiles once per process).
 """
 import math
 
@@ -58,12 +60,14 @@ def window_key_range(i, nk, left, right, offset):
     return first, end
 
 
-def _softcap_score(x, b, h, i, j, cap):
-    return cap * math.tanh(x / cap)
+# x times 1 / cap, not x / cap: an IEEE division is a subroutine on the GPU, and a kernel that
+# calls one has its wgmma serialized by ptxas (cuda.wgmma)
+def _softcap_score(x, b, h, i, j, cap, inverse_cap):
+    return cap * math.tanh(x * inverse_cap)
 
 
-def _softcap_grad(x, b, h, i, j, cap):
-    t = math.tanh(x / cap)
+def _softcap_grad(x, b, h, i, j, cap, inverse_cap):
+    t = math.tanh(x * inverse_cap)
     return 1.0 - t * t
 
 
@@ -540,7 +544,7 @@ def build(problem_shape, kind, causal_offset, *, device_id=None, score_mod=None,
         if not (math.isfinite(cap) and cap > 0):
             raise ValueError(f"softcap must be a finite number > 0 (0 or None: off); got "
                              f"{softcap!r}")
-        scores.append((_softcap_score, _softcap_grad, (cap,)))
+        scores.append((_softcap_score, _softcap_grad, (cap, 1.0 / cap)))
         names.append(f"softcap={cap:g}")
         kinds.append("softcap")
     if alibi_slopes is not None:

@@ -793,25 +793,27 @@ def run_forward_kernel(q, k, v, DT, causal=False, causal_offset=0, scale=None, V
 
 
 def run_wgmma_forward(q, k, v, causal=False, causal_offset=0, scale=None, tile=(1, 32),
-                      varlen=None):
+                      varlen=None, mods=None):
     """Run cuda.wgmma's generated forward source under the emulator (wgmma as Emu.wgmma_*,
     in-flight products computed at issue); q, k, v float16 or ml_dtypes.bfloat16; ``tile``:
     (NWG, BC); ``varlen``: (cu_q, cu_k, bottom_right) for the VARLEN variant (the arrays hold
-    the packed rows, batch 1). Returns (out, lse)."""
+    the packed rows, batch 1); ``mods``: a numflash.mods.Mods (the MODS variant). Returns (out,
+    lse)."""
     from numflash.cuda.wgmma import WgmmaConfig, kernel_source, shared_bytes
     from numflash.cuda.wgmma.tiles import head_dim_pad
     B, H, Nq, d = q.shape
     dv = v.shape[3]
     DT = "f16" if q.dtype == np.float16 else "bf16"
+    token, _, extra = _mods_setup(mods, None)
     cfg = WgmmaConfig(head_dim_pad(d), head_dim_pad(dv), *tile, DT,
-                      VARLEN=int(varlen is not None))
+                      VARLEN=int(varlen is not None), MODS=token)
     scale = 1 / math.sqrt(d) if scale is None else scale
     grid, packing = (-(-Nq // cfg.BR), B * H), ()
     if varlen is not None:   # grid y: each sequence's heads, x: the longest's query blocks
         cu_q, cu_k, causal_offset, max_q, _ = _packed_setup(varlen)
         grid, packing = (-(-max_q // cfg.BR), (len(cu_q) - 1) * H), (cu_q, cu_k)
     emu = Emu(cfg.NT, grid, shared_bytes(cfg))
-    ns = emulator_namespace(emu, DT)
+    ns = with_mods(emulator_namespace(emu, DT), token, DT)
     halves = f16_values if DT == "f16" else bf16_values
     ns.update(wgmma_qk=emu.wgmma_ss(cfg.BC, halves), wgmma_pv=emu.wgmma_rs(cfg.DV, halves, True),
               wgmma_qk_async=emu.wgmma_ss(cfg.BC, halves),
@@ -827,7 +829,7 @@ def run_wgmma_forward(q, k, v, causal=False, causal_offset=0, scale=None, tile=(
                                         as_kernel_array(v, DT), as_kernel_array(out, DT), lse,
                                         np.zeros((1, 1, 1, 1), np.float32),
                                         scale * math.log2(math.e), scale, int(causal),
-                                        int(causal_offset)) + packing)
+                                        int(causal_offset)) + packing + tuple(extra))
     return out, lse
 
 

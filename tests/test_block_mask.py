@@ -285,10 +285,10 @@ def test_block_mask_tokens_and_tiles_that_straddle_blocks_are_refused(rng):
     bm = create_block_mask(m, 1, None, 256, 256, args, block_size=16)
     built = mods.build((1, 4, 256, 256, 64, 64), "numpy", 0, block_mask=bm, softcap=2.0)
     token = kernel_mods.token_for(built)
-    assert token == ("score:softcap_score/softcap_grad[f]+block:document_mask"
+    assert token == ("score:softcap_score/softcap_grad[f,f]+block:document_mask"
                      "[i4/2,i4/2,i4/3,i4/4,i4/3,i4/4,i,i]")
     assert kernel_mods.sparse(token) and kernel_mods.cacheable(token)
-    assert len(kernel_mods.arguments(built)) == 1 + 2 + 6
+    assert len(kernel_mods.arguments(built)) == 2 + 2 + 6   # softcap: cap and 1 / cap
     p = _OnDevice(_problem(rng, np.float16, 64, Nq=256, Nk=256, H=4))
     p.mods = built
     with pytest.raises(ValueError, match=r"block mask's 16 x 16 blocks are not whole tiles"):

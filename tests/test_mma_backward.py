@@ -574,7 +574,7 @@ def test_backward_takes_a_window_and_other_mods(rng):
     p.deterministic = False
     p.mods = mods.build(p.shape, "cupy", 0, window_size=(8, 0), softcap=20.0)
     cfg = _plan(p, HOPPER).config   # the other mods are device functions (test_mma_mods.py)
-    assert all(c.WINDOW == 1 and c.MODS == "score:softcap_score/softcap_grad[f]"
+    assert all(c.WINDOW == 1 and c.MODS == "score:softcap_score/softcap_grad[f,f]"
                for c in cfg.values())
 
 

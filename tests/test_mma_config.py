@@ -334,7 +334,7 @@ def test_mma_takes_a_sliding_window_and_the_other_mods():
     p.mods = _mods.build(p.shape, "cupy", 0, window_size=(128, 0), softcap=30.0)
     assert ops["cuda.mma"].why_not(p, dev) is None
     cfg = ops["cuda.mma"].config(p, dev)
-    assert cfg.WINDOW == 1 and cfg.MODS == "score:softcap_score/softcap_grad[f]"
+    assert cfg.WINDOW == 1 and cfg.MODS == "score:softcap_score/softcap_grad[f,f]"
     why = dataclasses.replace(ops["cuda.mma"], mods=("window_size",)).why_not(p, dev)
     assert "takes window_size" in why and "not softcap" in why and "cpu.tiled" in why
     p.mods = None

@@ -26,6 +26,10 @@ MODS = {
         window_size=(20, 3), softcap=5.0, alibi_slopes=rng.uniform(0.05, 0.5, H).astype(
             np.float32), attn_bias=rng.standard_normal((1, H, Nq, Nk)).astype(np.float32),
         attn_mask=rng.random((B, 1, Nq, Nk)) > 0.2),
+    "all-but-window": lambda B, H, Nq, Nk, rng: dict(   # what cuda.wgmma takes
+        softcap=5.0, alibi_slopes=rng.uniform(0.05, 0.5, H).astype(np.float32),
+        attn_bias=rng.standard_normal((1, H, Nq, Nk)).astype(np.float32),
+        attn_mask=rng.random((B, 1, Nq, Nk)) > 0.2),
     "mask-softcap": lambda B, H, Nq, Nk, rng: dict(
         softcap=2.0, attn_mask=rng.random((B, H, Nq, Nk)) > 0.3),
     "key-padding-alibi-per-batch": lambda B, H, Nq, Nk, rng: dict(
@@ -173,8 +177,8 @@ def test_tokens_name_the_functions_and_argument_types_and_leave_the_window_out()
                    window_size=(3, 0))
     # values are run-time arguments: the same token, so the same compiled kernel
     assert kernel_mods.token_for(a) == kernel_mods.token_for(b) == \
-        "score:softcap_score/softcap_grad[f]+score:bias_score/unit_grad[f4/4]"
-    assert kernel_mods.arguments(b)[0] == 9.0 and len(kernel_mods.arguments(b)) == 2
+        "score:softcap_score/softcap_grad[f,f]+score:bias_score/unit_grad[f4/4]"
+    assert kernel_mods.arguments(b)[:2] == (9.0, 1 / 9.0) and len(kernel_mods.arguments(b)) == 3
     c = mods.build(shape, "numpy", 0, attn_bias=np.zeros((16,), np.float64))
     assert kernel_mods.token_for(c) == "score:bias_score/unit_grad[f8/4]"  # broadcast to 4-d
     assert kernel_mods.token_for(mods.build(shape, "numpy", 0, window_size=(3, 0))) == ""
@@ -296,7 +300,7 @@ def test_forward_plan_with_mods_names_the_token(rng):
     p = dataclasses.replace(p, kind="cupy")
     p.mods = mods.build(p.shape, "numpy", 0, softcap=3.0)
     cfg = mma.config(_as_device(p), HOPPER)
-    assert cfg.MODS == "score:softcap_score/softcap_grad[f]" and "MODS=" in str(cfg)
+    assert cfg.MODS == "score:softcap_score/softcap_grad[f,f]" and "MODS=" in str(cfg)
 
 
 def test_the_plan_memo_tells_argument_types_apart(rng, monkeypatch):
@@ -450,17 +454,26 @@ def _gpu_inputs(rng, dtype, B, H, Hkv, Nq, Nk, d, name):
     return (q, k, v, do), tuple(cupy.asarray(a) for a in (q, k, v, do)), opts, gpu_opts
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("case", GPU_FORWARD, ids=lambda c: "-".join(map(str, c)))
-def test_gpu_forward_with_mods_meets_the_rule(rng, case):
+def check_gpu_forward_with_mods(rng, case, algorithm, sample_rows=None):
+    """Run a GPU_FORWARD-style case on ``algorithm`` (explain must name that kernel with the
+    modifications compiled in) and check output and lse against the reference with the same
+    modifications (``sample_rows(Nq)``: the rows to check, None for all)."""
     dtype, B, H, Hkv, Nq, Nk, d, causal, name = case
     (q, k, v, _), (qg, kg, vg, _), opts, gpu_opts = _gpu_inputs(rng, dtype, B, H, Hkv, Nq, Nk,
                                                                   d, name)
-    plan = numflash.explain(qg, kg, vg, causal=causal, **gpu_opts)
-    assert plan.kernel == "cuda.mma" and plan.config.MODS, str(plan)
-    o, lse = numflash.attention(qg, kg, vg, causal=causal, return_lse=True, **gpu_opts)
-    rep = testing.check(o.get(), q, k, v, lse=lse.get(), causal=causal, **opts)
+    plan = numflash.explain(qg, kg, vg, causal=causal, algorithm=algorithm, **gpu_opts)
+    assert plan.kernel == f"cuda.{algorithm}" and plan.config.MODS, str(plan)
+    o, lse = numflash.attention(qg, kg, vg, causal=causal, return_lse=True, algorithm=algorithm,
+                                **gpu_opts)
+    rep = testing.check(o.get(), q, k, v, lse=lse.get(), causal=causal,
+                        rows=sample_rows(Nq) if sample_rows else None, **opts)
     assert rep.ok, rep
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_FORWARD, ids=lambda c: "-".join(map(str, c)))
+def test_gpu_forward_with_mods_meets_the_rule(rng, case):
+    check_gpu_forward_with_mods(rng, case, "mma")
 
 
 GPU_BACKWARD = [  # (dtype, B, H, Hkv, Nq, Nk, d, causal, mods name)

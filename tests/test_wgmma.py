@@ -50,6 +50,32 @@ def test_emulated_wgmma_forward_is_accurate(rng, case, dtype):
     assert rep.ok, str(rep)
 
 
+@pytest.mark.parametrize("name, dtype, causal, Hkv, tile", [
+    ("all-but-window", "float16", "bottom_right", 1, (1, 32)),   # GQA, rows that see no key
+    pytest.param("user-document-and-relative-bias", "float16", True, 2, (2, 32),
+                 marks=pytest.mark.extended),
+    pytest.param("mask-softcap", "bfloat16", False, 2, (1, 64), marks=pytest.mark.extended),
+])
+def test_emulated_wgmma_forward_with_modifications(rng, name, dtype, causal, Hkv, tile):
+    """cuda.mma's modifications compiled into the wgmma forward (applied to each tile's S
+    registers after the bounds, the softmax then in log2(e) units): output and lse meet the
+    accuracy rule against the reference with the same modifications."""
+    from mma_tools import run_wgmma_forward
+    from test_mma_mods import _options
+    from numflash import mods
+    from numflash.inputs import parse_causal
+    if dtype == "bfloat16":
+        dtype = pytest.importorskip("ml_dtypes").bfloat16
+    B, H, Nq, Nk, d = 2, 2, 40, 50, 64
+    q, k, v = _inputs(rng, B, H, Hkv, Nq, Nk, d, d, dtype)
+    opts = _options(name, B, H, Nq, Nk, rng)
+    is_causal, off = parse_causal(causal, Nq, Nk)
+    built = mods.build((B, H, Nq, Nk, d, d), "numpy", off, **opts)
+    out, lse = run_wgmma_forward(q, k, v, is_causal, off, tile=tile, mods=built)
+    rep = check(out, q, k, v, lse=lse, causal=causal, **opts)
+    assert rep.ok, str(rep)
+
+
 @pytest.mark.parametrize("d, causal, tile", [(64, "bottom_right", (1, 32)),
                                              pytest.param(128, True, (2, 64),
                                                           marks=pytest.mark.extended)])
@@ -152,8 +178,58 @@ def test_wgmma_compiles_for_sm90a_without_spills_or_serialization(cfg, blocks):
     assert res["registers"] * 128 * cfg["NWG"] * blocks <= 65536, res
 
 
+_COMPILE_MODIFIED = """
+import json, sys
+import numpy as np
+sys.path.insert(0, sys.argv[3])
+from test_mma_mods import _options
+from numflash import mods
+from numflash.cuda import launch, wgmma
+from numflash.cuda.mma import mods as kernel_mods, signature
+d, name = int(sys.argv[1]), sys.argv[2]
+opts = _options(name, 2, 4, 128, 128, np.random.default_rng(0))
+token = kernel_mods.token_for(mods.build((2, 4, 128, 128, d, d), "numpy", 0, **opts))
+NWG, BC = wgmma.MODIFIED_TILES[d]
+cfg = wgmma.WgmmaConfig(d, d, NWG, BC, "f16", MODS=token)
+cubin, entry, ptx, res = launch.compile_to_cubin(
+    wgmma.make_kernel(**cfg), signature("float16", token=token), (9, 0))
+print(json.dumps({"resources": res, "local": ptx.count("ld.local") + ptx.count("st.local"),
+                  "NWG": NWG, "serialized": str(res.get("wgmma_serialized", ""))}))
+"""
+
+
+@pytest.mark.parametrize("d, name", [
+    (64, "all-but-window"),
+    pytest.param(128, "user-document-and-relative-bias", marks=pytest.mark.extended),
+    pytest.param(128, "all-but-window", marks=pytest.mark.extended),
+])
+def test_wgmma_with_modifications_compiles_without_spills_or_serialization(d, name):
+    """The modified forward (its half-width key tiles, MODIFIED_TILES) keeps every register
+    resident and its wgmma asynchronous: an IEEE division among the modifications (the softcap
+    once divided by its cap) made ptxas serialize every wgmma of the kernel (C7509)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from mma_tools import ROOT
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0")
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    run = subprocess.run([sys.executable, "-c", _COMPILE_MODIFIED, str(d), name,
+                          str(ROOT / "tests")], env=env, capture_output=True, text=True,
+                         timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    res = got["resources"]
+    assert not got["serialized"], "ptxas serializes the wgmma (C7509): " + got["serialized"]
+    assert got["local"] == 0 and res.get("spill_store_bytes", 0) == 0, res
+    assert res.get("stack_bytes", 0) == 0, res
+    # d64: two blocks an SM (the register cap); d128: one
+    assert res["registers"] * 128 * got["NWG"] * (2 if d == 64 else 1) <= 65536, res
+
+
 def test_the_packed_d64_forward_is_capped_to_two_blocks_an_sm():
-    """Only the packed d64 forward carries a register cap (128: two 256-thread blocks an SM),
+    """Only the packed or modified d64 forward carries a register cap (128: two 256-thread
+    blocks an SM),
     written into its PTX as .maxnreg and named in its code identity (a cached or shipped
     kernel compiled without it is never taken for it)."""
     from numflash.cuda import launch
@@ -162,6 +238,7 @@ def test_the_packed_d64_forward_is_capped_to_two_blocks_an_sm():
     packed = dict(D=64, DV=64, NWG=2, BC=64, DT="f16", VARLEN=1)
     assert register_cap(WgmmaConfig(**packed)) == 128
     assert register_cap(WgmmaConfig(**dict(packed, VARLEN=0))) is None
+    assert register_cap(WgmmaConfig(**dict(packed, VARLEN=0, MODS="a token"))) == 128
     assert register_cap(WgmmaConfig(**dict(packed, D=128, DV=128, BC=128))) is None
     assert forward.make_kernel(**packed).max_registers == 128
     assert forward.code_identity(**packed).endswith("-maxnreg128")
@@ -181,7 +258,8 @@ def _plan(rng, device=HOPPER, dtype=np.float16, B=4, H=16, Nq=4096, Nk=4096, d=6
     q, k, v = (np.zeros((B, H, n, w), dtype) for n, w in ((Nq, d), (Nk, d), (Nk, dv or d)))
     if strided:
         q = np.repeat(q, 2, axis=-1)[..., ::2]
-    mods = {name: opts.pop(name) for name in ("softcap",) if name in opts}
+    mods = {name: opts.pop(name) for name in ("softcap", "window_size", "alibi_slopes")
+            if name in opts}
     p = _with_mods(normalize(q, k, v, **opts), mods)
     p = dataclasses.replace(p, kind="cupy", q=DeviceView(p.q), k=DeviceView(p.k),
                             v=DeviceView(p.v), out=DeviceView(p.out))
@@ -198,6 +276,18 @@ def test_auto_takes_wgmma_for_16_bit_on_compute_capability_9(rng, d, dv, want):
     from numflash.cuda.wgmma import shared_bytes
     assert shared_bytes(plan.config) <= HOPPER.smem_per_block_optin
     assert "cuda.wgmma" in str(plan)
+
+
+def test_auto_takes_wgmma_with_modifications_but_not_on_packed_sequences(rng):
+    plan = _plan(rng, causal=True, softcap=30.0, alibi_slopes=np.full(16, 0.1, np.float32))
+    assert plan.kernel == "cuda.wgmma" and plan.config.MODS, str(plan)
+    assert plan.config.BC == 32 and "key tiles: 32 keys with modifications" in str(plan)
+    from numflash.varlen import Packed
+    packing = Packed(np.array([0, 5, 45]), np.array([0, 7, 10]), 40, 7, True)
+    packed = _plan(rng, B=1, H=4, Nq=45, Nk=10, causal="bottom_right", varlen=packing,
+                   softcap=30.0)
+    assert packed.kernel == "cuda.mma", str(packed)
+    assert "modifications on packed sequences" in packed.rejected["cuda.wgmma"]
 
 
 def test_auto_passes_wgmma_over_where_cuda_mma_splits_the_keys(rng):
@@ -217,7 +307,7 @@ def test_auto_passes_wgmma_over_where_cuda_mma_splits_the_keys(rng):
     (HOPPER, {"d": 59}, "head dim 59 is not a multiple of 8: cuda.mma takes it"),
     (HOPPER, {"strided": True}, "q's last axis is strided"),
     (HOPPER, {"dtype": np.float32}, "cuda.wgmma takes float16, bfloat16, not float32"),
-    (HOPPER, {"softcap": 30.0}, "cuda.wgmma does not take score/mask modifications"),
+    (HOPPER, {"window_size": (32, 0)}, "cuda.wgmma takes .* not window_size"),
     (HOPPER, {"num_splits": 4}, "cuda.wgmma does not split the keys"),
 ])
 def test_wgmma_refuses_with_the_reason_and_auto_takes_another(rng, device, opts, match):

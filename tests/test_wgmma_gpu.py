@@ -48,6 +48,24 @@ def test_wgmma_forward_is_accurate(hopper, rng, case, causal, dtype):
     assert rep.ok, str(rep)
 
 
+MODIFIED = [  # (dtype, B, H, Hkv, Nq, Nk, d, causal, mods name: test_mma_mods.MODS)
+    ("float16", 2, 8, 8, 1024, 1024, 64, True, "all-but-window"),
+    ("bfloat16", 1, 8, 2, 777, 1025, 128, "bottom_right", "mask-softcap"),
+    ("float16", 2, 4, 2, 513, 700, 64, False, "key-padding-alibi-per-batch"),
+    ("float16", 2, 4, 4, 600, 600, 128, True, "user-document-and-relative-bias"),
+    ("bfloat16", 1, 2, 2, 2048, 2048, 64, True, "all-but-window"),
+]
+
+
+@pytest.mark.parametrize("case", MODIFIED, ids=lambda c: "-".join(map(str, c)))
+def test_wgmma_forward_with_modifications_is_accurate(hopper, rng, case):
+    """Score / mask modifications on cuda.wgmma (forced: at these sizes "auto" leaves the calls
+    to cuda.mma's split-KV; tests/test_wgmma.py checks that it takes them where the query
+    blocks fill the GPU), against the float64 reference with the same modifications."""
+    from test_mma_mods import check_gpu_forward_with_mods
+    check_gpu_forward_with_mods(rng, case, "wgmma", lambda Nq: _rows(Nq, rng))
+
+
 def test_wgmma_takes_the_bshd_layout_and_a_scale(hopper, rng):
     q, k, v = (_device_array(rng, (2, 300, 4, 64), "float16") for _ in range(3))
     out = numflash.attention(q, k, v, layout="bshd", softmax_scale=0.3, algorithm="wgmma")
@@ -66,8 +84,8 @@ def test_wgmma_refuses_what_it_does_not_run_and_says_what_does(hopper, rng):
     with pytest.raises(ValueError, match="cuda.wgmma takes head dims up to 128"):
         numflash.attention(q, q, q, algorithm="wgmma")
     q = _device_array(rng, (1, 2, 64, 64), "float16")
-    with pytest.raises(ValueError, match="cuda.wgmma does not take score/mask modifications"):
-        numflash.attention(q, q, q, algorithm="wgmma", softcap=30.0)
+    with pytest.raises(ValueError, match="cuda.wgmma takes .* not window_size"):
+        numflash.attention(q, q, q, algorithm="wgmma", window_size=(16, 0))
     strided = _device_array(rng, (1, 2, 64, 128), "float16")[..., ::2]
     with pytest.raises(ValueError, match="16-byte cp.async"):
         numflash.attention(strided, strided, strided, algorithm="wgmma")

@@ -96,10 +96,7 @@ def kernel_source(cfg):
                 # ---- mask, online softmax, O += P V
                 emit_score_mask(s, NN, cfg.BC, window)
                 if cfg.MODS:
-                    s("cm = j0 + I(t) * 2")
-                    mods.emit_apply(s, cfg.MODS, [
-                        (f"s_{n}_{r}", "r0" if r < 2 else "r1", f"cm + {n * 8 + r % 2}")
-                        for n in range(NN) for r in range(4)], guard="{i} < Nq")
+                    emit_tile_mods(s, cfg.MODS, NN)
                 if cfg.DBG:
                     emit_debug_dump(s, NN)
                 emit_online_update(s, NN, NVN, rescale_o=ops.rescales_o_in_softmax)
@@ -129,6 +126,15 @@ def emit_block_row(s, token):
         return None
     s("bm_row = I(i0) // bm_bq", "bm_list = bm_kv_blocks[b, h, bm_row]")
     return "bm_list", "bm_kv_count[b, h, bm_row]", "bm_bk"
+
+
+def emit_tile_mods(s, token, NN):
+    """Emit the modifications of MODS token ``token`` on a key tile's S registers (NN n8 tiles in
+    the C layout: rows r0 / r1, the tile's first key j0), rows past Nq left alone."""
+    s("cm = j0 + I(t) * 2")
+    mods.emit_apply(s, token, [
+        (f"s_{n}_{r}", "r0" if r < 2 else "r1", f"cm + {n * 8 + r % 2}")
+        for n in range(NN) for r in range(4)], guard="{i} < Nq")
 
 
 def emit_modified_scale(s, flt, token, scale):

@@ -1,25 +1,28 @@
 """cuda.wgmma: the forward on Hopper's warpgroup matrix products (wgmma, sm_90a), float16 and
 bfloat16, head dims that are multiples of 8 up to 128 (zero-padded to 64 or 128), causal in
 both alignments, GQA, packed sequences in one launch (attention_varlen: VARLEN, as cuda.mma
-runs them). The kernel (forward.py) is generated as Python source per config from
-cuda.mma's pieces (row bounds, masking, online softmax, epilogue); the products and their
-descriptors are ptx_wgmma's. "auto" takes it for a 16-bit forward on compute capability 9.0
-wherever it runs, but for unpacked calls whose query blocks do not fill the GPU (auto_passes).
+runs them), score / mask modifications but a sliding window and a block mask (cuda.mma's
+composition, applied to each tile's S registers, on half-width key tiles: MODIFIED_TILES). The
+kernel (forward.py) is generated as Python source per config from cuda.mma's pieces (row
+bounds, masking, modifications, online softmax, epilogue); the products and their descriptors
+are ptx_wgmma's. "auto" takes it for a 16-bit forward on compute capability 9.0 wherever it
+runs, but for unpacked calls whose query blocks do not fill the GPU (auto_passes).
 
 The backward's key pass (backward.py, the operator in gradients.py) is FlashAttention-3's
 backward loop on the same products, after cuda.mma's delta pass, with dQ added into a float32
 accumulator.
 
-Not yet here (explain says so, and cuda.mma runs them): score / mask modifications, dropout,
-split-KV, KV caches, strided or misaligned rows, odd head dims, head dims
-past 128, a deterministic backward. wgmma exists on compute capability 9.0 only: not on 8.x,
-and not on 10.x / 12.x.
+Not yet here (explain says so, and cuda.mma runs them): sliding windows, block masks,
+modifications of packed sequences, modifications in the backward, dropout, split-KV, KV caches,
+strided or misaligned rows, odd head dims, head dims past 128, a deterministic backward. wgmma
+exists on compute capability 9.0 only: not on 8.x, and not on 10.x / 12.x.
 """
 import math
 
 from ...device import Unsupported
 from .forward import kernel_source, make_kernel
-from .tiles import HEAD_DIMS, NAME, TILES, WgmmaConfig, check_hopper, head_dim_pad, shared_bytes
+from .tiles import (HEAD_DIMS, MODIFIED_TILES, NAME, TILES, WgmmaConfig, check_hopper,
+                    head_dim_pad, shared_bytes)
 
 __all__ = ["NAME", "HEAD_DIMS", "WgmmaConfig", "config", "auto_passes", "run", "compiled_kernels",
            "notes", "kernel_source", "make_kernel", "shared_bytes"]
@@ -27,7 +30,7 @@ __all__ = ["NAME", "HEAD_DIMS", "WgmmaConfig", "config", "auto_passes", "run", "
 def config(problem, device):
     """The WgmmaConfig for ``problem`` on ``device`` (what the operator's declarations admit);
     raises Unsupported saying why not."""
-    from ..mma.config import check_packed, padded_dims, vector_ok
+    from ..mma.config import check_packed, modifications, padded_dims, vector_ok
     check_hopper(device, "cuda.mma")
     B, H, Nq, Nk, d, dv = problem.shape
     padded_dims(problem)   # refuses query heads that do not divide into the K/V heads
@@ -36,12 +39,16 @@ def config(problem, device):
                           f"{vector_ok(problem) if problem.on_device else 'these are not device arrays'}"
                           f": cuda.mma takes it")
     D, DV = head_dim_pad(d), head_dim_pad(dv)
-    NWG, BC = TILES[max(D, DV)]
     packed = int(getattr(problem, "varlen", None) is not None)
+    token = modifications(problem)
+    NWG, BC = (MODIFIED_TILES if token else TILES)[max(D, DV)]
     if packed:
         check_packed(problem, NAME)
+        if token:
+            raise Unsupported(f"{NAME} does not take modifications on packed sequences yet "
+                              f"({problem.mods}): cuda.mma does")
     cfg = WgmmaConfig(D, DV, NWG, BC, "bf16" if problem.dtype_name == "bfloat16" else "f16",
-                      VARLEN=packed)
+                      VARLEN=packed, MODS=token)
     need = shared_bytes(cfg)
     if device.smem_per_block_optin is not None and need > device.smem_per_block_optin:
         raise Unsupported(f"{NAME}: needs {need} bytes of shared memory for d={d}, dv={dv}, more "
@@ -73,12 +80,13 @@ def compiled_kernels(cfg, dtype):
     from .. import launch
     from ..mma import signature
     return [(launch.get_kernel(NAME, make_kernel, cfg),
-             signature(dtype, varlen=bool(cfg.VARLEN)))]
+             signature(dtype, token=cfg.MODS, varlen=bool(cfg.VARLEN)))]
 
 
 def run(problem, cfg, device):
     """Launch; returns lse."""
-    from ..mma import _as_bits as bits, no_debug_dump
+    from ...mods import compile_errors
+    from ..mma import _as_bits as bits, mods, no_debug_dump
     p = problem
     B, H, Nq, Nk, d, dv = p.shape
     kernel = compiled_kernels(cfg, p.dtype_name)[0][0]
@@ -87,14 +95,20 @@ def run(problem, cfg, device):
     if cfg.VARLEN:   # the alignment in causal_offset's place, then cu_q, cu_k
         grid = p.varlen.grid(cfg.BR, H)
         causal_offset, packed = p.varlen.arguments()
-    kernel(grid, (cfg.NT,), shared_bytes(cfg),
-           (bits(p.q), bits(p.k), bits(p.v), bits(p.out), lse, no_debug_dump(p.q.device.id),
-            float(p.scale * math.log2(math.e)), float(p.scale), int(p.causal),
-            causal_offset) + packed, device)
+    with compile_errors(p.mods, NAME):
+        kernel(grid, (cfg.NT,), shared_bytes(cfg),
+               (bits(p.q), bits(p.k), bits(p.v), bits(p.out), lse, no_debug_dump(p.q.device.id),
+                float(p.scale * math.log2(math.e)), float(p.scale), int(p.causal),
+                causal_offset) + packed + (mods.arguments(p.mods) if cfg.MODS else ()), device)
     return lse
 
 
 def notes(problem, cfg, device):
-    """What explain adds about this config: packed sequences' one launch."""
+    """What explain adds about this config: packed sequences' one launch; the key tiles of a
+    modified call."""
     from ..mma import packed_note
-    return [packed_note(problem, cfg.BR)] if cfg.VARLEN else []
+    out = [packed_note(problem, cfg.BR)] if cfg.VARLEN else []
+    if cfg.MODS:
+        out.append(f"key tiles: {cfg.BC} keys with modifications (half the plain kernel's, on "
+                   f"which ptxas spills their indices and arguments)")
+    return out

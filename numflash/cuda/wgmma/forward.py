@@ -30,7 +30,9 @@ import numpy as np
 
 from ..mma.emit import (VARLEN_ARGUMENTS, U, Source, define, emit_prologue, emit_views_at_use,
                         head_view, row_value)
-from ..mma.forward import ARGUMENTS, _kv_head_device, kv_head, source_identity
+from ..mma import mods
+from ..mma.forward import (ARGUMENTS, _kv_head_device, emit_modified_scale, emit_tile_mods,
+                           kv_head, source_identity)
 from ..mma.mask import emit_row_bounds, emit_score_mask
 from ..mma.operands import _OperandKind, packed_a_step
 from ..mma.softmax import emit_accumulators, emit_epilogue, emit_online_update
@@ -129,8 +131,11 @@ class _Products:
         s(f"{self.scores} = {fn}(({qs},), ({ks},))")
 
     def softmax(self, s, rescale_o=True):
-        """Emit the mask and the online update of the S registers (P left in them)."""
+        """Emit the mask, the modifications and the online update of the S registers (P left
+        in them)."""
         emit_score_mask(s, self.NN, self.cfg.BC)
+        if self.cfg.MODS:
+            emit_tile_mods(s, self.cfg.MODS, self.NN)
         emit_online_update(s, self.NN, self.NVN, rescale_o=rescale_o)
 
     def rescale_o(self, s):
@@ -208,7 +213,8 @@ def kernel_source(cfg):
     L = layout(cfg)
     NVN = cfg.DV // 8
     s = Source()
-    s(f"def wgmma_attention({ARGUMENTS}{VARLEN_ARGUMENTS if cfg.VARLEN else ''}):")
+    s(f"def wgmma_attention({ARGUMENTS}{VARLEN_ARGUMENTS if cfg.VARLEN else ''}"
+      f"{mods.parameters(cfg.MODS)}):")
     with s.block():
         if cfg.VARLEN:   # b is the sequence: its rows' views (O's made at the stores)
             emit_prologue(s, cfg.BR, "float32", "uint32", div32="div_u32", packed=True,
@@ -217,6 +223,9 @@ def kernel_source(cfg):
                                  f"vh = {head_view(cfg, 'v', 'hk', 'k')}"))
         else:
             emit_prologue(s, cfg.BR, "float32", "uint32", div32="div_u32")
+        if cfg.MODS:
+            emit_modified_scale(s, "float32", cfg.MODS, "ONE")
+            s("hi = I(h)")
         # swizzled tiles must start on 1024 bytes: the dynamic shared array is padded for it
         s(f"sbase = U(shared_addr(smem, {U(0)}))",
           f"qbase = (sbase + {U(ATOM - 1)}) & ~{U(ATOM - 1)}",
@@ -269,10 +278,11 @@ def common_namespace():
 
 
 def _namespace(cfg):
-    """The names the generated source calls, bound for this config."""
+    """The names the generated source calls, bound for this config (with modifications, their
+    composition as device functions)."""
     from .. import ptx, ptx_wgmma
     kind = cfg.DT
-    return {
+    ns = {
         **common_namespace(),
         "kv_head": _kv_head_device(), "cp_async_wait_1": ptx.cp_async_wait_1,
         "rcp_approx": ptx_wgmma.rcp_approx,
@@ -283,6 +293,10 @@ def _namespace(cfg):
         "wgmma_wait_s": ptx_wgmma.wgmma_wait(cfg.BC // 2, 1),   # S, with P V still in flight
         "wgmma_wait_o": ptx_wgmma.wgmma_wait(cfg.DV // 2, 0),
     }
+    if cfg.MODS:
+        from numba import cuda
+        ns.update(mods.namespace(cfg.MODS, np.float32, cuda.jit(device=True)))
+    return ns
 
 
 def make_kernel(**config):
@@ -300,8 +314,11 @@ def code_identity(**config):
     from .. import launch, ptx_wgmma
     cfg = WgmmaConfig(**config)
     cap = register_cap(cfg)   # (launch.kernel_ptx writes it into the PTX)
-    return source_identity(kernel_source(cfg), (_namespace, common_namespace, kv_head)) + \
+    binders = (_namespace, common_namespace, kv_head) + \
+        (mods.identity_functions(cfg.MODS) if cfg.MODS else ())
+    return source_identity(kernel_source(cfg), binders) + \
         launch.source_digest(ptx_wgmma.__name__)[:16] + (f"-maxnreg{cap}" if cap else "")
 
 
 make_kernel.code_identity = code_identity
+make_kernel.cacheable = lambda **config: mods.cacheable(config.get("MODS", ""))

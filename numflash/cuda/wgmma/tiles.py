@@ -66,13 +66,15 @@ class WgmmaConfig(Warpgroups, TileConfig):
     (BR = 64 NWG, NT = 128 NWG threads); BC keys a K/V tile (the N of S = Q K^T's wgmma and the
     contraction of P V's). DT: "f16" or "bf16". VARLEN: packed sequences in one launch
     (cuda.mma's VARLEN: grid y walks the sequences' heads, each block finds its sequence's rows
-    in cu_q / cu_k and views them)."""
+    in cu_q / cu_k and views them). MODS: score / mask modifications, cuda.mma's token and
+    device functions (cuda.mma.mods), applied to each tile's S registers."""
     D: int
     DV: int
     NWG: int
     BC: int
     DT: str
     VARLEN: int = 0
+    MODS: str = ""
 
 
 #: Shared memory in bytes: the Q tile (kept: wgmma reads it from shared memory every tile), one
@@ -97,6 +99,10 @@ def shared_bytes(cfg):
 #: each block's barriers then stall only its own warpgroups (1.08x median over 10 shapes). d128
 #: with BC=128 fills 226 of the 227 KB a block may use.
 TILES = {64: (2, 64), 128: (2, 128)}
+#: with modifications: half the keys a tile. Their indices and arguments live beside S and the
+#: P in flight; on the full tiles ptxas spilled (sm_90a: ALiBi at d64 20 bytes under the cap,
+#: an attn_bias at d128 116 bytes), on these it does not (tests/test_wgmma.py)
+MODIFIED_TILES = {64: (2, 32), 128: (2, 64)}
 #: blocks an SM each padded head dim's tile is sized for (65536 registers an SM)
 BLOCKS_PER_SM = {64: 2, 128: 1}
 
@@ -106,6 +112,7 @@ def register_cap(cfg):
     sequences (VARLEN) keep their counts and offsets in registers, 139 a thread at d64 where the
     unpacked kernel takes 124 (ptxas sm_90a, bench/NOTES.md), which would leave one block an SM
     instead of the two the tile is sized for; capped at 128 it fits in 126 without a spill
-    (tests/test_wgmma.py checks both)."""
+    (tests/test_wgmma.py checks both). Modifications (MODS) are capped alike: their arguments
+    and each score's indices live through the loop too."""
     cap = 65536 // (cfg.NT * BLOCKS_PER_SM[max(cfg.D, cfg.DV)])
-    return cap if cfg.VARLEN and cap < 255 else None
+    return cap if (cfg.VARLEN or cfg.MODS) and cap < 255 else None
