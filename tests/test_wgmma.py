@@ -51,7 +51,7 @@ def test_emulated_wgmma_forward_is_accurate(rng, case, dtype):
 
 
 @pytest.mark.parametrize("name, dtype, causal, Hkv, tile", [
-    ("all-but-window", "float16", "bottom_right", 1, (1, 32)),   # GQA, rows that see no key
+    ("all-but-window", "float16", "bottom_right", 1, (1, 32)),   # GQA
     pytest.param("user-document-and-relative-bias", "float16", True, 2, (2, 32),
                  marks=pytest.mark.extended),
     pytest.param("mask-softcap", "bfloat16", False, 2, (1, 64), marks=pytest.mark.extended),
