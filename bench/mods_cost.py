@@ -41,6 +41,10 @@ def _key_padding(b, h, i, j, lengths):
     return j < lengths[b]
 
 
+#: the sliding-window row's left size
+WINDOW = 256
+
+
 def cases(B, H, N, rng, xp, dtype):
     """name -> numflash options (``xp``: cupy for the GPU, numpy for the CPU path), in the order
     of issue 15's table (the block-mask rows' masks are built once, on the arrays' side, as a
@@ -54,6 +58,7 @@ def cases(B, H, N, rng, xp, dtype):
         "causal": {},
         "causal as a mask (1, 1, N, N)": dict(attn_mask=xp.asarray(tril)),
         "softcap 30": dict(softcap=30.0),
+        f"sliding window ({WINDOW}, 0)": dict(window_size=(WINDOW, 0)),
         "alibi": dict(alibi_slopes=xp.asarray(rng.uniform(0.01, 0.5, H).astype(np.float32))),
         "bias (1, H, N, N)": dict(attn_bias=xp.asarray(
             rng.standard_normal((1, H, N, N)).astype(dtype))),
@@ -87,6 +92,7 @@ def sdpa_masks(table, N, torch, docs, lengths, dtype):
     masks = {
         "causal": None,
         "causal as a mask (1, 1, N, N)": causal[None, None],
+        f"sliding window ({WINDOW}, 0)": (causal & (i - j <= WINDOW))[None, None],
         "alibi": (blocked - slopes[:, None, None] * (i - j).abs().to(dtype))[None],
         "bias (1, H, N, N)": bias + blocked,
         "key padding (B, 1, 1, N)": padding,
@@ -112,6 +118,8 @@ def flex_cases(B, H, N, torch, docs, lengths):
     rows = {
         "causal": (None, causal),
         "softcap 30": (lambda s, b, h, q, kv: 30.0 * torch.tanh(s / 30.0), causal),
+        f"sliding window ({WINDOW}, 0)": (None, lambda b, h, q, kv: (q >= kv) &
+                                          (q - kv <= WINDOW)),
         "alibi": (lambda s, b, h, q, kv: s - slopes[h] * (q - kv).abs(), causal),
         "bias (1, H, N, N)": (lambda s, b, h, q, kv: s + bias[0, h, q, kv], causal),
         "key padding (B, 1, 1, N)": (None, lambda b, h, q, kv: (q >= kv) & (kv < lens_t[b])),

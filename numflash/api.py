@@ -148,15 +148,15 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, layout="bhsd", backe
     mod_options = _mod_options(score_mod, mask_mod, mod_args, score_mod_grad, window_size,
                                softcap, alibi_slopes, attn_bias, attn_mask, block_mask,
                                score_mod_args_grad)
-    key = None
-    if out is None and not mod_options and not dropout_p:  # a repeated CuPy call replays its
-        #                                                    recorded launch
+    key, replay_mods = None, _fastpath.replay_mods(mod_options)
+    if out is None and replay_mods is not None and not dropout_p:  # a repeated CuPy call
+        #                                                            replays its recorded launch
         key = _fastpath.signature(q, k, v, _fastpath.call_options(
             causal, softmax_scale, layout, backend, algorithm, return_lse, precision,
-            num_splits))
+            num_splits, replay_mods[0]))
         replay = _fastpath.lookup(key)
         if replay is not None:
-            return replay(q, k, v)
+            return replay(q, k, v, *replay_mods[1])
     if _is_torch(q):
         from . import torch as _torch
         if num_splits is not None:
@@ -181,7 +181,7 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, layout="bhsd", backe
     elif key is not None and problem.on_device:
         with _fastpath.recording() as launches:
             lse = plan.run(problem)
-        _fastpath.remember(key, launches, problem, lse)
+        _fastpath.remember(key, launches, problem, lse, replay_mods[1])
     else:
         lse = plan.run(problem)
     return (problem.result, lse) if return_lse else problem.result

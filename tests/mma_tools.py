@@ -98,13 +98,24 @@ def compile_variant(cfg, cc, ops=()):
 
 _COMPILE_WGMMA = textwrap.dedent("""
     import json, re, sys
+    import numpy as np
     from numflash.cuda import launch, wgmma
     from numflash.cuda.mma import signature
-    cfg = json.loads(sys.argv[1])
+    cfg, mods_name = json.loads(sys.argv[1]), sys.argv[2]
+    if mods_name:   # test_mma_mods' named modifications, as the token of a 2 x 4 x 128 call
+        sys.path.insert(0, sys.argv[3])
+        from test_mma_mods import _options
+        from numflash import mods
+        from numflash.cuda.mma import mods as kernel_mods
+        d = cfg["D"]
+        opts = _options(mods_name, 2, 4, 128, 128, np.random.default_rng(0))
+        cfg["MODS"] = kernel_mods.token_for(mods.build((2, 4, 128, 128, d, d), "numpy", 0,
+                                                       **opts))
     fn = wgmma.make_kernel(**cfg)
     dtype = "float16" if cfg["DT"] == "f16" else "bfloat16"
     cubin, entry, ptx, res = launch.compile_to_cubin(
-        fn, signature(dtype, varlen=bool(cfg.get("VARLEN"))), (9, 0))
+        fn, signature(dtype, bool(cfg.get("WINDOW")), cfg.get("MODS", ""),
+                      varlen=bool(cfg.get("VARLEN"))), (9, 0))
     ops = {m: ptx.count(m) for m in set(re.findall(r"wgmma\\.mma_async[\\w.]+", ptx))}
     ops.update({op: ptx.count(op) for op in ("ld.local", "st.local")})
     print(json.dumps({"resources": res, "ops": ops, "cubin_bytes": len(cubin),
@@ -113,14 +124,16 @@ _COMPILE_WGMMA = textwrap.dedent("""
 """)
 
 
-def compile_wgmma_variant(cfg):
-    """Compile one cuda.wgmma variant (a mapping of WgmmaConfig's fields) for sm_90a in a
-    subprocess: ptxas's resources, the PTX target, how often each wgmma and ld / st.local
-    occur, and ptxas's wgmma-serialization code ("" when it serializes nothing)."""
+def compile_wgmma_variant(cfg, mods_name=""):
+    """Compile one cuda.wgmma variant (a mapping of WgmmaConfig's fields; ``mods_name``: one of
+    test_mma_mods.MODS, compiled in as MODS) for sm_90a in a subprocess: ptxas's resources, the
+    PTX target, how often each wgmma and ld / st.local occur, and ptxas's wgmma-serialization
+    code ("" when it serializes nothing)."""
     env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0")
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    run = subprocess.run([sys.executable, "-c", _COMPILE_WGMMA, json.dumps(dict(cfg))], env=env,
-                         capture_output=True, text=True, timeout=900)
+    run = subprocess.run([sys.executable, "-c", _COMPILE_WGMMA, json.dumps(dict(cfg)), mods_name,
+                          str(ROOT / "tests")], env=env, capture_output=True, text=True,
+                         timeout=900)
     assert run.returncode == 0, run.stderr[-3000:]
     return json.loads(run.stdout.strip().splitlines()[-1])
 
@@ -797,16 +810,17 @@ def run_wgmma_forward(q, k, v, causal=False, causal_offset=0, scale=None, tile=(
     """Run cuda.wgmma's generated forward source under the emulator (wgmma as Emu.wgmma_*,
     in-flight products computed at issue); q, k, v float16 or ml_dtypes.bfloat16; ``tile``:
     (NWG, BC); ``varlen``: (cu_q, cu_k, bottom_right) for the VARLEN variant (the arrays hold
-    the packed rows, batch 1); ``mods``: a numflash.mods.Mods (the MODS variant). Returns (out,
-    lse)."""
+    the packed rows, batch 1); ``mods``: a numflash.mods.Mods (the MODS variant for its
+    modifications, WINDOW for its window). Returns (out, lse)."""
     from numflash.cuda.wgmma import WgmmaConfig, kernel_source, shared_bytes
     from numflash.cuda.wgmma.tiles import head_dim_pad
     B, H, Nq, d = q.shape
     dv = v.shape[3]
     DT = "f16" if q.dtype == np.float16 else "bf16"
-    token, _, extra = _mods_setup(mods, None)
+    token, window, extra = _mods_setup(mods, None)
+    window = list(window or ())   # (the window's sizes lead extra: they precede cu_q, cu_k)
     cfg = WgmmaConfig(head_dim_pad(d), head_dim_pad(dv), *tile, DT,
-                      VARLEN=int(varlen is not None), MODS=token)
+                      VARLEN=int(varlen is not None), MODS=token, WINDOW=int(bool(window)))
     scale = 1 / math.sqrt(d) if scale is None else scale
     grid, packing = (-(-Nq // cfg.BR), B * H), ()
     if varlen is not None:   # grid y: each sequence's heads, x: the longest's query blocks
@@ -829,7 +843,8 @@ def run_wgmma_forward(q, k, v, causal=False, causal_offset=0, scale=None, tile=(
                                         as_kernel_array(v, DT), as_kernel_array(out, DT), lse,
                                         np.zeros((1, 1, 1, 1), np.float32),
                                         scale * math.log2(math.e), scale, int(causal),
-                                        int(causal_offset)) + packing + tuple(extra))
+                                        int(causal_offset)) + tuple(window) + packing +
+                tuple(extra[len(window):]))
     return out, lse
 
 

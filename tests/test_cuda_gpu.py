@@ -175,6 +175,11 @@ REPLAY_CASES = [  # (dtype, shapes (B, H, Nq, Nk, d, dv), options)
     ("float16", (2, 2, 300, 300, 64, 64), {"causal": True}),  # cuda.mma
     ("float16", (1, 4, 1, 6000, 128, 128), {"num_splits": 5}),  # split-KV: two launches
     ("float16", (2, 8, 1, 20000, 64, 64), {}),                  # split-KV chosen
+    # scalar modifications: recorded in the launch parameters, whichever kernel runs them
+    ("float16", (2, 8, 700, 700, 64, 64), {"causal": True, "window_size": (50, 0)}),
+    ("float16", (1, 8, 300, 500, 128, 128), {"softcap": 5.0, "window_size": (100, 7),
+                                            "algorithm": "mma"}),
+    ("float32", (1, 2, 130, 257, 59, 40), {"softcap": 2.0, "return_lse": True}),
 ]
 
 
@@ -207,8 +212,43 @@ def test_repeated_call_replays_its_launch_with_new_inputs(rng, monkeypatch, dtyp
     assert type(out) is type(first[0] if isinstance(first, tuple) else first)
     first_out = first[0] if lse is not None else first
     assert out.dtype == q.dtype and out.data.ptr != first_out.data.ptr
-    kw = {key: options[key] for key in ("causal", "softmax_scale", "layout") if key in options}
+    kw = {key: options[key] for key in ("causal", "softmax_scale", "layout", "window_size",
+                                        "softcap") if key in options}
     rep = check(out, q, k, v, lse=lse, **kw)
+    assert rep.ok, str(rep)
+
+
+@pytest.mark.parametrize("dtype, shape, names", [
+    ("float16", (2, 8, 1000, 1000, 64), ("alibi_slopes", "attn_mask")),
+    ("float16", (1, 4, 300, 500, 128), ("attn_bias", "softcap")),
+    ("float32", (2, 2, 130, 257, 64), ("attn_bias", "attn_mask", "alibi_slopes")),
+])
+def test_repeated_call_with_array_modifications_replays_on_the_new_arrays(rng, monkeypatch,
+                                                                          dtype, shape, names):
+    """ALiBi slopes, a bias and a mask enter the replay's signature as q does and are patched
+    into the recorded launch: the second call (new q, k, v and new modification arrays of the
+    same layout) skips normalize() and meets the rule against the reference with its arrays."""
+    cp = cupy()
+    from numflash import api
+    B, H, Nq, Nk, d = shape
+
+    def call():
+        q, k, v = (make(rng, (B, H, n, d), dtype) for n in (Nq, Nk, Nk))
+        made = {"alibi_slopes": lambda: cp.asarray(rng.uniform(0.05, 0.5, H), np.float32),
+                "attn_mask": lambda: cp.asarray(rng.random((B, 1, Nq, Nk)) > 0.2),
+                "attn_bias": lambda: make(rng, (1, H, Nq, Nk), dtype),
+                "softcap": lambda: 5.0}
+        opts = {name: made[name]() for name in names}
+        return (q, k, v), opts, numflash.attention(q, k, v, causal=True, **opts)
+    call()
+    full_path = []
+    original = api.normalize
+    monkeypatch.setattr(api, "normalize",
+                        lambda *a, **kw: full_path.append(1) or original(*a, **kw))
+    (q, k, v), opts, out = call()
+    assert full_path == [], "the repeated call went through normalize()"
+    host = {n: x.get() if hasattr(x, "get") else x for n, x in opts.items()}
+    rep = check(out, q, k, v, causal=True, **host)
     assert rep.ok, str(rep)
 
 

@@ -221,6 +221,28 @@ def test_replay_signature_tells_apart_what_the_full_path_would(rng, monkeypatch)
         != key(options=fastpath.call_options(True, None, "bhsd", "auto", "auto", False, "auto"))
     assert key(options=fastpath.call_options([1], None, "bhsd", "auto", "auto", False,
                                              "auto")) is None       # unhashable: full path
+    # modifications a replay takes: scalars with their element types, (device) arrays as q
+    bias = a[0, :, :, :8]
+    given = ({"window_size": (20, 3)}, {"window_size": (20, 4)}, {"window_size": (20.0, 3)},
+             {"softcap": 30.0}, {"softcap": np.float32(30.0)},
+             {"softcap": 30.0, "window_size": (20, 3)},
+             {"attn_bias": FakeArray(bias, 4096)}, {"attn_bias": FakeArray(bias, 4104)},
+             {"attn_bias": FakeArray(bias.astype(np.float16), 4096)},
+             {"attn_bias": FakeArray(bias[:, :1], 4096)},
+             {"attn_mask": FakeArray(bias > 0, 4096), "softcap": 30.0})
+    mods = [fastpath.replay_mods(m) for m in given]
+
+    def with_mods(part):
+        return key(options=fastpath.call_options(False, None, "bhsd", "auto", "auto", False,
+                                                 "auto", None, part))
+    keys = [with_mods(m[0]) for m in mods]
+    assert None not in keys and len(set(keys + [base])) == len(keys) + 1, keys
+    assert keys[0] == with_mods(fastpath.replay_mods({"window_size": (20, 3)})[0])
+    assert keys[6] == with_mods(fastpath.replay_mods({"attn_bias": FakeArray(bias, 8192)})[0])
+    assert [len(m[1]) for m in mods] == [0] * 6 + [1] * 5   # the arrays a replay patches
+    assert fastpath.replay_mods({"alibi_slopes": np.ones(3)}) is None     # a host array
+    assert fastpath.replay_mods({"softcap": 30.0, "mask_mod": len}) is None
+    assert with_mods(fastpath.replay_mods({"window_size": [20, 3]})[0]) is None  # unhashable
     assert key(device=1) is None                                    # q not on the current device
     current[0] = 1
     assert key(device=1) is not None and key(device=1) != base

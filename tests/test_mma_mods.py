@@ -30,6 +30,7 @@ MODS = {
         softcap=5.0, alibi_slopes=rng.uniform(0.05, 0.5, H).astype(np.float32),
         attn_bias=rng.standard_normal((1, H, Nq, Nk)).astype(np.float32),
         attn_mask=rng.random((B, 1, Nq, Nk)) > 0.2),
+    "sliding-window": lambda B, H, Nq, Nk, rng: dict(window_size=(200, 24)),
     "mask-softcap": lambda B, H, Nq, Nk, rng: dict(
         softcap=2.0, attn_mask=rng.random((B, H, Nq, Nk)) > 0.3),
     "key-padding-alibi-per-batch": lambda B, H, Nq, Nk, rng: dict(
@@ -456,13 +457,14 @@ def _gpu_inputs(rng, dtype, B, H, Hkv, Nq, Nk, d, name):
 
 def check_gpu_forward_with_mods(rng, case, algorithm, sample_rows=None):
     """Run a GPU_FORWARD-style case on ``algorithm`` (explain must name that kernel with the
-    modifications compiled in) and check output and lse against the reference with the same
-    modifications (``sample_rows(Nq)``: the rows to check, None for all)."""
+    modifications or window compiled in) and check output and lse against the reference with
+    the same modifications (``sample_rows(Nq)``: the rows to check, None for all)."""
     dtype, B, H, Hkv, Nq, Nk, d, causal, name = case
     (q, k, v, _), (qg, kg, vg, _), opts, gpu_opts = _gpu_inputs(rng, dtype, B, H, Hkv, Nq, Nk,
                                                                   d, name)
     plan = numflash.explain(qg, kg, vg, causal=causal, algorithm=algorithm, **gpu_opts)
-    assert plan.kernel == f"cuda.{algorithm}" and plan.config.MODS, str(plan)
+    assert plan.kernel == f"cuda.{algorithm}", str(plan)
+    assert plan.config.MODS or plan.config.WINDOW, str(plan)
     o, lse = numflash.attention(qg, kg, vg, causal=causal, return_lse=True, algorithm=algorithm,
                                 **gpu_opts)
     rep = testing.check(o.get(), q, k, v, lse=lse.get(), causal=causal,

@@ -52,6 +52,8 @@ def test_emulated_wgmma_forward_is_accurate(rng, case, dtype):
 
 @pytest.mark.parametrize("name, dtype, causal, Hkv, tile", [
     ("all-but-window", "float16", "bottom_right", 1, (1, 32)),   # GQA
+    pytest.param("all-builtins", "bfloat16", True, 2, (2, 32),     # and a window
+                 marks=pytest.mark.extended),
     pytest.param("user-document-and-relative-bias", "float16", True, 2, (2, 32),
                  marks=pytest.mark.extended),
     pytest.param("mask-softcap", "bfloat16", False, 2, (1, 64), marks=pytest.mark.extended),
@@ -76,21 +78,61 @@ def test_emulated_wgmma_forward_with_modifications(rng, name, dtype, causal, Hkv
     assert rep.ok, str(rep)
 
 
-@pytest.mark.parametrize("d, causal, tile", [(64, "bottom_right", (1, 32)),
-                                             pytest.param(128, True, (2, 64),
-                                                          marks=pytest.mark.extended)])
-def test_emulated_wgmma_forward_of_packed_sequences(rng, d, causal, tile):
+WINDOWED = [  # Nq, Nk, d, causal, window_size, dtype, (NWG, BC)
+    # the second block's tiles start at 3 (t_first), its second warpgroup skips the first one
+    (150, 300, 64, False, (20, 10), "float16", (2, 32)),
+    # a right edge only, causal top-left: rows past Nk's end; d padded to 128
+    pytest.param((200, 75, 96, True, (-1, 4), "bfloat16", (2, 64)), marks=pytest.mark.extended),
+    # bottom-right with Nq > Nk: the first rows see no key (zeros, lse -inf)
+    (130, 60, 64, "bottom_right", (7, 0), "float16", (1, 32)),
+]
+
+
+@pytest.mark.parametrize("case", WINDOWED, ids=lambda c: "{}x{}-d{}-{}-w{}-{}-{}".format(
+    *c[:4], "_".join(map(str, c[4])), c[5], "x".join(map(str, c[6]))))
+def test_emulated_wgmma_forward_with_a_window(rng, case):
+    """A sliding window on the wgmma forward: the block starts at the tile of its first row's
+    first key, each warpgroup computes the tiles its rows' windows reach; output and lse meet
+    the rule against the reference with the same window (rows without keys included)."""
+    from mma_tools import run_wgmma_forward
+    from numflash import mods
+    from numflash.inputs import parse_causal
+    Nq, Nk, d, causal, window, dtype, tile = case
+    if dtype == "bfloat16":
+        dtype = pytest.importorskip("ml_dtypes").bfloat16
+    q, k, v = _inputs(rng, 1, 2, 1, Nq, Nk, d, d, dtype)
+    is_causal, off = parse_causal(causal, Nq, Nk)
+    built = mods.build((1, 2, Nq, Nk, d, d), "numpy", off, window_size=window)
+    out, lse = run_wgmma_forward(q, k, v, is_causal, off, tile=tile, mods=built)
+    rep = check(out, q, k, v, lse=lse, causal=causal, window_size=window)
+    assert rep.ok, str(rep)
+    if causal == "bottom_right":
+        assert np.isneginf(lse[:, :, :Nq - Nk - window[0]]).all()
+        assert not out[:, :, :Nq - Nk - window[0]].any()
+
+
+@pytest.mark.parametrize("d, causal, tile, window", [
+    (64, "bottom_right", (1, 32), None),
+    pytest.param(128, True, (2, 64), None, marks=pytest.mark.extended),
+    (64, False, (2, 32), (30, 6)),   # WINDOW: each sequence's own window and alignment
+])
+def test_emulated_wgmma_forward_of_packed_sequences(rng, d, causal, tile, window):
     """The VARLEN forward (one launch over packed sequences: one without queries, one without
     keys, Nq != Nk both ways, a sequence of several query blocks and key tiles, GQA) under the
-    warp emulator gives each sequence bit for bit what the plain kernel gives it alone; rows
-    of a sequence without keys get zeros and lse -inf."""
+    warp emulator gives each sequence bit for bit what the plain kernel gives it alone (with a
+    window: the same window); rows of a sequence without keys get zeros and lse -inf."""
     from mma_tools import run_wgmma_forward
+    from numflash import mods
     from numflash.inputs import parse_causal
     lens_q, lens_k = [5, 0, 150, 40], [7, 12, 200, 0]
     cq, ck = (np.concatenate([[0], np.cumsum(n)]) for n in (lens_q, lens_k))
     q, k, v = _inputs(rng, 1, 2, 1, cq[-1], ck[-1], d, d, np.float16)
+
+    def windowed(Nq, Nk, offset):   # the window's Mods (only its sizes reach the kernel)
+        return window and mods.build((1, 2, Nq, Nk, d, d), "numpy", offset, window_size=window)
     out, lse = run_wgmma_forward(q, k, v, bool(causal), tile=tile,
-                                 varlen=(cq, ck, causal == "bottom_right"))
+                                 varlen=(cq, ck, causal == "bottom_right"),
+                                 mods=windowed(cq[-1], ck[-1], 0))
     for b in range(4):
         s, e, sk, ek = cq[b], cq[b + 1], ck[b], ck[b + 1]
         if e == s:
@@ -100,11 +142,12 @@ def test_emulated_wgmma_forward_of_packed_sequences(rng, d, causal, tile):
             continue
         is_causal, offset = parse_causal(causal, e - s, ek - sk)
         one, one_lse = run_wgmma_forward(q[:, :, s:e], k[:, :, sk:ek], v[:, :, sk:ek],
-                                         is_causal, offset, tile=tile)
+                                         is_causal, offset, tile=tile,
+                                         mods=windowed(e - s, ek - sk, offset))
         np.testing.assert_array_equal(out[:, :, s:e], one)
         np.testing.assert_array_equal(lse[:, :, s:e], one_lse)
         rep = check(one, q[:, :, s:e], k[:, :, sk:ek], v[:, :, sk:ek], lse=one_lse,
-                    causal=causal)
+                    causal=causal, **({"window_size": window} if window else {}))
         assert rep.ok, str(rep)
 
 
@@ -178,59 +221,47 @@ def test_wgmma_compiles_for_sm90a_without_spills_or_serialization(cfg, blocks):
     assert res["registers"] * 128 * cfg["NWG"] * blocks <= 65536, res
 
 
-_COMPILE_MODIFIED = """
-import json, sys
-import numpy as np
-sys.path.insert(0, sys.argv[3])
-from test_mma_mods import _options
-from numflash import mods
-from numflash.cuda import launch, wgmma
-from numflash.cuda.mma import mods as kernel_mods, signature
-d, name = int(sys.argv[1]), sys.argv[2]
-opts = _options(name, 2, 4, 128, 128, np.random.default_rng(0))
-token = kernel_mods.token_for(mods.build((2, 4, 128, 128, d, d), "numpy", 0, **opts))
-NWG, BC = wgmma.MODIFIED_TILES[d]
-cfg = wgmma.WgmmaConfig(d, d, NWG, BC, "f16", MODS=token)
-cubin, entry, ptx, res = launch.compile_to_cubin(
-    wgmma.make_kernel(**cfg), signature("float16", token=token), (9, 0))
-print(json.dumps({"resources": res, "local": ptx.count("ld.local") + ptx.count("st.local"),
-                  "NWG": NWG, "serialized": str(res.get("wgmma_serialized", ""))}))
-"""
-
-
-@pytest.mark.parametrize("d, name", [
-    (64, "all-but-window"),
-    pytest.param(128, "user-document-and-relative-bias", marks=pytest.mark.extended),
-    pytest.param(128, "all-but-window", marks=pytest.mark.extended),
-])
-def test_wgmma_with_modifications_compiles_without_spills_or_serialization(d, name):
-    """The modified forward (its half-width key tiles, MODIFIED_TILES) keeps every register
-    resident and its wgmma asynchronous: an IEEE division among the modifications (the softcap
-    once divided by its cap) made ptxas serialize every wgmma of the kernel (C7509)."""
-    import json
-    import os
-    import subprocess
-    import sys
-    from mma_tools import ROOT
-    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0")
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    run = subprocess.run([sys.executable, "-c", _COMPILE_MODIFIED, str(d), name,
-                          str(ROOT / "tests")], env=env, capture_output=True, text=True,
-                         timeout=900)
-    assert run.returncode == 0, run.stderr[-3000:]
-    got = json.loads(run.stdout.strip().splitlines()[-1])
+@pytest.mark.parametrize("cfg, name", [
+    (dict(D=64, DV=64, NWG=2, BC=32, DT="f16"), "all-but-window"),
+    pytest.param(dict(D=128, DV=128, NWG=2, BC=64, DT="f16"), "user-document-and-relative-bias",
+                 marks=pytest.mark.extended),
+    pytest.param(dict(D=128, DV=128, NWG=2, BC=64, DT="f16"), "all-but-window",
+                 marks=pytest.mark.extended),
+    # sliding windows: alone on the full tiles (d64 capped at 128 registers), with the other
+    # modifications or on packed sequences on the half-width ones (tiles.HALF_TILES)
+    (dict(D=64, DV=64, NWG=2, BC=64, DT="f16", WINDOW=1), ""),
+    pytest.param(dict(D=128, DV=128, NWG=2, BC=128, DT="bf16", WINDOW=1), "",
+                 marks=pytest.mark.extended),
+    pytest.param(dict(D=64, DV=64, NWG=2, BC=32, DT="f16", WINDOW=1), "all-but-window",
+                 marks=pytest.mark.extended),
+    pytest.param(dict(D=64, DV=64, NWG=2, BC=32, DT="bf16", WINDOW=1, VARLEN=1), "",
+                 marks=pytest.mark.extended),
+], ids=lambda x: "-".join(f"{k}{v}" for k, v in x.items()) if isinstance(x, dict) else x)
+def test_wgmma_with_modifications_compiles_without_spills_or_serialization(cfg, name):
+    """The modified and windowed forwards (on the tiles config() gives them) keep every
+    register resident and their wgmma asynchronous: an IEEE division among the modifications
+    (the softcap once divided by its cap) made ptxas serialize every wgmma of the kernel
+    (C7509); d64 stays at two blocks an SM (its register cap)."""
+    from mma_tools import compile_wgmma_variant
+    got = compile_wgmma_variant(cfg, name)
     res = got["resources"]
     assert not got["serialized"], "ptxas serializes the wgmma (C7509): " + got["serialized"]
-    assert got["local"] == 0 and res.get("spill_store_bytes", 0) == 0, res
-    assert res.get("stack_bytes", 0) == 0, res
-    # d64: two blocks an SM (the register cap); d128: one
-    assert res["registers"] * 128 * got["NWG"] * (2 if d == 64 else 1) <= 65536, res
+    assert got["ops"]["ld.local"] == 0 and got["ops"]["st.local"] == 0, got["ops"]
+    assert res.get("spill_store_bytes", 0) == 0 and res.get("stack_bytes", 0) == 0, res
+    assert res["registers"] * 128 * cfg["NWG"] * (2 if cfg["D"] == 64 else 1) <= 65536, res
+    # the tile compiled is the one config() plans for such a call
+    opts = dict(window_size=(40, 0)) if cfg.get("WINDOW") else {}
+    if name:
+        opts.update(softcap=5.0)
+    planned = _plan(np.random.default_rng(0), d=cfg["D"], **opts,
+                    **(_packed() if cfg.get("VARLEN") else {}))
+    assert planned.kernel == "cuda.wgmma", str(planned)
+    assert (planned.config.NWG, planned.config.BC) == (cfg["NWG"], cfg["BC"]), str(planned)
 
 
 def test_the_packed_d64_forward_is_capped_to_two_blocks_an_sm():
-    """Only the packed or modified d64 forward carries a register cap (128: two 256-thread
-    blocks an SM),
-    written into its PTX as .maxnreg and named in its code identity (a cached or shipped
+    """Only the packed, modified or windowed d64 forward carries a register cap (128: two
+    256-thread blocks an SM), written into its PTX as .maxnreg and named in its code identity (a cached or shipped
     kernel compiled without it is never taken for it)."""
     from numflash.cuda import launch
     from numflash.cuda.wgmma import forward
@@ -239,6 +270,7 @@ def test_the_packed_d64_forward_is_capped_to_two_blocks_an_sm():
     assert register_cap(WgmmaConfig(**packed)) == 128
     assert register_cap(WgmmaConfig(**dict(packed, VARLEN=0))) is None
     assert register_cap(WgmmaConfig(**dict(packed, VARLEN=0, MODS="a token"))) == 128
+    assert register_cap(WgmmaConfig(**dict(packed, VARLEN=0, WINDOW=1))) == 128
     assert register_cap(WgmmaConfig(**dict(packed, D=128, DV=128, BC=128))) is None
     assert forward.make_kernel(**packed).max_registers == 128
     assert forward.code_identity(**packed).endswith("-maxnreg128")
@@ -260,11 +292,21 @@ def _plan(rng, device=HOPPER, dtype=np.float16, B=4, H=16, Nq=4096, Nk=4096, d=6
         q = np.repeat(q, 2, axis=-1)[..., ::2]
     mods = {name: opts.pop(name) for name in ("softcap", "window_size", "alibi_slopes")
             if name in opts}
+    if opts.pop("block_mask", False):   # causal, in 128 x 128 blocks
+        from numflash.block_mask import create_block_mask
+        mods["block_mask"] = create_block_mask(lambda b, h, i, j: j <= i, B, H, Nq, Nk)
     p = _with_mods(normalize(q, k, v, **opts), mods)
     p = dataclasses.replace(p, kind="cupy", q=DeviceView(p.q), k=DeviceView(p.k),
                             v=DeviceView(p.v), out=DeviceView(p.out))
     p.varlen = varlen   # (numflash.varlen.Packed: packed sequences)
     return planner._choose(p, "cuda", algorithm, device)
+
+
+def _packed():
+    """_plan's arguments for two packed sequences (5 x 7 and 40 x 3), bottom-right aligned."""
+    from numflash.varlen import Packed
+    return dict(B=1, H=4, Nq=45, Nk=10, causal="bottom_right",
+                varlen=Packed(np.array([0, 5, 45]), np.array([0, 7, 10]), 40, 7, True))
 
 
 @pytest.mark.parametrize("d, dv, want", [(64, 64, (64, 64)), (40, 72, (64, 128)),
@@ -282,12 +324,25 @@ def test_auto_takes_wgmma_with_modifications_but_not_on_packed_sequences(rng):
     plan = _plan(rng, causal=True, softcap=30.0, alibi_slopes=np.full(16, 0.1, np.float32))
     assert plan.kernel == "cuda.wgmma" and plan.config.MODS, str(plan)
     assert plan.config.BC == 32 and "key tiles: 32 keys with modifications" in str(plan)
-    from numflash.varlen import Packed
-    packing = Packed(np.array([0, 5, 45]), np.array([0, 7, 10]), 40, 7, True)
-    packed = _plan(rng, B=1, H=4, Nq=45, Nk=10, causal="bottom_right", varlen=packing,
-                   softcap=30.0)
+    packed = _plan(rng, softcap=30.0, **_packed())
     assert packed.kernel == "cuda.mma", str(packed)
     assert "modifications on packed sequences" in packed.rejected["cuda.wgmma"]
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_auto_takes_wgmma_with_a_window_on_the_full_tiles_but_packed_on_half_ones(rng, d):
+    from numflash.cuda.wgmma.tiles import HALF_TILES, TILES
+    plan = _plan(rng, d=d, causal=True, window_size=(256, 0))
+    assert plan.kernel == "cuda.wgmma" and plan.config.WINDOW and not plan.config.MODS, str(plan)
+    assert (plan.config.NWG, plan.config.BC) == TILES[d] and "key tiles: " not in str(plan)
+    both = _plan(rng, d=d, window_size=(256, 8), softcap=30.0)
+    assert both.kernel == "cuda.wgmma" and both.config.WINDOW and both.config.MODS, str(both)
+    assert (both.config.NWG, both.config.BC) == HALF_TILES[d]
+    packed = _plan(rng, d=d, window_size=(3, 0), **_packed())
+    assert packed.kernel == "cuda.wgmma", str(packed)
+    assert packed.config.WINDOW and packed.config.VARLEN and not packed.config.MODS
+    assert (packed.config.NWG, packed.config.BC) == HALF_TILES[d]
+    assert f"key tiles: {HALF_TILES[d][1]} keys with a window on packed sequences" in str(packed)
 
 
 def test_auto_passes_wgmma_over_where_cuda_mma_splits_the_keys(rng):
@@ -307,7 +362,7 @@ def test_auto_passes_wgmma_over_where_cuda_mma_splits_the_keys(rng):
     (HOPPER, {"d": 59}, "head dim 59 is not a multiple of 8: cuda.mma takes it"),
     (HOPPER, {"strided": True}, "q's last axis is strided"),
     (HOPPER, {"dtype": np.float32}, "cuda.wgmma takes float16, bfloat16, not float32"),
-    (HOPPER, {"window_size": (32, 0)}, "cuda.wgmma takes .* not window_size"),
+    (HOPPER, {"block_mask": True}, "cuda.wgmma takes .* not block_mask"),
     (HOPPER, {"num_splits": 4}, "cuda.wgmma does not split the keys"),
 ])
 def test_wgmma_refuses_with_the_reason_and_auto_takes_another(rng, device, opts, match):

@@ -3,6 +3,7 @@ compute capability 9.0): the forward through the public API against the float64 
 (numflash.testing's rule) for float16 and bfloat16 at odd and real sizes, both causal alignments,
 Nq != Nk, GQA and the bshd layout; and that it runs what explain says. Its generated source
 runs on the CPU under the warp emulator in tests/test_wgmma.py."""
+import numpy as np
 import pytest
 
 import numflash
@@ -54,16 +55,49 @@ MODIFIED = [  # (dtype, B, H, Hkv, Nq, Nk, d, causal, mods name: test_mma_mods.M
     ("float16", 2, 4, 2, 513, 700, 64, False, "key-padding-alibi-per-batch"),
     ("float16", 2, 4, 4, 600, 600, 128, True, "user-document-and-relative-bias"),
     ("bfloat16", 1, 2, 2, 2048, 2048, 64, True, "all-but-window"),
+    # sliding windows: alone (full tiles), with the other built-ins (half-width ones)
+    ("float16", 2, 8, 8, 4096, 4096, 64, True, "sliding-window"),
+    ("bfloat16", 1, 8, 2, 3000, 2500, 128, False, "sliding-window"),
+    ("float16", 1, 4, 4, 1000, 1400, 128, "bottom_right", "all-builtins"),
+    ("bfloat16", 2, 4, 2, 700, 333, 64, True, "user-tanh-softcap-causal-window"),
 ]
 
 
 @pytest.mark.parametrize("case", MODIFIED, ids=lambda c: "-".join(map(str, c)))
 def test_wgmma_forward_with_modifications_is_accurate(hopper, rng, case):
-    """Score / mask modifications on cuda.wgmma (forced: at these sizes "auto" leaves the calls
-    to cuda.mma's split-KV; tests/test_wgmma.py checks that it takes them where the query
-    blocks fill the GPU), against the float64 reference with the same modifications."""
+    """Score / mask modifications and sliding windows on cuda.wgmma (forced: at these sizes
+    "auto" leaves some calls to cuda.mma's split-KV; tests/test_wgmma.py checks that it takes
+    them where the query blocks fill the GPU), against the float64 reference with the same
+    modifications."""
     from test_mma_mods import check_gpu_forward_with_mods
     check_gpu_forward_with_mods(rng, case, "wgmma", lambda Nq: _rows(Nq, rng))
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_wgmma_runs_packed_sequences_with_a_window_in_one_launch(hopper, rng, dtype):
+    """attention_varlen with a sliding window on cuda.wgmma (explain says so, one launch):
+    each sequence's rows meet the rule against its own call's reference with the window in
+    its alignment (lengths 0, 1, odd and 1025, Nq != Nk both ways, GQA)."""
+    import cupy
+    from numflash import testing
+    from test_varlen import packed
+    dtype = pytest.importorskip("ml_dtypes").bfloat16 if dtype == "bfloat16" else dtype
+    q, k, v, _, cq, ck = packed(rng, [1, 0, 97, 1025, 300], [5, 13, 97, 1025, 150], H=8, Hk=2,
+                                d=64, dv=64, dtype=np.dtype(dtype))
+    dev = [cupy.asarray(a) for a in (q, k, v, cq, ck)]
+    for causal, window in ((False, (100, 30)), ("bottom_right", (64, 0))):
+        plan = numflash.explain_varlen(*dev, causal=causal, window_size=window)
+        assert plan.kernel == "cuda.wgmma" and plan.config.WINDOW, str(plan)
+        assert "5 in one launch" in str(plan), str(plan)
+        out, lse = numflash.attention_varlen(*dev, causal=causal, window_size=window,
+                                             return_lse=True)
+        out, lse = out.get(), lse.get()
+        for b in range(len(cq) - 1):
+            s, e, sk, ek = cq[b], cq[b + 1], ck[b], ck[b + 1]
+            if e > s:
+                testing.assert_accurate(out[None, s:e], q[None, s:e], k[None, sk:ek],
+                                        v[None, sk:ek], lse=lse[None, :, s:e], causal=causal,
+                                        layout="bshd", window_size=window)
 
 
 def test_wgmma_takes_the_bshd_layout_and_a_scale(hopper, rng):
@@ -83,9 +117,11 @@ def test_wgmma_refuses_what_it_does_not_run_and_says_what_does(hopper, rng):
     q = _device_array(rng, (1, 2, 64, 256), "float16")
     with pytest.raises(ValueError, match="cuda.wgmma takes head dims up to 128"):
         numflash.attention(q, q, q, algorithm="wgmma")
-    q = _device_array(rng, (1, 2, 64, 64), "float16")
-    with pytest.raises(ValueError, match="cuda.wgmma takes .* not window_size"):
-        numflash.attention(q, q, q, algorithm="wgmma", window_size=(16, 0))
+    q = _device_array(rng, (1, 2, 256, 64), "float16")
+    causal = numflash.create_block_mask(lambda b, h, i, j: j <= i, 1, 2, 256, 256,
+                                        device="cuda")
+    with pytest.raises(ValueError, match="cuda.wgmma takes .* not block_mask"):
+        numflash.attention(q, q, q, algorithm="wgmma", block_mask=causal)
     strided = _device_array(rng, (1, 2, 64, 128), "float16")[..., ::2]
     with pytest.raises(ValueError, match="16-byte cp.async"):
         numflash.attention(strided, strided, strided, algorithm="wgmma")

@@ -10,8 +10,10 @@ full path (bench/NOTES.md, "Launch overhead").
 
 The signature holds everything the checks, the plan and the packed parameters depend on: the
 array type, shapes, strides, dtypes, devices and 16-byte alignment of q, k and v, the current
-device and every option with its type. So a call that the full path would reject, or plan
-differently, never matches a recorded one. (The simulator switch is not in it: numba reads
+device and every option with its type, the modifications a replay takes included (a window, a
+softcap; ALiBi slopes, a bias, a mask as arrays: see replay_mods). So a call that the full path
+would reject, or plan differently, never matches a recorded one. Calls with other modifications
+(functions, block masks) or dropout always take the full path. (The simulator switch is not in it: numba reads
 NUMBA_ENABLE_CUDASIM once, at import, and with it on no CuPy call is ever recorded.) Calls with
 ``out=`` always take the full path (it must check that ``out`` does not overlap an input).
 
@@ -137,10 +139,37 @@ def gradient_signature(arrays, options):
 
 
 def call_options(causal, softmax_scale, layout, backend, algorithm, return_lse, precision,
-                 num_splits=None):
-    """attention()'s options as they enter the signature."""
+                 num_splits=None, mods=()):
+    """attention()'s options as they enter the signature (``mods``: replay_mods' part)."""
     return (causal, softmax_scale, layout, backend, algorithm, bool(return_lse), precision,
-            num_splits)
+            num_splits, mods)
+
+
+#: the modifications a replay takes. Scalars are recorded in the launch's parameters as the
+#: full path packed them (a window's sizes, a softcap and its inverse); the arrays reach the
+#: kernels as zero-copy views (numflash.mods), so a replay patches their data pointers as it
+#: does q's. Any other (functions, block masks, mod_args) sends the call down the full path.
+REPLAY_SCALARS = ("softcap", "window_size")
+REPLAY_ARRAYS = ("alibi_slopes", "attn_bias", "attn_mask")
+
+
+def replay_mods(mod_options):
+    """(the signature's part, the arrays a replay takes after q, k, v) for attention()'s given
+    modifications ``mod_options`` (name -> value), in name order, or None when the call cannot
+    be replayed. A scalar enters with its value, its type and its elements' types (a window
+    (1, 2) is not (1.0, 2)); an array (a CuPy array only) with what q enters with."""
+    part, arrays = [], []
+    for name, value in sorted(mod_options.items()):
+        if name in REPLAY_SCALARS:
+            part.append((name, value, type(value),
+                         tuple(map(type, value)) if isinstance(value, tuple) else ()))
+        elif name in REPLAY_ARRAYS and _found_cupy() and type(value) is _cupy_ndarray:
+            part.append((name, value.shape, value.strides, value.dtype, value.data.device_id,
+                         value.data.ptr % 16))
+            arrays.append(value)
+        else:
+            return None
+    return tuple(part), tuple(arrays)
 
 
 _kept = {}

@@ -34,7 +34,7 @@ from . import dropout, mods
 from .emit import (VARLEN_ARGUMENTS, U, Source, define, emit_views_at_use, emit_sequence,
                    emit_thread_indices, head_view, row_value)
 from .forward import emit_block_row, emit_modified_scale, namespace_with_mods
-from .mask import _end, _first, emit_row_bounds, emit_score_mask, warp_sees_tile
+from .mask import first_key, row_end, emit_row_bounds, emit_score_mask, warp_sees_tile
 from .operands import operands_for
 from .staging import emit_cp_async_rows, tile_loop
 from .tiles import MmaConfig
@@ -451,16 +451,16 @@ def emit_transposed_mask(s, NN, window=False):
     Only where the tile needs it: it runs past Nq, or its first query misses the warp's last
     key (or, with a window, its last query starts after the warp's first key)."""
     last = f"min(Nq - 1, js + {8 * NN - 1})"
-    masks = f"js + {8 * NN} > Nq or wk + 15 >= {_end('js', window)}" + (
-        f" or wk < {_first(last)}" if window else "")
+    masks = f"js + {8 * NN} > Nq or wk + 15 >= {row_end('js', window)}" + (
+        f" or wk < {first_key(last)}" if window else "")
     s(f"if {masks}:")
     with s.block():
         for n in range(NN):
             for c in (0, 1):
                 col = f"js + I(t) * 2 + {8 * n + c}"
-                s(f"qe = {_end(col, window)} if {col} < Nq else 0")
+                s(f"qe = {row_end(col, window)} if {col} < Nq else 0")
                 if window:
-                    s(f"qf = {_first(col)}")
+                    s(f"qf = {first_key(col)}")
                 for r, kr in ((c, "kr0"), (2 + c, "kr1")):
                     s(f"if {kr} >= qe or {kr} < qf:" if window else f"if {kr} >= qe:")
                     with s.block():
@@ -482,7 +482,8 @@ def _key_pass_products(s, ops, cfg, SUB, kb, q_off, do_off, lse_off, delta_off, 
     # the row (mask.py).
     window = bool(cfg.WINDOW)
     last = f"min(Nq - 1, js + {SUB - 1})"
-    sees = f"wk < {_end(last, window)}" + (f" and wk + 15 >= {_first('js')}" if window else "")
+    sees = f"wk < {row_end(last, window)}" + (
+        f" and wk + 15 >= {first_key('js')}" if window else "")
     s(f"if {sees}:")
     with s.block():
         _dot_products(s, ops, NN, "s", "k", KW, "q", q_off, QW, kb, cfg.D // k_step)

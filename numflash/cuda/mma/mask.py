@@ -8,7 +8,7 @@ tile n gives it keys 2t, 2t + 1 of both rows in registers 0, 1 (r0) and 2, 3 (r1
 from .emit import U
 
 
-def _end(row, window):
+def row_end(row, window):
     """Source of the exclusive end of the keys ``row`` sees: numflash.cuda.common's causal
     ``key_end``, and with a window its right edge (numflash.mods.window_key_range)."""
     end = f"key_end({row}, Nk, causal, causal_offset)"
@@ -18,9 +18,16 @@ def _end(row, window):
     return end
 
 
-def _first(row):
+def first_key(row):
     """Source of the first key ``row`` sees through a window's left edge."""
     return f"(max(0, {row} + causal_offset - window_left) if window_left >= 0 else 0)"
+
+
+def span_keys(first_row, rows, window=False):
+    """Source of the keys any of ``rows`` rows from ``first_row`` (a warp's, a warpgroup's) must
+    visit: its last row's key end, 0 when it starts past Nq (its first key through a window is
+    its first row's: first_key(first_row))."""
+    return f"{row_end(f'min(Nq - 1, {first_row} + {rows - 1})', window)} if {first_row} < Nq else 0"
 
 
 def emit_row_bounds(s, BR, window=False):
@@ -33,17 +40,17 @@ def emit_row_bounds(s, BR, window=False):
       "w_first = i0s + I(warp) * 16",
       "r0 = w_first + I(g)",
       "r1 = r0 + 8",
-      f"e0 = {_end('r0', window)}",
-      f"e1 = {_end('r1', window)}",
-      f"warp_min_end = {_end('w_first', window)}",
-      f"warp_keys = {_end('min(Nq - 1, w_first + 15)', window)} if w_first < Nq else 0",
-      f"block_keys = {_end('min(Nq, i0s + %d) - 1' % BR, window)}")
+      f"e0 = {row_end('r0', window)}",
+      f"e1 = {row_end('r1', window)}",
+      f"warp_min_end = {row_end('w_first', window)}",
+      f"warp_keys = {span_keys('w_first', 16, window)}",
+      f"block_keys = {row_end('min(Nq, i0s + %d) - 1' % BR, window)}")
     if window:
-        s(f"f0 = {_first('r0')}",
-          f"f1 = {_first('r1')}",
-          f"warp_first = {_first('w_first')}",
-          f"warp_max_first = {_first('min(Nq - 1, w_first + 15)')}",
-          f"block_first = {_first('i0s')}")
+        s(f"f0 = {first_key('r0')}",
+          f"f1 = {first_key('r1')}",
+          f"warp_first = {first_key('w_first')}",
+          f"warp_max_first = {first_key('min(Nq - 1, w_first + 15)')}",
+          f"block_first = {first_key('i0s')}")
 
 
 def emit_score_mask(s, NN, BC, window=False):

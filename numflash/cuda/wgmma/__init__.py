@@ -1,8 +1,9 @@
 """cuda.wgmma: the forward on Hopper's warpgroup matrix products (wgmma, sm_90a), float16 and
 bfloat16, head dims that are multiples of 8 up to 128 (zero-padded to 64 or 128), causal in
 both alignments, GQA, packed sequences in one launch (attention_varlen: VARLEN, as cuda.mma
-runs them), score / mask modifications but a sliding window and a block mask (cuda.mma's
-composition, applied to each tile's S registers, on half-width key tiles: MODIFIED_TILES). The
+runs them), sliding windows (WINDOW: cuda.mma's row bounds; a warpgroup computes only the key
+tiles its rows' windows reach), score / mask modifications but a block mask (cuda.mma's
+composition, applied to each tile's S registers, on half-width key tiles: HALF_TILES). The
 kernel (forward.py) is generated as Python source per config from cuda.mma's pieces (row
 bounds, masking, modifications, online softmax, epilogue); the products and their descriptors
 are ptx_wgmma's. "auto" takes it for a 16-bit forward on compute capability 9.0 wherever it
@@ -12,8 +13,8 @@ The backward's key pass (backward.py, the operator in gradients.py) is FlashAtte
 backward loop on the same products, after cuda.mma's delta pass, with dQ added into a float32
 accumulator.
 
-Not yet here (explain says so, and cuda.mma runs them): sliding windows, block masks,
-modifications of packed sequences, modifications in the backward, dropout, split-KV, KV caches,
+Not yet here (explain says so, and cuda.mma runs them): block masks, modifications of packed
+sequences but a window, modifications in the backward, dropout, split-KV, KV caches,
 strided or misaligned rows, odd head dims, head dims past 128, a deterministic backward. wgmma
 exists on compute capability 9.0 only: not on 8.x, and not on 10.x / 12.x.
 """
@@ -21,7 +22,7 @@ import math
 
 from ...device import Unsupported
 from .forward import kernel_source, make_kernel
-from .tiles import (HEAD_DIMS, MODIFIED_TILES, NAME, TILES, WgmmaConfig, check_hopper,
+from .tiles import (HEAD_DIMS, HALF_TILES, NAME, TILES, WgmmaConfig, check_hopper,
                     head_dim_pad, shared_bytes)
 
 __all__ = ["NAME", "HEAD_DIMS", "WgmmaConfig", "config", "auto_passes", "run", "compiled_kernels",
@@ -33,7 +34,7 @@ def config(problem, device):
     from ..mma.config import check_packed, modifications, padded_dims, vector_ok
     check_hopper(device, "cuda.mma")
     B, H, Nq, Nk, d, dv = problem.shape
-    padded_dims(problem)   # refuses query heads that do not divide into the K/V heads
+    window = padded_dims(problem)[2]   # (and refuses query heads that do not divide)
     if not problem.on_device or vector_ok(problem) is not None:
         raise Unsupported(f"{NAME} stages rows with 16-byte cp.async only, and "
                           f"{vector_ok(problem) if problem.on_device else 'these are not device arrays'}"
@@ -41,14 +42,15 @@ def config(problem, device):
     D, DV = head_dim_pad(d), head_dim_pad(dv)
     packed = int(getattr(problem, "varlen", None) is not None)
     token = modifications(problem)
-    NWG, BC = (MODIFIED_TILES if token else TILES)[max(D, DV)]
+    # half-width key tiles where the full ones spill (tiles.py)
+    NWG, BC = (HALF_TILES if token or (packed and window) else TILES)[max(D, DV)]
     if packed:
         check_packed(problem, NAME)
         if token:
             raise Unsupported(f"{NAME} does not take modifications on packed sequences yet "
                               f"({problem.mods}): cuda.mma does")
     cfg = WgmmaConfig(D, DV, NWG, BC, "bf16" if problem.dtype_name == "bfloat16" else "f16",
-                      VARLEN=packed, MODS=token)
+                      VARLEN=packed, MODS=token, WINDOW=int(window))
     need = shared_bytes(cfg)
     if device.smem_per_block_optin is not None and need > device.smem_per_block_optin:
         raise Unsupported(f"{NAME}: needs {need} bytes of shared memory for d={d}, dv={dv}, more "
@@ -80,7 +82,7 @@ def compiled_kernels(cfg, dtype):
     from .. import launch
     from ..mma import signature
     return [(launch.get_kernel(NAME, make_kernel, cfg),
-             signature(dtype, token=cfg.MODS, varlen=bool(cfg.VARLEN)))]
+             signature(dtype, bool(cfg.WINDOW), cfg.MODS, varlen=bool(cfg.VARLEN)))]
 
 
 def run(problem, cfg, device):
@@ -92,6 +94,7 @@ def run(problem, cfg, device):
     kernel = compiled_kernels(cfg, p.dtype_name)[0][0]
     lse = p.empty_lse()
     grid, causal_offset, packed = (-(-Nq // cfg.BR), B * H), int(p.causal_offset), ()
+    window = tuple(int(w) for w in p.mods.window) if cfg.WINDOW else ()
     if cfg.VARLEN:   # the alignment in causal_offset's place, then cu_q, cu_k
         grid = p.varlen.grid(cfg.BR, H)
         causal_offset, packed = p.varlen.arguments()
@@ -99,16 +102,18 @@ def run(problem, cfg, device):
         kernel(grid, (cfg.NT,), shared_bytes(cfg),
                (bits(p.q), bits(p.k), bits(p.v), bits(p.out), lse, no_debug_dump(p.q.device.id),
                 float(p.scale * math.log2(math.e)), float(p.scale), int(p.causal),
-                causal_offset) + packed + (mods.arguments(p.mods) if cfg.MODS else ()), device)
+                causal_offset) + window + packed + (mods.arguments(p.mods) if cfg.MODS else ()),
+               device)
     return lse
 
 
 def notes(problem, cfg, device):
-    """What explain adds about this config: packed sequences' one launch; the key tiles of a
-    modified call."""
+    """What explain adds about this config: packed sequences' one launch; the half-width key
+    tiles of a modified call or a window on packed sequences."""
     from ..mma import packed_note
     out = [packed_note(problem, cfg.BR)] if cfg.VARLEN else []
-    if cfg.MODS:
-        out.append(f"key tiles: {cfg.BC} keys with modifications (half the plain kernel's, on "
-                   f"which ptxas spills their indices and arguments)")
+    if cfg.BC < TILES[max(cfg.D, cfg.DV)][1]:
+        what = "modifications" if cfg.MODS else "a window on packed sequences"
+        out.append(f"key tiles: {cfg.BC} keys with {what} (half the plain kernel's, on which "
+                   f"ptxas spills their indices and arguments)")
     return out

@@ -31,9 +31,9 @@ import numpy as np
 from ..mma.emit import (VARLEN_ARGUMENTS, U, Source, define, emit_prologue, emit_views_at_use,
                         head_view, row_value)
 from ..mma import mods
-from ..mma.forward import (ARGUMENTS, _kv_head_device, emit_modified_scale, emit_tile_mods,
-                           kv_head, source_identity)
-from ..mma.mask import emit_row_bounds, emit_score_mask
+from ..mma.forward import (ARGUMENTS, WINDOW_ARGUMENTS, _kv_head_device, emit_modified_scale,
+                           emit_tile_mods, kv_head, source_identity)
+from ..mma.mask import emit_row_bounds, emit_score_mask, first_key, span_keys
 from ..mma.operands import _OperandKind, packed_a_step
 from ..mma.softmax import emit_accumulators, emit_epilogue, emit_online_update
 from ..ptx_wgmma import descriptor_fields
@@ -133,7 +133,7 @@ class _Products:
     def softmax(self, s, rescale_o=True):
         """Emit the mask, the modifications and the online update of the S registers (P left
         in them)."""
-        emit_score_mask(s, self.NN, self.cfg.BC)
+        emit_score_mask(s, self.NN, self.cfg.BC, bool(self.cfg.WINDOW))
         if self.cfg.MODS:
             emit_tile_mods(s, self.cfg.MODS, self.NN)
         emit_online_update(s, self.NN, self.NVN, rescale_o=rescale_o)
@@ -162,19 +162,29 @@ def _stage_tile(s, cfg, first, base):
 
 
 def _emit_loop(s, cfg, L, products):
-    """The tile loop (module docstring): one more iteration than tiles adds the last P V."""
+    """The tile loop (module docstring): one more iteration than tiles adds the last P V. With a
+    window the block's tiles start at the one holding its first row's first key (t_first), and
+    a warpgroup computes the tiles between its first row's first key and its last row's end."""
     def buffer(it):
         return f"(tiles + U(({it}) % 3) * {U(L.kv_bytes)})"
-    s("if block_keys > 0:")
+    BC = cfg.BC
+    if cfg.WINDOW:
+        s(f"t_first = block_first // {BC}",
+          f"ntiles = max(0, (block_keys - t_first * {BC} + {BC - 1}) // {BC})")
+        first, tile, seen = "ntiles > 0", f"(t_first + it) * {BC}", " and {} > wg_first_key"
+    else:
+        first, tile, seen = "block_keys > 0", f"it * {BC}", ""
+    s(f"if {first}:")
     with s.block():
-        _stage_tile(s, cfg, U(0), "tiles")
-    s(f"ntiles = (block_keys + {cfg.BC - 1}) // {cfg.BC}",
-      "s_0_0 = ZERO", "alpha0 = ONE", "alpha1 = ONE")
+        _stage_tile(s, cfg, f"U(t_first * {BC})" if cfg.WINDOW else U(0), "tiles")
+    if not cfg.WINDOW:
+        s(f"ntiles = (block_keys + {BC - 1}) // {BC}")
+    s("s_0_0 = ZERO", "alpha0 = ONE", "alpha1 = ONE")
     # P of the tile before the first: never read
     s(*(f"pa_{kk}_{r} = uint32(0)" for kk in range(products.PV_STEPS) for r in range(4)))
     s("for it in range(ntiles + 1):")
     with s.block():
-        s(f"j0 = it * {cfg.BC}",
+        s(f"j0 = {tile}",
           "cuda.syncthreads()  # the buffer refilled next held tile it - 2: read by now")
         s("if it + 1 < ntiles:")
         with s.block():
@@ -185,8 +195,8 @@ def _emit_loop(s, cfg, L, products):
             s("cp_async_wait_0()")
         s("fence_proxy_async()", "cuda.syncthreads()")
         # warpgroup-uniform: this tile's S, the previous tile's P V
-        s("has_s = it < ntiles and j0 < wg_keys",
-          f"has_pv = it > 0 and j0 - {cfg.BC} < wg_keys")
+        s("has_s = it < ntiles and j0 < wg_keys" + seen.format(f"j0 + {BC}"),
+          f"has_pv = it > 0 and j0 - {BC} < wg_keys" + seen.format("j0"))
         products.descriptors(s, buffer("it"),
                              f"{buffer('it + 2')} + {U(region_bytes(cfg.BC, cfg.D))}")
         s("if has_s and has_pv:")
@@ -213,7 +223,8 @@ def kernel_source(cfg):
     L = layout(cfg)
     NVN = cfg.DV // 8
     s = Source()
-    s(f"def wgmma_attention({ARGUMENTS}{VARLEN_ARGUMENTS if cfg.VARLEN else ''}"
+    s(f"def wgmma_attention({ARGUMENTS}{WINDOW_ARGUMENTS if cfg.WINDOW else ''}"
+      f"{VARLEN_ARGUMENTS if cfg.VARLEN else ''}"
       f"{mods.parameters(cfg.MODS)}):")
     with s.block():
         if cfg.VARLEN:   # b is the sequence: its rows' views (O's made at the stores)
@@ -235,14 +246,15 @@ def kernel_source(cfg):
         s("cp_async_commit()")
         emit_copies_setup(s, "kc", "kh", cfg.D, "d_u", cfg.NT)
         emit_copies_setup(s, "vc", "vh", cfg.DV, "dv_u", cfg.NT)
-        emit_row_bounds(s, cfg.BR)
+        emit_row_bounds(s, cfg.BR, bool(cfg.WINDOW))
         products = _Products(cfg)
-        # the warpgroup's rows and the keys any of them sees: its tiles past those are skipped
+        # the warpgroup's rows and the keys any of them sees: its tiles outside those are skipped
         s(f"wg = warp // {U(4)}",
           "wg_first = i0s + I(wg) * 64",
-          "wg_keys = key_end(min(Nq - 1, wg_first + 63), Nk, causal, causal_offset) "
-          "if wg_first < Nq else 0",
+          f"wg_keys = {span_keys('wg_first', 64, bool(cfg.WINDOW))}",
           f"qd = ((qbase + wg * {U(64 * SWIZZLE)}) >> {U(4)}) | {U(products.k_fields)}")
+        if cfg.WINDOW:
+            s(f"wg_first_key = {first_key('wg_first')}")
         s("cp_async_wait_0()", "fence_proxy_async()", "cuda.syncthreads()")
         emit_accumulators(s, NVN)
         _emit_loop(s, cfg, L, products)

@@ -67,7 +67,9 @@ class WgmmaConfig(Warpgroups, TileConfig):
     contraction of P V's). DT: "f16" or "bf16". VARLEN: packed sequences in one launch
     (cuda.mma's VARLEN: grid y walks the sequences' heads, each block finds its sequence's rows
     in cu_q / cu_k and views them). MODS: score / mask modifications, cuda.mma's token and
-    device functions (cuda.mma.mods), applied to each tile's S registers."""
+    device functions (cuda.mma.mods), applied to each tile's S registers. WINDOW: a sliding
+    window's key range per row (cuda.mma's WINDOW: its two sizes are run-time arguments; the
+    tiles outside a block's rows' ranges are not loaded, a warpgroup's not computed)."""
     D: int
     DV: int
     NWG: int
@@ -75,6 +77,7 @@ class WgmmaConfig(Warpgroups, TileConfig):
     DT: str
     VARLEN: int = 0
     MODS: str = ""
+    WINDOW: int = 0
 
 
 #: Shared memory in bytes: the Q tile (kept: wgmma reads it from shared memory every tile), one
@@ -101,8 +104,10 @@ def shared_bytes(cfg):
 TILES = {64: (2, 64), 128: (2, 128)}
 #: with modifications: half the keys a tile. Their indices and arguments live beside S and the
 #: P in flight; on the full tiles ptxas spilled (sm_90a: ALiBi at d64 20 bytes under the cap,
-#: an attn_bias at d128 116 bytes), on these it does not (tests/test_wgmma.py)
-MODIFIED_TILES = {64: (2, 32), 128: (2, 64)}
+#: an attn_bias at d128 116 bytes), on these it does not (tests/test_wgmma.py). A window on
+#: packed sequences takes them too: at d64 the full tile spilled 16 bytes under the cap (123
+#: registers on the half one; a window alone fits the full tile in 128)
+HALF_TILES = {64: (2, 32), 128: (2, 64)}
 #: blocks an SM each padded head dim's tile is sized for (65536 registers an SM)
 BLOCKS_PER_SM = {64: 2, 128: 1}
 
@@ -112,7 +117,8 @@ def register_cap(cfg):
     sequences (VARLEN) keep their counts and offsets in registers, 139 a thread at d64 where the
     unpacked kernel takes 124 (ptxas sm_90a, bench/NOTES.md), which would leave one block an SM
     instead of the two the tile is sized for; capped at 128 it fits in 126 without a spill
-    (tests/test_wgmma.py checks both). Modifications (MODS) are capped alike: their arguments
-    and each score's indices live through the loop too."""
+    (tests/test_wgmma.py checks both). Modifications (MODS) and windows (WINDOW) are capped
+    alike: their arguments, each score's indices and the window's row bounds live through the
+    loop too (a window alone took 140 at d64)."""
     cap = 65536 // (cfg.NT * BLOCKS_PER_SM[max(cfg.D, cfg.DV)])
-    return cap if (cfg.VARLEN or cfg.MODS) and cap < 255 else None
+    return cap if (cfg.VARLEN or cfg.MODS or cfg.WINDOW) and cap < 255 else None
