@@ -357,8 +357,9 @@ def _compile(mods):
         masked), gb <- d(modified)/d(the value after attn_bias is added) (1 without a bias),
         with score_mod_args_grad xa <- the score entering the user's score_mod;
     visible(b, h, i, j, args): whether the masks let the pair take part;
-    live(b, h, i0, rows, j0, cols, args): False when a block mask marks every block the tile
-        touches EMPTY (the tile is skipped), True otherwise (always, without a block mask);
+    live(b, h, i0, rows, j0, cols, args): False when the tile lies outside a window's band
+        (no row i0.. sees a key j0..) or a block mask marks every block the tile touches EMPTY
+        (the tile is skipped), True otherwise;
     add_arg_grads(ds, x, b, h, i, j, args, accs, task): for each of score_mod_args_grad's
         functions, accs[k][task][index] += ds * derivative at pair (i, j), whose score entering
         the user's score_mod is x (an index outside the array raises IndexError).
@@ -410,16 +411,23 @@ def _compile(mods):
         lines += ["                g[r, c] = gr", "                gb[r, c] = gbv"] if grad else []
         return "\n".join(lines) + "\n"
 
+    live = ["def live(b, h, i0, rows, j0, cols, args):"]
+    for n, (f, _) in enumerate(mods.masks):
+        if f is _window_mask:   # the rows' bands together: [first row's first key, last row's
+            live += [f"    left, right, offset = args[{n}]",          # last key]
+                     "    if left >= 0 and j0 + cols - 1 < i0 + offset - left:",
+                     "        return False",
+                     "    if right >= 0 and j0 > i0 + rows - 1 + offset + right:",
+                     "        return False"]
     if mods.block is None:
-        live = ["def live(b, h, i0, rows, j0, cols, args):", "    return True"]
+        live.append("    return True")
     else:
-        live = ["def live(b, h, i0, rows, j0, cols, args):",
-                f"    state, bq, bk = args[{len(mods.masks) + len(mods.scores)}]",
-                "    for qb in range(i0 // bq, (i0 + rows - 1) // bq + 1):",
-                "        for kb in range(j0 // bk, (j0 + cols - 1) // bk + 1):",
-                "            if state[b, h, qb, kb] != 0:",
-                "                return True",
-                "    return False"]
+        live += [f"    state, bq, bk = args[{len(mods.masks) + len(mods.scores)}]",
+                 "    for qb in range(i0 // bq, (i0 + rows - 1) // bq + 1):",
+                 "        for kb in range(j0 // bk, (j0 + cols - 1) // bk + 1):",
+                 "            if state[b, h, qb, kb] != 0:",
+                 "                return True",
+                 "    return False"]
     adds = ["def add_arg_grads(ds, x, b, h, i, j, args, accs, task):"]
     for k, (n, fn) in enumerate(mods.arg_grads):
         env[f"a{k}"] = _jit(fn, "score_mod_args_grad function")

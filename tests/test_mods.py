@@ -289,6 +289,29 @@ def test_window_key_range_is_the_window_mask_as_a_range():
                     assert list(range(first, end)) == want, (i, left, right, offset)
 
 
+def test_the_cpu_path_skips_exactly_the_tiles_outside_a_window(rng):
+    """The composition's ``live`` (what cpu.tiled and its backward ask per tile) is False for a
+    tile exactly when no pair of it passes the window's mask, for both sides bounded or not,
+    both alignments, with another mask beside the window; the results stay exact."""
+    from numflash.mods import _window_mask
+    for offset in (0, 6, -9):
+        for window in ((3, 0), (-1, 2), (5, 4), (0, -1)):
+            built = mods.build((1, 1, 30, 40, 8, 8), "numpy", offset, window_size=window,
+                               softcap=3.0, attn_mask=np.ones((30, 40), bool))
+            live = built.compiled()[3]
+            left, right = window
+            for i0, rows in ((0, 4), (7, 5), (26, 4)):
+                for j0, cols in ((0, 8), (8, 8), (16, 8), (32, 8)):
+                    any_pair = any(_window_mask(0, 0, i, j, left, right, offset)
+                                   for i in range(i0, i0 + rows) for j in range(j0, j0 + cols))
+                    assert live(0, 0, i0, rows, j0, cols, built.args) == any_pair, (
+                        offset, window, i0, j0)
+    q, k, v = (rng.standard_normal((1, 2, n, 16)) for n in (300, 500, 500))
+    for causal in (False, "bottom_right"):
+        out = numflash.attention(q, k, v, causal=causal, window_size=(20, 7), softcap=4.0)
+        assert testing.check(out, q, k, v, causal=causal, window_size=(20, 7), softcap=4.0).ok
+
+
 def test_huge_windows_are_clamped_and_mods_must_say_their_kinds():
     from numflash import mods as _mods
     m = _mods.build((1, 1, 8, 9), "numpy", 1, window_size=(2 ** 62, 2 ** 62))

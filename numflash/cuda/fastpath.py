@@ -12,10 +12,10 @@ The signature holds everything the checks, the plan and the packed parameters de
 array type, shapes, strides, dtypes, devices and 16-byte alignment of q, k and v, the current
 device and every option with its type, the modifications a replay takes included (a window, a
 softcap; ALiBi slopes, a bias, a mask as arrays: see replay_mods). So a call that the full path
-would reject, or plan differently, never matches a recorded one. Calls with other modifications
-(functions, block masks) or dropout always take the full path. (The simulator switch is not in it: numba reads
-NUMBA_ENABLE_CUDASIM once, at import, and with it on no CuPy call is ever recorded.) Calls with
-``out=`` always take the full path (it must check that ``out`` does not overlap an input).
+would reject, or plan differently, never matches a recorded one. (The simulator switch is not in
+it: numba reads NUMBA_ENABLE_CUDASIM once, at import, and with it on no CuPy call is ever
+recorded.) Calls with other modifications (functions, block masks), with dropout or with
+``out=`` always take the full path (``out`` must be checked not to overlap an input).
 
 A backward call (``attention_backward`` on CuPy arrays, the torch operator's body) without
 modifications, dropout, given gradients or bias / mod_args gradients is recorded the same way
