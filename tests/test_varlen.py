@@ -67,8 +67,11 @@ def test_dropout_draws_each_sequence_its_own_mask_forward_and_backward(rng, caus
     assert not np.array_equal(out[:20], out[53:73])      # dropped differently
     plain = numflash.attention_varlen(q, k, v, cq, ck, causal=causal)
     assert np.array_equal(plain[:20], plain[53:73])     # the same sequence without dropout
-    np.testing.assert_array_equal(lse, numflash.attention_varlen(q, k, v, cq, ck, causal=causal,
-                                                                 return_lse=True)[1])
+    # dropout leaves lse alone; the plain call runs another compiled kernel (numba's parallel
+    # one, fastmath reassociation allowed), which CI once saw differ in the last bit
+    np.testing.assert_allclose(lse, numflash.attention_varlen(q, k, v, cq, ck, causal=causal,
+                                                              return_lse=True)[1],
+                               rtol=4 * np.finfo(np.float64).eps, atol=0)
     assert len({packed_seed(7, b) for b in range(1000)}) == 1000
 
 
