@@ -53,6 +53,14 @@ def emit_split_range(s, BC, window):
       f"split_end = min(block_keys, split_first + split_per * {BC})")
 
 
+def emit_window_tiles(s, BC, start, end):
+    """Emit the window's tile range, t_first (the tile holding row ``start``) and ntiles (up to
+    row ``end``), and return the source of iteration it's first row."""
+    s(f"t_first = {start} // {BC}",
+      f"ntiles = max(0, ({end} - t_first * {BC} + {BC - 1}) // {BC})")
+    return f"(t_first + it) * {BC}"
+
+
 @contextlib.contextmanager
 def tile_loop(s, stage_kv, BC, kv_words, VEC, KV_OFF, KW, window=False, start="block_first",
               end="block_keys", sparse=None):
@@ -75,9 +83,7 @@ def tile_loop(s, stage_kv, BC, kv_words, VEC, KV_OFF, KW, window=False, start="b
         else:
             s("for it in range(ntiles):")
     elif window:
-        s(f"t_first = {start} // {BC}",
-          f"ntiles = max(0, ({end} - t_first * {BC} + {BC - 1}) // {BC})")
-        first = f"(t_first + it) * {BC}"
+        first = emit_window_tiles(s, BC, start, end)
     else:
         s(f"ntiles = ({end} + {BC - 1}) // {BC}")
         first = f"it * {BC}"

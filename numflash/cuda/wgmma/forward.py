@@ -36,6 +36,7 @@ from ..mma.forward import (ARGUMENTS, WINDOW_ARGUMENTS, _kv_head_device, emit_mo
 from ..mma.mask import emit_row_bounds, emit_score_mask, first_key, span_keys
 from ..mma.operands import _OperandKind, packed_a_step
 from ..mma.softmax import emit_accumulators, emit_epilogue, emit_online_update
+from ..mma.staging import emit_window_tiles
 from ..ptx_wgmma import descriptor_fields
 from .tiles import ATOM, SWIZZLE, WgmmaConfig, layout, region_bytes, register_cap
 
@@ -169,9 +170,8 @@ def _emit_loop(s, cfg, L, products):
         return f"(tiles + U(({it}) % 3) * {U(L.kv_bytes)})"
     BC = cfg.BC
     if cfg.WINDOW:
-        s(f"t_first = block_first // {BC}",
-          f"ntiles = max(0, (block_keys - t_first * {BC} + {BC - 1}) // {BC})")
-        first, tile, seen = "ntiles > 0", f"(t_first + it) * {BC}", " and {} > wg_first_key"
+        tile = emit_window_tiles(s, BC, "block_first", "block_keys")
+        first, seen = "ntiles > 0", " and {} > wg_first_key"
     else:
         first, tile, seen = "block_keys > 0", f"it * {BC}", ""
     s(f"if {first}:")
