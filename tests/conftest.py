@@ -3,6 +3,7 @@
 The switch must happen before numba.cuda is first imported, so it lives here.
 """
 import os
+import time
 
 
 def _gpu_available():
@@ -97,6 +98,44 @@ def _extended(item):
     return fast is not None and item.callspec.id not in fast
 
 
+# .ci/run gives the extended tier a deadline, NUMFLASH_TEST_DEADLINE (seconds since the epoch), so
+# that CI ends within its 90 minutes on a slow machine (a 2-core machine ran the same tests at half
+# the speed of the day before, session 36): a test not started by then is skipped and says so, the
+# summary counts them, and nothing started is cut short. The tier then runs its files' tests in
+# turns, so a cut leaves every file tested.
+_BUDGET_SPENT = "the tier's time budget (NUMFLASH_TEST_DEADLINE, .ci/run) was spent"
+
+
+def _deadline():
+    raw = os.environ.get("NUMFLASH_TEST_DEADLINE", "")
+    try:
+        return float(raw) if raw else None
+    except ValueError:
+        raise pytest.UsageError(f"NUMFLASH_TEST_DEADLINE={raw!r}: expected seconds since the "
+                                "epoch, as `date +%s` prints") from None
+
+
+def _in_turns(items):
+    """The items reordered in turns over their files: each file's first test function (all its
+    cases, which share their compiles), then each file's second, ... Ranks count within a tier
+    (-m deselects later)."""
+    ranks, file_order, keyed = {}, {}, []
+    for position, item in enumerate(items):
+        path = item.nodeid.split("::")[0]
+        tier = (path, item.get_closest_marker("extended") is not None)
+        functions = ranks.setdefault(tier, {})
+        rank = functions.setdefault(getattr(item, "originalname", item.name), len(functions))
+        keyed.append((rank, file_order.setdefault(path, len(file_order)), position, item))
+    return [item for *_, item in sorted(keyed, key=lambda k: k[:3])]
+
+
+_DEADLINE_KEY = pytest.StashKey()
+
+
+def pytest_configure(config):
+    config.stash[_DEADLINE_KEY] = _deadline()
+
+
 def pytest_collection_modifyitems(config, items):
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU with CuPy")
     skip_sim = pytest.mark.skip(reason="simulator tests run on machines without a GPU")
@@ -115,6 +154,21 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
         if item.get_closest_marker("simulator") and HAS_GPU:
             item.add_marker(skip_sim)
+    if config.stash[_DEADLINE_KEY] is not None:
+        items[:] = _in_turns(items)
+
+
+def pytest_runtest_setup(item):
+    deadline = item.config.stash[_DEADLINE_KEY]
+    if deadline is not None and time.time() > deadline:
+        pytest.skip(f"not started: {_BUDGET_SPENT}")
+
+
+def pytest_terminal_summary(terminalreporter):
+    unstarted = [r for r in terminalreporter.stats.get("skipped", [])
+                 if isinstance(r.longrepr, tuple) and _BUDGET_SPENT in r.longrepr[2]]
+    if unstarted:
+        terminalreporter.write_line(f"{len(unstarted)} tests not started: {_BUDGET_SPENT}")
 
 
 @pytest.hookimpl(optionalhook=True)   # xdist's hook: no error where xdist is not loaded
