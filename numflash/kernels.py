@@ -174,14 +174,14 @@ FORWARD = (
     Operator("cuda.wgmma", "cuda", "wgmma", _cuda_wgmma,
              dtypes=("float16", "bfloat16"), max_head_dim=128, min_cc=(9, 0),
              min_cc_why="Hopper's wgmma, sm_90a", runs_in_simulator=False,
-             auto_passes=_wgmma_passes, varlen=True, mods=ROW_MODS,
+             auto_passes=_wgmma_passes, varlen=True, mods=ROW_MODS + ("block_mask",),
              summary="FlashAttention-3's forward loop on Hopper warpgroup products: wgmma "
                      "m64nNk16 with S = Q K^T from shared memory and P V with P from "
                      "registers, the softmax of one key tile overlapped with the P V of the "
                      "one before, K/V in three cp.async buffers in the 128-byte swizzled "
-                     "layout; sliding windows (the tiles outside them skipped), score / mask "
-                     "modifications but block masks (cuda.mma's device functions on the S "
-                     "registers); packed sequences in "
+                     "layout; sliding windows and block masks (the tiles outside them "
+                     "skipped), score / mask modifications (cuda.mma's device functions on the "
+                     "S registers); packed sequences in "
                      "one launch; compute capability 9.0 only; "
                      "'auto' takes it for the 16-bit "
                      "forward where it runs, but for calls whose query blocks do not fill the "

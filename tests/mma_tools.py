@@ -101,6 +101,7 @@ _COMPILE_WGMMA = textwrap.dedent("""
     import numpy as np
     from numflash.cuda import launch, wgmma
     from numflash.cuda.mma import signature
+    from numflash.cuda.wgmma.tiles import blocks_per_sm
     cfg, mods_name = json.loads(sys.argv[1]), sys.argv[2]
     if mods_name:   # test_mma_mods' named modifications, as the token of a 2 x 4 x 128 call
         sys.path.insert(0, sys.argv[3])
@@ -120,15 +121,16 @@ _COMPILE_WGMMA = textwrap.dedent("""
     ops.update({op: ptx.count(op) for op in ("ld.local", "st.local")})
     print(json.dumps({"resources": res, "ops": ops, "cubin_bytes": len(cubin),
                       "target": re.search(r"^\\.target \\S+", ptx, re.M).group(0),
-                      "serialized": str(res.get("wgmma_serialized", ""))}))
+                      "serialized": str(res.get("wgmma_serialized", "")),
+                      "blocks_per_sm": blocks_per_sm(wgmma.WgmmaConfig(**cfg))}))
 """)
 
 
 def compile_wgmma_variant(cfg, mods_name=""):
     """Compile one cuda.wgmma variant (a mapping of WgmmaConfig's fields; ``mods_name``: one of
     test_mma_mods.MODS, compiled in as MODS) for sm_90a in a subprocess: ptxas's resources, the
-    PTX target, how often each wgmma and ld / st.local occur, and ptxas's wgmma-serialization
-    code ("" when it serializes nothing)."""
+    PTX target, how often each wgmma and ld / st.local occur, ptxas's wgmma-serialization
+    code ("" when it serializes nothing) and the blocks an SM the config is sized for."""
     env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0")
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     run = subprocess.run([sys.executable, "-c", _COMPILE_WGMMA, json.dumps(dict(cfg)), mods_name,

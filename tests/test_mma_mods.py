@@ -41,10 +41,21 @@ MODS = {
     "user-document-and-relative-bias": lambda B, H, Nq, Nk, rng: dict(
         mask_mod=mods._document_mask, score_mod=relative_bias, score_mod_grad=relative_bias_grad,
         mod_args=(rng.standard_normal((H, 2 * max(Nq, Nk) + 1)),)),
+    # a block mask of documents (128 x 128 blocks), alone and with ALiBi
+    "document-block-mask": lambda B, H, Nq, Nk, rng: dict(
+        block_mask=_document_blocks(_doc_ids(rng, B, max(Nq, Nk)), B, H, Nq, Nk)),
+    "document-block-mask-alibi": lambda B, H, Nq, Nk, rng: dict(
+        block_mask=_document_blocks(_doc_ids(rng, B, max(Nq, Nk)), B, H, Nq, Nk),
+        alibi_slopes=rng.uniform(0.05, 0.5, H).astype(np.float32)),
     "user-tanh-softcap-causal-window": lambda B, H, Nq, Nk, rng: dict(
         score_mod=tanh_cap, score_mod_grad=tanh_cap_grad, mod_args=(3.0,),
         window_size=(-1, 5)),
 }
+
+
+def _document_blocks(ids, B, H, Nq, Nk):
+    mask_mod, args = mods.document_mask(ids[:, :Nq], ids[:, :Nk])
+    return numflash.create_block_mask(mask_mod, B, H, Nq, Nk, args)
 
 
 def _options(name, B, H, Nq, Nk, rng):
@@ -443,12 +454,16 @@ GPU_FORWARD = [  # (dtype, B, H, Hkv, Nq, Nk, d, causal, mods name)
 
 def _gpu_inputs(rng, dtype, B, H, Hkv, Nq, Nk, d, name):
     import cupy
+    from numflash.block_mask import BlockMask
     dtype = _kind_dtype("bf16") if dtype == "bfloat16" else np.dtype(dtype)
     q, k, v, do = (rng.standard_normal(s).astype(dtype) for s in
                    ((B, H, Nq, d), (B, Hkv, Nk, d), (B, Hkv, Nk, d), (B, H, Nq, d)))
     opts = _options(name, B, H, Nq, Nk, rng)
 
     def dev(x):
+        if isinstance(x, BlockMask):   # the same mask on the GPU
+            return BlockMask(x.mask_mod, tuple(dev(a) for a in x.mod_args), x.shape,
+                             x.block_size, cupy.asarray(x.state))
         return cupy.asarray(x) if isinstance(x, np.ndarray) else x
     gpu_opts = {n: (tuple(dev(a) for a in x) if n == "mod_args" else dev(x))
                 for n, x in opts.items()}

@@ -111,6 +111,40 @@ def test_emulated_wgmma_forward_with_a_window(rng, case):
         assert np.isfinite(lse[:, :, Nq - Nk:]).all()
 
 
+@pytest.mark.parametrize("Nq, Nk, causal, window, block, tile, alibi", [
+    # 64 x 64 blocks of 32-key tiles: PARTIAL blocks, a FULL one, an EMPTY one, a last partial;
+    # ALiBi beside it (a FULL block's tiles run it without the mask_mod)
+    (200, 190, False, None, 64, (1, 32), True),
+    # two warpgroups, 128 x 128 blocks of 64-key tiles with a window, bottom-right: rows
+    # before Nq - Nk see no key, blocks outside the window are not listed past its start
+    pytest.param(300, 260, "bottom_right", (70, 9), 128, (2, 64), False,
+                 marks=pytest.mark.extended),
+])
+def test_emulated_wgmma_forward_with_a_block_mask(rng, Nq, Nk, causal, window, block, tile,
+                                                  alibi):
+    """A block mask on the wgmma forward (cuda.mma's walk over each block row's listed blocks;
+    the mask_mod on PARTIAL blocks only): output and lse meet the rule against the reference
+    with the dense mask the blocks' states describe (doctored FULL and EMPTY blocks included,
+    so a skipped tile or an unmasked FULL one would show)."""
+    from mma_tools import run_wgmma_forward
+    from test_block_mask import _doctored, _stripes
+    from numflash import block_mask, mods
+    from numflash.inputs import parse_causal
+    B, H, Hkv, d = 1, 2, 1, 64
+    q, k, v = _inputs(rng, B, H, Hkv, Nq, Nk, d, d, np.float16)
+    bm, dense = _doctored(_stripes, (5, 3), B, H, Nq, Nk, block, {
+        (1, 1): block_mask.FULL, (0, 2): block_mask.EMPTY})
+    opts = {"window_size": window} if window else {}
+    if alibi:
+        opts["alibi_slopes"] = rng.uniform(0.05, 0.5, H).astype(np.float32)
+    is_causal, off = parse_causal(causal, Nq, Nk)
+    built = mods.build((B, H, Nq, Nk, d, d), "numpy", off, block_mask=bm, **opts)
+    out, lse = run_wgmma_forward(q, k, v, is_causal, off, tile=tile, mods=built)
+    rep = check(out, q, k, v, lse=lse, causal=causal, attn_mask=dense, **opts)
+    assert rep.ok, str(rep)
+    assert np.isneginf(lse).any() == (causal == "bottom_right")
+
+
 @pytest.mark.parametrize("d, causal, tile, window", [
     (64, "bottom_right", (1, 32), None),
     pytest.param(128, True, (2, 64), None, marks=pytest.mark.extended),
@@ -236,6 +270,12 @@ def test_wgmma_compiles_for_sm90a_without_spills_or_serialization(cfg, blocks):
                  marks=pytest.mark.extended),
     pytest.param(dict(D=64, DV=64, NWG=2, BC=32, DT="bf16", WINDOW=1, VARLEN=1), "",
                  marks=pytest.mark.extended),
+    # block masks: the walk over the listed blocks, alone (d64: two blocks an SM), with ALiBi
+    # (d64: one, uncapped) and with a window (d128, extended)
+    (dict(D=64, DV=64, NWG=2, BC=32, DT="f16"), "document-block-mask"),
+    (dict(D=64, DV=64, NWG=2, BC=32, DT="f16"), "document-block-mask-alibi"),
+    pytest.param(dict(D=128, DV=128, NWG=2, BC=64, DT="bf16", WINDOW=1),
+                 "document-block-mask-alibi", marks=pytest.mark.extended),
 ], ids=lambda x: "-".join(f"{k}{v}" for k, v in x.items()) if isinstance(x, dict) else x)
 def test_wgmma_with_modifications_compiles_without_spills_or_serialization(cfg, name):
     """The modified and windowed forwards (on the tiles config() gives them) keep every
@@ -248,10 +288,15 @@ def test_wgmma_with_modifications_compiles_without_spills_or_serialization(cfg, 
     assert not got["serialized"], "ptxas serializes the wgmma (C7509): " + got["serialized"]
     assert got["ops"]["ld.local"] == 0 and got["ops"]["st.local"] == 0, got["ops"]
     assert res.get("spill_store_bytes", 0) == 0 and res.get("stack_bytes", 0) == 0, res
-    assert res["registers"] * 128 * cfg["NWG"] * (2 if cfg["D"] == 64 else 1) <= 65536, res
+    # two blocks an SM at d64 (one with a block mask and other modifications: uncapped)
+    blocks = 2 if cfg["D"] == 64 and name != "document-block-mask-alibi" else 1
+    assert got["blocks_per_sm"] == blocks
+    assert res["registers"] * 128 * cfg["NWG"] * blocks <= 65536, res
     # the tile compiled is the one config() plans for such a call
     opts = dict(window_size=(40, 0)) if cfg.get("WINDOW") else {}
-    if name:
+    if "block-mask" in name:
+        opts.update(block_mask=128, algorithm="wgmma")   # ("auto" leaves it to cuda.mma)
+    elif name:
         opts.update(softcap=5.0)
     planned = _plan(np.random.default_rng(0), d=cfg["D"], **opts,
                     **(_packed() if cfg.get("VARLEN") else {}))
@@ -262,14 +307,25 @@ def test_wgmma_with_modifications_compiles_without_spills_or_serialization(cfg, 
 def test_the_packed_d64_forward_is_capped_to_two_blocks_an_sm():
     """Only the packed, modified or windowed d64 forward carries a register cap (128: two
     256-thread blocks an SM), written into its PTX as .maxnreg and named in its code identity
-    (a cached or shipped kernel compiled without it is never taken for it)."""
+    (a cached or shipped kernel compiled without it is never taken for it); a block mask with
+    other modifications has none (one block an SM: tiles.blocks_per_sm)."""
+    from test_mma_mods import _options
+    from numflash import mods
     from numflash.cuda import launch
+    from numflash.cuda.mma.mods import token_for
     from numflash.cuda.wgmma import forward
     from numflash.cuda.wgmma.tiles import WgmmaConfig, register_cap
+
+    def token(name):
+        shape = (2, 4, 128, 128, 64, 64)
+        return token_for(mods.build(shape, "numpy", 0, **_options(name, *shape[:4],
+                                                                  np.random.default_rng(0))))
     packed = dict(D=64, DV=64, NWG=2, BC=64, DT="f16", VARLEN=1)
     assert register_cap(WgmmaConfig(**packed)) == 128
     assert register_cap(WgmmaConfig(**dict(packed, VARLEN=0))) is None
-    assert register_cap(WgmmaConfig(**dict(packed, VARLEN=0, MODS="a token"))) == 128
+    for name, cap in (("all-but-window", 128), ("document-block-mask", 128),
+                      ("document-block-mask-alibi", None)):
+        assert register_cap(WgmmaConfig(**dict(packed, VARLEN=0, MODS=token(name)))) == cap
     assert register_cap(WgmmaConfig(**dict(packed, VARLEN=0, WINDOW=1))) == 128
     assert register_cap(WgmmaConfig(**dict(packed, D=128, DV=128, BC=128))) is None
     assert forward.make_kernel(**packed).max_registers == 128
@@ -292,9 +348,10 @@ def _plan(rng, device=HOPPER, dtype=np.float16, B=4, H=16, Nq=4096, Nk=4096, d=6
         q = np.repeat(q, 2, axis=-1)[..., ::2]
     mods = {name: opts.pop(name) for name in ("softcap", "window_size", "alibi_slopes")
             if name in opts}
-    if opts.pop("block_mask", False):   # causal, in 128 x 128 blocks
+    if "block_mask" in opts:   # causal, in blocks of the size given
         from numflash.block_mask import create_block_mask
-        mods["block_mask"] = create_block_mask(lambda b, h, i, j: j <= i, B, H, Nq, Nk)
+        mods["block_mask"] = create_block_mask(lambda b, h, i, j: j <= i, B, H, Nq, Nk,
+                                               block_size=opts.pop("block_mask"))
     p = _with_mods(normalize(q, k, v, **opts), mods)
     p = dataclasses.replace(p, kind="cupy", q=DeviceView(p.q), k=DeviceView(p.k),
                             v=DeviceView(p.v), out=DeviceView(p.out))
@@ -330,6 +387,19 @@ def test_auto_takes_wgmma_with_modifications_but_not_on_packed_sequences(rng):
 
 
 @pytest.mark.parametrize("d", [64, 128])
+def test_wgmma_runs_a_block_mask_on_half_width_tiles_when_asked_and_auto_says_why_not(rng, d):
+    from numflash.cuda.wgmma.tiles import HALF_TILES
+    plan = _plan(rng, d=d, block_mask=128, algorithm="wgmma")
+    assert plan.kernel == "cuda.wgmma" and plan.config.MODS, str(plan)
+    assert (plan.config.NWG, plan.config.BC) == HALF_TILES[d]
+    windowed = _plan(rng, d=d, block_mask=256, window_size=(300, 0), algorithm="wgmma")
+    assert windowed.kernel == "cuda.wgmma" and windowed.config.WINDOW, str(windowed)
+    auto = _plan(rng, d=d, block_mask=128)
+    assert auto.kernel == "cuda.mma", str(auto)
+    assert "a block mask on cuda.wgmma has not run on a GPU yet" in auto.rejected["cuda.wgmma"]
+
+
+@pytest.mark.parametrize("d", [64, 128])
 def test_auto_takes_wgmma_with_a_window_on_the_full_tiles_but_packed_on_half_ones(rng, d):
     from numflash.cuda.wgmma.tiles import HALF_TILES, TILES
     plan = _plan(rng, d=d, causal=True, window_size=(256, 0))
@@ -362,7 +432,8 @@ def test_auto_passes_wgmma_over_where_cuda_mma_splits_the_keys(rng):
     (HOPPER, {"d": 59}, "head dim 59 is not a multiple of 8: cuda.mma takes it"),
     (HOPPER, {"strided": True}, "q's last axis is strided"),
     (HOPPER, {"dtype": np.float32}, "cuda.wgmma takes float16, bfloat16, not float32"),
-    (HOPPER, {"block_mask": True}, "cuda.wgmma takes .* not block_mask"),
+    (HOPPER, {"block_mask": 64}, "cuda.wgmma: the block mask's 64 x 64 blocks are not whole "
+     "tiles of the forward .128 queries x 32 keys.: create it with block_size=128"),
     (HOPPER, {"num_splits": 4}, "cuda.wgmma does not split the keys"),
 ])
 def test_wgmma_refuses_with_the_reason_and_auto_takes_another(rng, device, opts, match):

@@ -60,6 +60,10 @@ MODIFIED = [  # (dtype, B, H, Hkv, Nq, Nk, d, causal, mods name: test_mma_mods.M
     ("bfloat16", 1, 8, 2, 3000, 2500, 128, False, "sliding-window"),
     ("float16", 1, 4, 4, 1000, 1400, 128, "bottom_right", "all-builtins"),
     ("bfloat16", 2, 4, 2, 700, 333, 64, True, "user-tanh-softcap-causal-window"),
+    # block masks: alone, with ALiBi (d64: one block an SM, uncapped), Nq != Nk
+    ("float16", 2, 8, 2, 2048, 2048, 64, True, "document-block-mask"),
+    ("bfloat16", 1, 4, 4, 1500, 1300, 128, False, "document-block-mask-alibi"),
+    ("float16", 2, 4, 4, 1000, 1300, 64, "bottom_right", "document-block-mask-alibi"),
 ]
 
 
@@ -119,9 +123,10 @@ def test_wgmma_refuses_what_it_does_not_run_and_says_what_does(hopper, rng):
         numflash.attention(q, q, q, algorithm="wgmma")
     q = _device_array(rng, (1, 2, 256, 64), "float16")
     causal = numflash.create_block_mask(lambda b, h, i, j: j <= i, 1, 2, 256, 256,
-                                        device="cuda")
-    with pytest.raises(ValueError, match="cuda.wgmma takes .* not block_mask"):
+                                        block_size=64, device="cuda")
+    with pytest.raises(ValueError, match="the block mask's 64 x 64 blocks are not whole tiles"):
         numflash.attention(q, q, q, algorithm="wgmma", block_mask=causal)
+    assert numflash.explain(q, q, q, block_mask=causal).kernel == "cuda.mma"
     strided = _device_array(rng, (1, 2, 64, 128), "float16")[..., ::2]
     with pytest.raises(ValueError, match="16-byte cp.async"):
         numflash.attention(strided, strided, strided, algorithm="wgmma")

@@ -55,17 +55,18 @@ def dropped(problem):
     return getattr(problem, "dropout", None) is not None
 
 
-def check_block_tiles(problem, tiles):
+def check_block_tiles(problem, tiles, name=NAME):
     """Raise Unsupported when a block mask's blocks are not made of whole tiles of the kernels:
     ``tiles``: ((query rows, key columns, which kernel), ...) of a tile each (a kernel's tile
-    loop visits a block's tiles, so a tile may not straddle two blocks)."""
+    loop visits a block's tiles, so a tile may not straddle two blocks); ``name``: the
+    operator's."""
     block = getattr(getattr(problem, "mods", None), "block", None)
     for rows, cols, what in tiles if block else ():
         bq, bk = block.bq, block.bk
         if bq % rows or bk % cols:
-            raise Unsupported(f"{NAME}: the block mask's {bq} x {bk} blocks are not whole tiles "
+            raise Unsupported(f"{name}: the block mask's {bq} x {bk} blocks are not whole tiles "
                               f"of the {what} ({rows} queries x {cols} keys): create it with "
-                              f"block_size=128 or a multiple of 128, which every {NAME} tile "
+                              f"block_size=128 or a multiple of 128, which every {name} tile "
                               f"divides (the CPU path takes any block size)")
 
 

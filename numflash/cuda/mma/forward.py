@@ -118,13 +118,14 @@ def kernel_source(cfg):
     return s.text()
 
 
-def emit_block_row(s, token):
+def emit_block_row(s, token, div32=None):
     """With a block mask, emit the block row of the thread block's queries (which bq divides:
     config.py checks) and return tile_loop's ``sparse`` for the key blocks it lists; else
-    None."""
+    None. ``div32``: a 32-bit division to use (emit_prologue's)."""
     if not mods.sparse(token):
         return None
-    s("bm_row = I(i0) // bm_bq", "bm_list = bm_kv_blocks[b, h, bm_row]")
+    s(f"bm_row = I({div32}(i0, bm_bq))" if div32 else "bm_row = I(i0) // bm_bq",
+      "bm_list = bm_kv_blocks[b, h, bm_row]")
     return "bm_list", "bm_kv_count[b, h, bm_row]", "bm_bk"
 
 

@@ -76,12 +76,12 @@ def tile_loop(s, stage_kv, BC, kv_words, VEC, KV_OFF, KW, window=False, start="b
     of their number, and of the blocks' size along the streamed axis. The loop then visits the
     BC-row tiles of the listed blocks between ``start`` and ``end`` only, and the body has
     ``tile_full`` (the tile lies in a FULL block)."""
-    if sparse:
+    if sparse and VEC:
+        _emit_sparse_double_buffered_loop(s, stage_kv, BC, kv_words, sparse,
+                                          start if window else None, end)
+    elif sparse:
         _emit_sparse_range(s, BC, start if window else None, end, *sparse)
-        if VEC:
-            _emit_sparse_double_buffered_loop(s, stage_kv, BC, kv_words, sparse[0], sparse[2])
-        else:
-            s("for it in range(ntiles):")
+        s("for it in range(ntiles):")
     elif window:
         first = emit_window_tiles(s, BC, start, end)
     else:
@@ -146,26 +146,47 @@ def _emit_sparse_range(s, BC, start, end, lst, count, block):
       "e = e_lo", "sub = I(0)")
 
 
-def _emit_sparse_double_buffered_loop(s, stage_kv, BC, kv_words, lst, block):
-    """The double-buffered loop over a block mask's listed tiles: as _emit_double_buffered_loop,
-    walking the list with a block (e) and sub-tile (sub) counter; the entry of the block after
-    the current one is read when the current one is entered, so the address of the next
-    cp.async never waits on a global load."""
-    def entry_at(e):
-        return f"I({lst}[min({e}, e_hi - 1)])"
+def emit_sparse_tiles(s, BC, start, end, sparse, stage_first):
+    """Emit the walk over a block mask's listed tiles (``sparse``, as tile_loop takes it) whose
+    blocks reach past row ``start`` (None: 0) and begin before row ``end``: the range, its
+    tile count ntiles, and the first tile put in flight by ``stage_first(row source)``. Returns
+    the sources of the current tile's first row (j0) and of the next tile's; the walk keeps the
+    block (e) and sub-tile (sub) counters, and the entry of the block after the current one is
+    read when the current one is entered (emit_next_sparse_tile), so the address of the next
+    copy never waits on a global load."""
+    lst, count, block = sparse
+    _emit_sparse_range(s, BC, start, end, lst, count, block)
     s("entry = I(0)", "entry_next = I(0)", "if ntiles > 0:")
     with s.block():
-        s(f"entry = {entry_at('e')}")
-        stage_kv(f"U((entry // 2) * {block})", 0)
-        s(f"entry_next = {entry_at('e + 1')}")
+        s(f"entry = {_entry_at(lst, 'e')}")
+        stage_first(f"U((entry // 2) * {block})")
+        s(f"entry_next = {_entry_at(lst, 'e + 1')}")
+    return (f"(entry // 2) * {block} + sub * {BC}",
+            f"j0 + {BC} if sub + 1 < bm_reps else (entry_next // 2) * {block}")
+
+
+def emit_next_sparse_tile(s, sparse):
+    """Emit the step of emit_sparse_tiles' walk to the next listed tile."""
+    _emit_next_tile(s, _entry_at(sparse[0], "e + 1"))
+
+
+def _entry_at(lst, e):
+    return f"I({lst}[min({e}, e_hi - 1)])"
+
+
+def _emit_sparse_double_buffered_loop(s, stage_kv, BC, kv_words, sparse, start, end):
+    """The double-buffered loop over a block mask's listed tiles (emit_sparse_tiles), as
+    _emit_double_buffered_loop."""
+    tile, next_tile = emit_sparse_tiles(s, BC, start, end, sparse,
+                                        lambda row: stage_kv(row, 0))
     s("for it in range(ntiles):")
     with s.block():
-        s(f"j0 = (entry // 2) * {block} + sub * {BC}", "tile_full = entry % 2 == 1",
+        s(f"j0 = {tile}", "tile_full = entry % 2 == 1",
           f"buf = U(it % 2) * {U(kv_words)}")
         s("cuda.syncthreads()  # everyone is done reading the buffer refilled next")
         s("if it + 1 < ntiles:")
         with s.block():
-            s(f"next_row = j0 + {BC} if sub + 1 < bm_reps else (entry_next // 2) * {block}")
+            s(f"next_row = {next_tile}")
             s("if it % 2 == 0:")
             with s.block():
                 stage_kv("U(next_row)", 1)
@@ -177,7 +198,7 @@ def _emit_sparse_double_buffered_loop(s, stage_kv, BC, kv_words, lst, block):
         with s.block():
             s("cp_async_wait_0()")
         s("cuda.syncthreads()")
-        _emit_next_tile(s, entry_at("e + 1"))
+        emit_next_sparse_tile(s, sparse)
 
 
 def _emit_double_buffered_loop(s, stage_kv, BC, kv_words, first, first_key):

@@ -2,8 +2,10 @@
 bfloat16, head dims that are multiples of 8 up to 128 (zero-padded to 64 or 128), causal in
 both alignments, GQA, packed sequences in one launch (attention_varlen: VARLEN, as cuda.mma
 runs them), sliding windows (WINDOW: cuda.mma's row bounds; a warpgroup computes only the key
-tiles its rows' windows reach), score / mask modifications but a block mask (cuda.mma's
-composition, applied to each tile's S registers, on half-width key tiles: HALF_TILES). The
+tiles its rows' windows reach), block masks (cuda.mma's walk over each block row's listed
+blocks; "auto" leaves them to cuda.mma until they have run on a GPU), score / mask
+modifications (cuda.mma's composition, applied to each tile's S registers, on half-width key
+tiles: HALF_TILES). The
 kernel (forward.py) is generated as Python source per config from cuda.mma's pieces (row
 bounds, masking, modifications, online softmax, epilogue); the products and their descriptors
 are ptx_wgmma's. "auto" takes it for a 16-bit forward on compute capability 9.0 wherever it
@@ -13,7 +15,7 @@ The backward's key pass (backward.py, the operator in gradients.py) is FlashAtte
 backward loop on the same products, after cuda.mma's delta pass, with dQ added into a float32
 accumulator.
 
-Not yet here (explain says so, and cuda.mma runs them): block masks, modifications of packed
+Not yet here (explain says so, and cuda.mma runs them): modifications of packed
 sequences but a window, modifications in the backward, dropout, split-KV, KV caches,
 strided or misaligned rows, odd head dims, head dims past 128, a deterministic backward. wgmma
 exists on compute capability 9.0 only: not on 8.x, and not on 10.x / 12.x.
@@ -31,7 +33,8 @@ __all__ = ["NAME", "HEAD_DIMS", "WgmmaConfig", "config", "auto_passes", "run", "
 def config(problem, device):
     """The WgmmaConfig for ``problem`` on ``device`` (what the operator's declarations admit);
     raises Unsupported saying why not."""
-    from ..mma.config import check_packed, modifications, padded_dims, vector_ok
+    from ..mma.config import (check_block_tiles, check_packed, modifications, padded_dims,
+                              vector_ok)
     check_hopper(device, "cuda.mma")
     B, H, Nq, Nk, d, dv = problem.shape
     window = padded_dims(problem)[2]   # (and refuses query heads that do not divide)
@@ -51,6 +54,7 @@ def config(problem, device):
                               f"({problem.mods}): cuda.mma does")
     cfg = WgmmaConfig(D, DV, NWG, BC, "bf16" if problem.dtype_name == "bfloat16" else "f16",
                       VARLEN=packed, MODS=token, WINDOW=int(window))
+    check_block_tiles(problem, ((cfg.BR, cfg.BC, "forward"),), NAME)
     need = shared_bytes(cfg)
     if device.smem_per_block_optin is not None and need > device.smem_per_block_optin:
         raise Unsupported(f"{NAME}: needs {need} bytes of shared memory for d={d}, dv={dv}, more "
@@ -60,11 +64,15 @@ def config(problem, device):
 
 
 def auto_passes(problem, device):
-    """Why "auto" should take cuda.mma although this kernel runs the problem, or None: a call
-    whose query blocks do not fill the GPU (decoding, short queries) is left to cuda.mma, which
-    splits each block's keys over several blocks (split-KV) where this kernel would leave SMs
-    idle. The rule is not timed against this kernel at those shapes (bench/NOTES.md). Never for
-    packed sequences: cuda.mma does not split theirs."""
+    """Why "auto" should take cuda.mma although this kernel runs the problem, or None: a block
+    mask (this kernel's walk over the listed blocks is emulated and compiled, tests/test_wgmma.py,
+    but has not run on a GPU yet), or a call whose query blocks do not fill the GPU (decoding,
+    short queries), which cuda.mma splits over more blocks (split-KV) where this kernel would
+    leave SMs idle. The rule is not timed against this kernel at those shapes (bench/NOTES.md).
+    Never for packed sequences: cuda.mma does not split theirs."""
+    if getattr(getattr(problem, "mods", None), "block", None) is not None:
+        return ("a block mask on cuda.wgmma has not run on a GPU yet (emulated and compiled "
+                "only): algorithm='wgmma' runs it")
     if device.sm_count is None or getattr(problem, "num_splits", None) is not None or \
             getattr(problem, "varlen", None) is not None:
         return None

@@ -31,12 +31,12 @@ import numpy as np
 from ..mma.emit import (VARLEN_ARGUMENTS, U, Source, define, emit_prologue, emit_views_at_use,
                         head_view, row_value)
 from ..mma import mods
-from ..mma.forward import (ARGUMENTS, WINDOW_ARGUMENTS, _kv_head_device, emit_modified_scale,
-                           emit_tile_mods, kv_head, source_identity)
+from ..mma.forward import (ARGUMENTS, WINDOW_ARGUMENTS, _kv_head_device, emit_block_row,
+                           emit_modified_scale, emit_tile_mods, kv_head, source_identity)
 from ..mma.mask import emit_row_bounds, emit_score_mask, first_key, span_keys
 from ..mma.operands import _OperandKind, packed_a_step
 from ..mma.softmax import emit_accumulators, emit_epilogue, emit_online_update
-from ..mma.staging import emit_window_tiles
+from ..mma.staging import emit_next_sparse_tile, emit_sparse_tiles, emit_window_tiles
 from ..ptx_wgmma import descriptor_fields
 from .tiles import ATOM, SWIZZLE, WgmmaConfig, layout, region_bytes, register_cap
 
@@ -162,33 +162,47 @@ def _stage_tile(s, cfg, first, base):
     s("cp_async_commit()")
 
 
-def _emit_loop(s, cfg, L, products):
+def _emit_loop(s, cfg, L, products, sparse=None):
     """The tile loop (module docstring): one more iteration than tiles adds the last P V. With a
     window the block's tiles start at the one holding its first row's first key (t_first), and
-    a warpgroup computes the tiles between its first row's first key and its last row's end."""
+    a warpgroup computes the tiles between its first row's first key and its last row's end.
+    With a block mask (``sparse``: emit_block_row's) the loop walks the tiles of the blocks its
+    block row lists (cuda.mma's walk, staging.emit_sparse_tiles), tile_full marking a FULL
+    block's; the P V of a tile then finds its first key in j_prev."""
     def buffer(it):
         return f"(tiles + U(({it}) % 3) * {U(L.kv_bytes)})"
     BC = cfg.BC
-    if cfg.WINDOW:
-        tile = emit_window_tiles(s, BC, "block_first", "block_keys")
-        first, seen = "ntiles > 0", " and {} > wg_first_key"
+    seen = " and {} > wg_first_key" if cfg.WINDOW else ""
+    if sparse:
+        tile, next_tile = emit_sparse_tiles(
+            s, BC, "block_first" if cfg.WINDOW else None, "block_keys", sparse,
+            lambda row: _stage_tile(s, cfg, row, "tiles"))
+        prev, prev_end = "j_prev", f"j_prev + {BC}"
+        s("j_prev = I(0)")
     else:
-        first, tile, seen = "block_keys > 0", f"it * {BC}", ""
-    s(f"if {first}:")
-    with s.block():
-        _stage_tile(s, cfg, f"U(t_first * {BC})" if cfg.WINDOW else U(0), "tiles")
-    if not cfg.WINDOW:
-        s(f"ntiles = (block_keys + {BC - 1}) // {BC}")
+        if cfg.WINDOW:
+            tile = emit_window_tiles(s, BC, "block_first", "block_keys")
+            first, first_row = "ntiles > 0", f"U(t_first * {BC})"
+        else:
+            first, tile, first_row = "block_keys > 0", f"it * {BC}", U(0)
+        s(f"if {first}:")
+        with s.block():
+            _stage_tile(s, cfg, first_row, "tiles")
+        if not cfg.WINDOW:
+            s(f"ntiles = (block_keys + {BC - 1}) // {BC}")
+        next_tile, prev, prev_end = f"j0 + {BC}", f"j0 - {BC}", "j0"
     s("s_0_0 = ZERO", "alpha0 = ONE", "alpha1 = ONE")
     # P of the tile before the first: never read
     s(*(f"pa_{kk}_{r} = uint32(0)" for kk in range(products.PV_STEPS) for r in range(4)))
     s("for it in range(ntiles + 1):")
     with s.block():
-        s(f"j0 = {tile}",
-          "cuda.syncthreads()  # the buffer refilled next held tile it - 2: read by now")
+        s(f"j0 = {tile}")
+        if sparse:
+            s("tile_full = entry % 2 == 1")
+        s("cuda.syncthreads()  # the buffer refilled next held tile it - 2: read by now")
         s("if it + 1 < ntiles:")
         with s.block():
-            _stage_tile(s, cfg, f"U(j0 + {cfg.BC})", buffer("it + 1"))
+            _stage_tile(s, cfg, f"U({next_tile})", buffer("it + 1"))
             s("cp_async_wait_1()")
         s("else:")
         with s.block():
@@ -196,7 +210,7 @@ def _emit_loop(s, cfg, L, products):
         s("fence_proxy_async()", "cuda.syncthreads()")
         # warpgroup-uniform: this tile's S, the previous tile's P V
         s("has_s = it < ntiles and j0 < wg_keys" + seen.format(f"j0 + {BC}"),
-          f"has_pv = it > 0 and j0 - {BC} < wg_keys" + seen.format("j0"))
+          f"has_pv = it > 0 and {prev} < wg_keys" + seen.format(prev_end))
         products.descriptors(s, buffer("it"),
                              f"{buffer('it + 2')} + {U(region_bytes(cfg.BC, cfg.D))}")
         s("if has_s and has_pv:")
@@ -216,6 +230,9 @@ def _emit_loop(s, cfg, L, products):
         s("elif has_pv:")  # its last tile's P V
         with s.block():
             products.pv(s)
+        if sparse:
+            s("j_prev = j0")
+            emit_next_sparse_tile(s, sparse)
 
 
 def kernel_source(cfg):
@@ -257,7 +274,7 @@ def kernel_source(cfg):
             s(f"wg_first_key = {first_key('wg_first')}")
         s("cp_async_wait_0()", "fence_proxy_async()", "cuda.syncthreads()")
         emit_accumulators(s, NVN)
-        _emit_loop(s, cfg, L, products)
+        _emit_loop(s, cfg, L, products, emit_block_row(s, cfg.MODS, "div_u32"))
 
         def store(n, ra, rb, half):
             _OperandKind._store_pair(

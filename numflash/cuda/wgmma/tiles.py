@@ -112,6 +112,19 @@ HALF_TILES = {64: (2, 32), 128: (2, 64)}
 BLOCKS_PER_SM = {64: 2, 128: 1}
 
 
+def blocks_per_sm(cfg):
+    """Blocks an SM ``cfg``'s forward is sized for: BLOCKS_PER_SM, but one for a block mask with
+    other modifications at d64. Their walk (the list, its block and sub-tile counters, the next
+    entry) and the other modifications' arguments took 168 registers uncapped, and at the
+    128-register cap ptxas spilled 196 bytes (sm_90a, document block mask + ALiBi); a block mask
+    alone fits in 128."""
+    from ..mma import mods
+    D = max(cfg.D, cfg.DV)
+    if D == 64 and mods.sparse(cfg.MODS) and mods.composition(cfg.MODS).dense:
+        return 1
+    return BLOCKS_PER_SM[D]
+
+
 def register_cap(cfg):
     """The registers a thread of ``cfg``'s forward may use (ptxas's .maxnreg), or None: packed
     sequences (VARLEN) keep their counts and offsets in registers, 139 a thread at d64 where the
@@ -120,5 +133,5 @@ def register_cap(cfg):
     (tests/test_wgmma.py checks both). Modifications (MODS) and windows (WINDOW) are capped
     alike: their arguments, each score's indices and the window's row bounds live through the
     loop too (a window alone took 140 at d64)."""
-    cap = 65536 // (cfg.NT * BLOCKS_PER_SM[max(cfg.D, cfg.DV)])
+    cap = 65536 // (cfg.NT * blocks_per_sm(cfg))
     return cap if (cfg.VARLEN or cfg.MODS or cfg.WINDOW) and cap < 255 else None
