@@ -97,9 +97,8 @@ def tile_loop(s, stage_kv, BC, kv_words, VEC, KV_OFF, KW, window=False, start="b
             yield KV_OFF, KV_OFF + BC * KW, "buf + "
             return
         if sparse:
-            s(f"entry = I({sparse[0]}[e])",
-              f"j0 = (entry // 2) * {sparse[2]} + sub * {BC}",
-              "tile_full = entry % 2 == 1")
+            s(f"entry = I({sparse[0]}[e])")
+            emit_sparse_tile(s, BC, sparse)
             _emit_next_tile(s)
         else:
             s(f"j0 = {first}")
@@ -150,7 +149,7 @@ def emit_sparse_tiles(s, BC, start, end, sparse, stage_first):
     """Emit the walk over a block mask's listed tiles (``sparse``, as tile_loop takes it) whose
     blocks reach past row ``start`` (None: 0) and begin before row ``end``: the range, its
     tile count ntiles, and the first tile put in flight by ``stage_first(row source)``. Returns
-    the sources of the current tile's first row (j0) and of the next tile's; the walk keeps the
+    the source of the next tile's first row (after emit_sparse_tile's j0); the walk keeps the
     block (e) and sub-tile (sub) counters, and the entry of the block after the current one is
     read when the current one is entered (emit_next_sparse_tile), so the address of the next
     copy never waits on a global load."""
@@ -161,8 +160,13 @@ def emit_sparse_tiles(s, BC, start, end, sparse, stage_first):
         s(f"entry = {_entry_at(lst, 'e')}")
         stage_first(f"U((entry // 2) * {block})")
         s(f"entry_next = {_entry_at(lst, 'e + 1')}")
-    return (f"(entry // 2) * {block} + sub * {BC}",
-            f"j0 + {BC} if sub + 1 < bm_reps else (entry_next // 2) * {block}")
+    return f"j0 + {BC} if sub + 1 < bm_reps else (entry_next // 2) * {block}"
+
+
+def emit_sparse_tile(s, BC, sparse):
+    """Emit the current listed tile's first row j0 and tile_full (whether it lies in a FULL
+    block) from its block's entry (block index * 2 + 1 if FULL)."""
+    s(f"j0 = (entry // 2) * {sparse[2]} + sub * {BC}", "tile_full = entry % 2 == 1")
 
 
 def emit_next_sparse_tile(s, sparse):
@@ -177,12 +181,11 @@ def _entry_at(lst, e):
 def _emit_sparse_double_buffered_loop(s, stage_kv, BC, kv_words, sparse, start, end):
     """The double-buffered loop over a block mask's listed tiles (emit_sparse_tiles), as
     _emit_double_buffered_loop."""
-    tile, next_tile = emit_sparse_tiles(s, BC, start, end, sparse,
-                                        lambda row: stage_kv(row, 0))
+    next_tile = emit_sparse_tiles(s, BC, start, end, sparse, lambda row: stage_kv(row, 0))
     s("for it in range(ntiles):")
     with s.block():
-        s(f"j0 = {tile}", "tile_full = entry % 2 == 1",
-          f"buf = U(it % 2) * {U(kv_words)}")
+        emit_sparse_tile(s, BC, sparse)
+        s(f"buf = U(it % 2) * {U(kv_words)}")
         s("cuda.syncthreads()  # everyone is done reading the buffer refilled next")
         s("if it + 1 < ntiles:")
         with s.block():

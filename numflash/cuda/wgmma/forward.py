@@ -36,7 +36,8 @@ from ..mma.forward import (ARGUMENTS, WINDOW_ARGUMENTS, _kv_head_device, emit_bl
 from ..mma.mask import emit_row_bounds, emit_score_mask, first_key, span_keys
 from ..mma.operands import _OperandKind, packed_a_step
 from ..mma.softmax import emit_accumulators, emit_epilogue, emit_online_update
-from ..mma.staging import emit_next_sparse_tile, emit_sparse_tiles, emit_window_tiles
+from ..mma.staging import (emit_next_sparse_tile, emit_sparse_tile, emit_sparse_tiles,
+                           emit_window_tiles)
 from ..ptx_wgmma import descriptor_fields
 from .tiles import ATOM, SWIZZLE, WgmmaConfig, layout, region_bytes, register_cap
 
@@ -174,7 +175,7 @@ def _emit_loop(s, cfg, L, products, sparse=None):
     BC = cfg.BC
     seen = " and {} > wg_first_key" if cfg.WINDOW else ""
     if sparse:
-        tile, next_tile = emit_sparse_tiles(
+        next_tile = emit_sparse_tiles(
             s, BC, "block_first" if cfg.WINDOW else None, "block_keys", sparse,
             lambda row: _stage_tile(s, cfg, row, "tiles"))
         prev, prev_end = "j_prev", f"j_prev + {BC}"
@@ -196,9 +197,10 @@ def _emit_loop(s, cfg, L, products, sparse=None):
     s(*(f"pa_{kk}_{r} = uint32(0)" for kk in range(products.PV_STEPS) for r in range(4)))
     s("for it in range(ntiles + 1):")
     with s.block():
-        s(f"j0 = {tile}")
         if sparse:
-            s("tile_full = entry % 2 == 1")
+            emit_sparse_tile(s, BC, sparse)
+        else:
+            s(f"j0 = {tile}")
         s("cuda.syncthreads()  # the buffer refilled next held tile it - 2: read by now")
         s("if it + 1 < ntiles:")
         with s.block():
