@@ -851,11 +851,12 @@ def run_wgmma_forward(q, k, v, causal=False, causal_offset=0, scale=None, tile=(
 
 
 def run_wgmma_backward(do, q, k, v, o, lse, causal=False, causal_offset=0, scale=None, NWG=2,
-                       DQ=None, varlen=None):
+                       DQ=None, varlen=None, mods=None):
     """Run cuda.wgmma's generated key pass (dQ by adds) under the emulator: delta = rowsum(dO O)
     in float32 (the delta pass's), a zeroed float32 dQ accumulator, then dQ rounded to the
     inputs' dtype as the operator's copy rounds it. ``varlen``: (cu_q, cu_k, bottom_right) for
-    the VARLEN variant (the arrays hold the packed rows, batch 1). Returns (dq, dk, dv)."""
+    the VARLEN variant (the arrays hold the packed rows, batch 1); ``mods``: a numflash.mods.Mods
+    (the MODS variant; no window). Returns (dq, dk, dv)."""
     from numflash.cuda.wgmma.backward import WgmmaBackwardConfig, kernel_source, shared_bytes
     from numflash.cuda.wgmma.tiles import head_dim_pad
     B, H, Nq, d = q.shape
@@ -863,14 +864,17 @@ def run_wgmma_backward(do, q, k, v, o, lse, causal=False, causal_offset=0, scale
     DT = "f16" if q.dtype == np.float16 else "bf16"
     D, DV = head_dim_pad(d), head_dim_pad(dv)
     DQ = DQ or ("split" if D == 128 else "alternate")
-    cfg = WgmmaBackwardConfig(D, DV, NWG, 64, DT, DQ, VARLEN=int(varlen is not None))
+    token, window, mod_args = _mods_setup(mods, None)
+    assert not window
+    cfg = WgmmaBackwardConfig(D, DV, NWG, 64, DT, DQ, VARLEN=int(varlen is not None),
+                              MODS=token)
     scale = 1 / math.sqrt(d) if scale is None else scale
     grid, packing = (-(-Nk // cfg.BR), B * Hkv), ()
     if varlen is not None:   # grid y: each sequence's K/V heads, x: the longest's key blocks
         cu_q, cu_k, causal_offset, _, max_k = _packed_setup(varlen)
         grid, packing = (-(-max_k // cfg.BR), (len(cu_q) - 1) * Hkv), (cu_q, cu_k)
     emu = Emu(cfg.NT, grid, shared_bytes(cfg))
-    ns = emulator_namespace(emu, DT)
+    ns = with_mods(emulator_namespace(emu, DT), token, DT)
     halves = f16_values if DT == "f16" else bf16_values
     ns.update(wgmma_s=emu.wgmma_ss(cfg.BC, halves), wgmma_dp=emu.wgmma_ss(cfg.BC, halves),
               wgmma_dv=emu.wgmma_rs(cfg.DV, halves, True),
@@ -878,8 +882,8 @@ def run_wgmma_backward(do, q, k, v, o, lse, causal=False, causal_offset=0, scale
               wgmma_dq=emu.wgmma_ss(cfg.dq_columns, halves, True, True),
               fence_proxy_async=lambda: None, global_addr2=emu.global_ptr,
               div_u32=lambda a, b: np.uint32(int(a) // int(b)),
-              **{name: tuple for name in ("wait_s", "wait_dp", "wait_dv_2", "wait_dv_1",
-                                          "wait_dk_1", "wait_dk_0", "wait_dq")})
+              **{name: tuple for name in ("wait_s", "wait_dp", "wait_dp_0", "wait_dv_2",
+                                          "wait_dv_1", "wait_dk_1", "wait_dk_0", "wait_dq")})
     exec(compile(kernel_source(cfg), f"<wgmma backward {DT} emu>", "exec"), ns)
     delta = (do.astype(np.float32) * o.astype(np.float32)).sum(-1, dtype=np.float32)
     dq_acc = np.zeros((B, H, Nq, D), np.float32)
@@ -889,5 +893,5 @@ def run_wgmma_backward(do, q, k, v, o, lse, causal=False, causal_offset=0, scale
         emu.run(ns["wgmma_backward_keys"], tuple(as_kernel_array(a, DT) for a in (q, k, v, do)) + (
             lse.astype(np.float32), delta, as_kernel_array(dk, DT), as_kernel_array(dvv, DT),
             scale * math.log2(math.e), scale, int(causal), int(causal_offset)) + packing +
-            (dq_acc,))
+            tuple(mod_args) + (dq_acc,))
     return dq_acc[..., :d].astype(q.dtype), dk, dvv

@@ -320,22 +320,25 @@ def test_gpu_block_mask_equals_its_mask_mod_at_real_sizes(rng, dtype):
     q, k, v, do = (rng.standard_normal(s).astype(kind) for s in
                    ((B, H, N, d), (B, Hkv, N, d), (B, Hkv, N, d), (B, H, N, d)))
     qg, kg, vg, dog = (cupy.asarray(a) for a in (q, k, v, do))
+    rows = np.linspace(0, N - 1, 64).astype(int)
     for causal in (False, True):
-        plan = numflash.explain(qg, kg, vg, causal=causal, block_mask=bm)
-        assert plan.kernel == "cuda.mma", str(plan)
-        # num_splits=1: one share of the keys each, so the same sums in the same order (the
-        # planner splits the mask_mod call's keys and not the block mask's: seen on the H100,
-        # session 22, where their outputs then differed in the last bits)
+        # cuda.mma named: "auto" may take cuda.wgmma for the block mask and cuda.mma for the
+        # mask_mod, whose tiles differ. num_splits=1: one share of the keys each, so the same
+        # sums in the same order (the planner splits the mask_mod call's keys and not the block
+        # mask's: seen on the H100, session 22, where their outputs then differed in the last
+        # bits)
         o1, l1 = numflash.attention(qg, kg, vg, causal=causal, block_mask=bm, return_lse=True,
-                                    num_splits=1)
+                                    num_splits=1, algorithm="mma")
         o2, l2 = numflash.attention(qg, kg, vg, causal=causal, mask_mod=m, num_splits=1,
-                                    mod_args=(dev_ids, dev_ids), return_lse=True)
+                                    mod_args=(dev_ids, dev_ids), return_lse=True,
+                                    algorithm="mma")
         assert bool((o1 == o2).all()) and bool((l1 == l2).all())
-        rows = np.linspace(0, N - 1, 64).astype(int)
-        # the reference takes the GPU block mask itself (BlockMask.to_host)
-        rep = testing.check(o1.get(), q, k, v, lse=l1.get(), causal=causal, block_mask=bm,
-                            rows=rows)
-        assert rep.ok, rep
+        # the reference takes the GPU block mask itself (BlockMask.to_host); "auto"'s kernel too
+        auto, l3 = numflash.attention(qg, kg, vg, causal=causal, block_mask=bm, return_lse=True)
+        for o, lse in ((o1, l1), (auto, l3)):
+            rep = testing.check(o.get(), q, k, v, lse=lse.get(), causal=causal, block_mask=bm,
+                                rows=rows)
+            assert rep.ok, rep
         if dtype == "float32":
             continue   # cuda.mma's backward takes 16-bit inputs
         # deterministic=True: the default adds dQ atomically, in an order that varies

@@ -62,6 +62,46 @@ def test_split_source_emulated_on_cpu(rng, DT, B, H, Hk, Nq, Nk, d, causal, wind
     np.testing.assert_allclose(out.astype(np.float64), whole.astype(np.float64), atol=tol)
 
 
+@pytest.mark.parametrize("causal, window, VEC, block, tile, splits", [
+    pytest.param("bottom_right", None, 1, 32, (2, 16, 0), 3,
+                 id="double-buffered-two-tiles-a-block"),
+    pytest.param(False, (40, 10), 0, 16, (1, 16, 0), 9,
+                 id="staged-window-more-shares-than-blocks"),
+])
+def test_split_source_deals_out_a_block_masks_listed_blocks(rng, causal, window, VEC, block,
+                                                            tile, splits):
+    """With a block mask each share walks a run of the listed blocks, whole (a block is never
+    cut between shares): EMPTY blocks unvisited, FULL ones unmasked, PARTIAL ones through the
+    mask_mod; a window clips the list; merged, the shares give the unsplit kernel's result
+    (float64: to 1e-12) and the attention with the mask the state describes (a row seeing
+    nothing: zeros, lse -inf)."""
+    from mma_tools import run_forward_kernel
+    from numflash import mods
+    from numflash.block_mask import EMPTY, FULL
+    from test_block_mask import _doctored, _stripes
+    B, H, Nq, Nk, d = 2, 2, 70, 100, 16
+    q, k, v = _inputs(rng, "f64", B, H, H, Nq, Nk, d)
+    changes = {(0, 1): EMPTY, (1, 2): FULL, (2, 0): EMPTY, (1, 0): EMPTY}
+    bm, dense = _doctored(_stripes, (5, 3), B, H, Nq, Nk, block, changes)
+    is_causal, off = parse_causal(causal, Nq, Nk)
+    opts = {} if window is None else {"window_size": window}
+    built = mods.build((B, H, Nq, Nk, d, d), "numpy", off, block_mask=bm, **opts)
+    part, part_lse = run_forward_kernel(q, k, v, "f64", is_causal, off, VEC=VEC, tile=tile,
+                                        mods=built, splits=splits)
+    assert not np.isnan(part).any() and not np.isnan(part_lse).any()   # every share wrote
+    if splits > -(-Nk // block):   # shares past the listed blocks: empty for every row
+        assert np.isneginf(part_lse[-1]).all()
+    out, lse = numflash.merge_partials(list(part), list(part_lse))
+    whole, whole_lse = run_forward_kernel(q, k, v, "f64", is_causal, off, VEC=VEC, tile=tile,
+                                          mods=built)
+    assert np.abs(out - whole).max() < 1e-12
+    assert np.array_equal(np.isneginf(lse), np.isneginf(whole_lse))
+    finite = np.isfinite(whole_lse)
+    assert np.abs(lse[finite] - whole_lse[finite]).max() < 1e-12
+    rep = check(out, q, k, v, lse=lse, causal=causal, attn_mask=dense, **opts)
+    assert rep.ok, str(rep)
+
+
 def test_split_source_is_a_separate_variant():
     """SPLIT=0 is left out of the config's mapping (the plain kernel's cache keys and shipped
     PTX stay); SPLIT=1 writes partials indexed by blockIdx.z over a run of the key tiles."""
@@ -192,11 +232,10 @@ def test_a_kv_cache_plans_its_split_from_the_capacity():
 
 def test_forced_and_refused_splits():
     """num_splits forces the count (1: never; at most a share per key tile); a GPU of unknown
-    size never splits on its own;
-    a block mask is refused with a reason when splits are forced and left whole otherwise."""
+    size never splits on its own; a block mask splits like the rest."""
     from numflash.cuda.mma import config
     from numflash.cuda.mma.config import split_count
-    from numflash.device import Device, Unsupported
+    from numflash.device import Device
     dev = _h100()
     for forced in (1, 5, 300):   # 4096 keys: 64 tiles, a share per tile at most
         p = _problem(1, 2, 1, 4096, num_splits=forced)
@@ -205,11 +244,11 @@ def test_forced_and_refused_splits():
     unknown = Device(name="sm_90", cc=(9, 0), smem_per_block_optin=227 * 1024)
     p = _problem(1, 2, 1, 131072)
     assert split_count(p, config(p, unknown), unknown) == 1
-    bm = numflash.create_block_mask(lambda b, h, i, j: j <= i + 200, None, None, 1, 256)
-    p = _problem(1, 2, 1, 256, block_mask=bm)
-    assert not config(p, dev).SPLIT
-    with pytest.raises(Unsupported, match="block mask"):
-        config(_problem(1, 2, 1, 256, num_splits=2, block_mask=bm), dev)
+    # a block mask splits as the others do (its shares deal out the listed blocks)
+    bm = numflash.create_block_mask(lambda b, h, i, j: j <= i + 200, None, None, 1, 4096)
+    p = _problem(1, 2, 1, 4096, block_mask=bm)
+    assert config(p, dev).SPLIT and split_count(p, config(p, dev), dev) > 1
+    assert config(_problem(1, 2, 1, 4096, num_splits=2, block_mask=bm), dev).SPLIT
 
 
 def test_explain_says_the_split():
@@ -265,6 +304,37 @@ def test_gpu_split_kv_at_decode_sizes(rng, dtype):
     out = numflash.attention(q, k, v, num_splits=8).get().astype(np.float64)
     assert np.isnan(out[0, :2]).all() and not np.isnan(out[0, 2:]).any()
     assert not np.isnan(out[1]).any()
+
+
+def _key_padding(b, h, i, j, lengths):
+    return j < lengths[b]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "float64"])
+def test_gpu_split_kv_with_a_block_mask_at_decode_sizes(rng, dtype):
+    """Decode with a key-padding block mask (each batch entry's own length, blocks of 128 and
+    256): split automatically and forced, against the float64 reference with the same mask and
+    the unsplit call (to rounding)."""
+    cupy = pytest.importorskip("cupy")
+    B, H, Hk, Nk, d = 3, 8, 2, 20000, 64
+    lengths = np.array([20000, 12345, 300])
+    for Nq, causal, block in ((1, False, 128), (16, "bottom_right", 256)):
+        q = cupy.asarray(rng.standard_normal((B, H, Nq, d)).astype(dtype))
+        k, v = (cupy.asarray(rng.standard_normal((B, Hk, Nk, d)).astype(dtype))
+                for _ in range(2))
+        bm = numflash.create_block_mask(_key_padding, B, None, Nq, Nk,
+                                        (cupy.asarray(lengths),), block_size=block)
+        whole = numflash.attention(q, k, v, causal=causal, block_mask=bm, num_splits=1)
+        for splits in (None, 5, 4096):
+            plan = numflash.explain(q, k, v, causal=causal, block_mask=bm, num_splits=splits)
+            assert plan.kernel == "cuda.mma" and plan.config.SPLIT, str(plan)
+            out, lse = numflash.attention(q, k, v, causal=causal, block_mask=bm,
+                                          num_splits=splits, return_lse=True)
+            rep = check(out, q, k, v, lse=lse, causal=causal, block_mask=bm)
+            assert rep.ok, f"{(Nq, causal, block, splits)}: {rep}"
+            tol = 1e-12 if dtype == "float64" else 8e-3   # float16: two ulps below 8
+            assert float(abs(out.astype(np.float64) - whole.astype(np.float64)).max()) < tol
 
 
 @pytest.mark.gpu

@@ -387,7 +387,7 @@ def test_auto_takes_wgmma_with_modifications_but_not_on_packed_sequences(rng):
 
 
 @pytest.mark.parametrize("d", [64, 128])
-def test_wgmma_runs_a_block_mask_on_half_width_tiles_when_asked_and_auto_says_why_not(rng, d):
+def test_wgmma_runs_a_block_mask_on_half_width_tiles_and_auto_takes_it_from_d128(rng, d):
     from numflash.cuda.wgmma.tiles import HALF_TILES
     plan = _plan(rng, d=d, block_mask=128, algorithm="wgmma")
     assert plan.kernel == "cuda.wgmma" and plan.config.MODS, str(plan)
@@ -395,8 +395,11 @@ def test_wgmma_runs_a_block_mask_on_half_width_tiles_when_asked_and_auto_says_wh
     windowed = _plan(rng, d=d, block_mask=256, window_size=(300, 0), algorithm="wgmma")
     assert windowed.kernel == "cuda.wgmma" and windowed.config.WINDOW, str(windowed)
     auto = _plan(rng, d=d, block_mask=128)
-    assert auto.kernel == "cuda.mma", str(auto)
-    assert "a block mask on cuda.wgmma has not run on a GPU yet" in auto.rejected["cuda.wgmma"]
+    if d == 128:
+        assert auto.kernel == "cuda.wgmma" and auto.config == plan.config, str(auto)
+    else:
+        assert auto.kernel == "cuda.mma", str(auto)
+        assert "a block mask at d64 runs on 32-key tiles" in auto.rejected["cuda.wgmma"]
 
 
 @pytest.mark.parametrize("d", [64, 128])
@@ -528,6 +531,36 @@ def test_emulated_wgmma_backward_of_packed_sequences(rng, d, causal):
         assert rep.ok, str(rep)
 
 
+@pytest.mark.parametrize("name, dtype, d, causal, Hkv", [
+    ("all-but-window", "float16", 64, "bottom_right", 1),
+    pytest.param("user-document-and-relative-bias", "float16", 128, True, 2,
+                 marks=pytest.mark.extended),
+    pytest.param("mask-softcap", "bfloat16", 64, False, 1, marks=pytest.mark.extended),
+])
+def test_emulated_wgmma_backward_with_modifications(rng, name, dtype, d, causal, Hkv):
+    """cuda.mma's modifications and their derivatives in the wgmma key pass (dP^T waited for
+    before the scores are modified, dS^T = P^T (dP^T - delta) times each score's derivative):
+    dQ, dK and dV meet the accuracy rule against the reference with the same modifications,
+    GQA and rows without keys included."""
+    from mma_tools import run_wgmma_backward
+    from test_mma_mods import _options
+    from numflash import mods
+    from numflash.inputs import parse_causal
+    from numflash.testing import check_backward
+    if dtype == "bfloat16":
+        dtype = pytest.importorskip("ml_dtypes").bfloat16
+    B, H, Nq, Nk = 2, 2, 150, 100
+    q, k, v = _inputs(rng, B, H, Hkv, Nq, Nk, d, d, dtype)
+    do = rng.standard_normal((B, H, Nq, d)).astype(dtype)
+    opts = _options(name, B, H, Nq, Nk, rng)
+    o, lse = numflash.reference.attention(q, k, v, causal=causal, return_lse=True, **opts)
+    is_causal, off = parse_causal(causal, Nq, Nk)
+    built = mods.build((B, H, Nq, Nk, d, d), "numpy", off, **opts)
+    grads = run_wgmma_backward(do, q, k, v, o.astype(dtype), lse, is_causal, off, mods=built)
+    rep = check_backward(grads, do, q, k, v, causal=causal, **opts)
+    assert rep.ok, str(rep)
+
+
 def test_emulated_wgmma_backward_in_bfloat16(rng):
     """bfloat16 shares the source but for the packing of P^T and dS^T: one causal GQA case."""
     from mma_tools import run_wgmma_backward
@@ -544,7 +577,8 @@ def test_emulated_wgmma_backward_in_bfloat16(rng):
 def _product_order(src):
     """[(kind, name)] of the wgmma issues ("issue", group) and waits ("wait", group, pending)
     in a generated kernel's source, in order (straight-line source: no branch around them)."""
-    waits = {"wait_s": ("s", 1), "wait_dp": ("dp", 1), "wait_dv_2": ("dv", 2),
+    waits = {"wait_s": ("s", 1), "wait_dp": ("dp", 1), "wait_dp_0": ("dp", 0),
+             "wait_dv_2": ("dv", 2),
              "wait_dv_1": ("dv", 1), "wait_dk_1": ("dk", 1), "wait_dk_0": ("dk", 0),
              "wait_dq": ("dq", 0)}
     out = []
@@ -559,13 +593,20 @@ def _product_order(src):
     return out
 
 
-def test_the_key_pass_waits_for_each_product_before_reading_it_and_before_the_barrier():
+@pytest.mark.parametrize("modified", [False, True])
+def test_the_key_pass_waits_for_each_product_before_reading_it_and_before_the_barrier(
+        rng, modified):
     """The emulator computes every wgmma at issue, so it cannot see a wait in the wrong place:
     this reads the generated order instead. Each wait_group N must leave the product it passes
     through complete (at most N groups committed after it), and none may be in flight at the
-    tile loop's first barrier (the next tile's copies then overwrite the buffers they read)."""
+    tile loop's first barrier (the next tile's copies then overwrite the buffers they read).
+    With modifications (a softcap) dP^T is waited for before the scores are modified."""
     from numflash.cuda.wgmma.backward import WgmmaBackwardConfig, kernel_source
-    order = _product_order(kernel_source(WgmmaBackwardConfig(128, 128, 2, 64, "f16", "split")))
+    cfg = WgmmaBackwardConfig(128, 128, 2, 64, "f16", "split")
+    if modified:
+        cfg = _backward_plan(rng, d=128, softcap=30.0, algorithm="wgmma").config["keys"]
+        assert cfg.MODS and (cfg.D, cfg.DQ) == (128, "split")
+    order = _product_order(kernel_source(cfg))
     issued, done = [], set()
     for step in order:
         if step[0] == "issue":
@@ -584,14 +625,23 @@ def test_the_key_pass_waits_for_each_product_before_reading_it_and_before_the_ba
 
 _COMPILE_BACKWARD = """
 import json, re, sys
+import numpy as np
 from numflash.cuda import launch
 from numflash.cuda.mma.gradients import signature
 from numflash.cuda.wgmma.backward import make_kernel
-cfg = json.loads(sys.argv[1])
+cfg, mods_name = json.loads(sys.argv[1]), sys.argv[2]
+if mods_name:   # test_mma_mods' named modifications, as the token of a 2 x 4 x 128 call
+    sys.path.insert(0, sys.argv[3])
+    from test_mma_mods import _options
+    from numflash import mods
+    from numflash.cuda.mma import mods as kernel_mods
+    opts = _options(mods_name, 2, 4, 128, 128, np.random.default_rng(0))
+    cfg["MODS"] = kernel_mods.token_for(mods.build((2, 4, 128, 128, cfg["D"], cfg["DV"]),
+                                                   "numpy", 0, **opts))
 dtype = "float16" if cfg["DT"] == "f16" else "bfloat16"
 cubin, entry, ptx, res = launch.compile_to_cubin(
-    make_kernel(**cfg), signature(dtype, "keys", varlen=bool(cfg.get("VARLEN")), dq_adds=True),
-    (9, 0))
+    make_kernel(**cfg), signature(dtype, "keys", token=cfg.get("MODS", ""),
+                                  varlen=bool(cfg.get("VARLEN")), dq_adds=True), (9, 0))
 ops = {m: ptx.count(m) for m in set(re.findall(r"wgmma\\.mma_async[\\w.]+", ptx))}
 ops.update({op: ptx.count(op) for op in ("ld.local", "st.local", "red.global.add.v4.f32")})
 print(json.dumps({"resources": res, "ops": ops,
@@ -605,24 +655,37 @@ print(json.dumps({"resources": res, "ops": ops,
 #: kernel parameters give the unpacked pass for free) push it over, as they push cuda.mma's
 #: packed d128 key pass (test_mma_backward.PACKED_SPILLS); d64 packed: 249 registers, no spill
 VARLEN_SPILLS = 68
+#: and of the d128 key pass with all the built-in modifications wgmma takes (session 38: 255
+#: registers, 12 bytes stored, 20 loaded); a user's document mask and bias table fit in 254,
+#: and at d64 all the built-ins in 252 (the plain d64 pass: 203, one block an SM either way)
+MODS_SPILLS = 12
 
 
-@pytest.mark.parametrize("cfg", [
-    pytest.param(dict(D=128, DV=128, NWG=2, BC=64, DT="f16", DQ="split"), id="f16-d128-split"),
-    pytest.param(dict(D=64, DV=64, NWG=2, BC=64, DT="bf16", DQ="alternate"),
+@pytest.mark.parametrize("cfg, mods_name", [
+    pytest.param(dict(D=128, DV=128, NWG=2, BC=64, DT="f16", DQ="split"), "",
+                 id="f16-d128-split"),
+    pytest.param(dict(D=64, DV=64, NWG=2, BC=64, DT="bf16", DQ="alternate"), "",
                  id="bf16-d64-alternate", marks=pytest.mark.extended),
-    pytest.param(dict(D=64, DV=128, NWG=2, BC=64, DT="f16", DQ="split"), id="f16-d64-dv128",
+    pytest.param(dict(D=64, DV=128, NWG=2, BC=64, DT="f16", DQ="split"), "", id="f16-d64-dv128",
                  marks=pytest.mark.extended),
     # packed sequences (VARLEN; d128: VARLEN_SPILLS): the sequence's offsets, counts and views
-    pytest.param(dict(D=128, DV=128, NWG=2, BC=64, DT="f16", DQ="split", VARLEN=1),
+    pytest.param(dict(D=128, DV=128, NWG=2, BC=64, DT="f16", DQ="split", VARLEN=1), "",
                  id="varlen-f16-d128-split", marks=pytest.mark.extended),
-    pytest.param(dict(D=64, DV=64, NWG=2, BC=64, DT="f16", DQ="alternate", VARLEN=1),
+    pytest.param(dict(D=64, DV=64, NWG=2, BC=64, DT="f16", DQ="alternate", VARLEN=1), "",
                  id="varlen-f16-d64-alternate", marks=pytest.mark.extended),
+    # modifications (test_mma_mods.MODS; d128 with the built-ins: MODS_SPILLS)
+    pytest.param(dict(D=64, DV=64, NWG=2, BC=64, DT="f16", DQ="alternate"), "all-but-window",
+                 id="mods-f16-d64-alternate"),
+    pytest.param(dict(D=128, DV=128, NWG=2, BC=64, DT="f16", DQ="split"), "all-but-window",
+                 id="mods-f16-d128-split", marks=pytest.mark.extended),
+    pytest.param(dict(D=128, DV=128, NWG=2, BC=64, DT="bf16", DQ="split"),
+                 "user-document-and-relative-bias", id="user-mods-bf16-d128-split",
+                 marks=pytest.mark.extended),
 ])
-def test_wgmma_backward_compiles_for_sm90a_without_spills_or_serialization(cfg):
+def test_wgmma_backward_compiles_for_sm90a_without_spills_or_serialization(cfg, mods_name):
     """ptxas fits the key pass in 255 registers a thread with nothing in local memory (but the
-    spills VARLEN_SPILLS measured), and serializes none of its wgmma: each product appears
-    once, at its k-steps' count."""
+    spills VARLEN_SPILLS and MODS_SPILLS measured), and serializes none of its wgmma: each
+    product appears once, at its k-steps' count."""
     import json
     import os
     import subprocess
@@ -630,8 +693,9 @@ def test_wgmma_backward_compiles_for_sm90a_without_spills_or_serialization(cfg):
     from mma_tools import ROOT
     env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0")
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    run = subprocess.run([sys.executable, "-c", _COMPILE_BACKWARD, json.dumps(cfg)], env=env,
-                         capture_output=True, text=True, timeout=900)
+    run = subprocess.run([sys.executable, "-c", _COMPILE_BACKWARD, json.dumps(cfg), mods_name,
+                          str(ROOT / "tests")], env=env, capture_output=True, text=True,
+                         timeout=900)
     assert run.returncode == 0, run.stderr[-3000:]
     got = json.loads(run.stdout.strip().splitlines()[-1])
     assert got["target"] == ".target sm_90a"
@@ -647,8 +711,9 @@ def test_wgmma_backward_compiles_for_sm90a_without_spills_or_serialization(cfg):
     assert got["ops"]["red.global.add.v4.f32"] > 0
     assert not got["serialized"], "ptxas serializes the wgmma (C7509): " + got["serialized"]
     res = got["resources"]
-    if cfg.get("VARLEN") and cfg["D"] == 128:
-        assert res.get("spill_store_bytes", 0) <= VARLEN_SPILLS, res
+    if cfg["D"] == 128 and (cfg.get("VARLEN") or mods_name == "all-but-window"):
+        assert res.get("spill_store_bytes", 0) <= (
+            VARLEN_SPILLS if cfg.get("VARLEN") else MODS_SPILLS), res
         return
     assert got["ops"]["ld.local"] == 0 and got["ops"]["st.local"] == 0
     assert res.get("spill_store_bytes", 0) == 0 and res.get("stack_bytes", 0) == 0, res
@@ -717,18 +782,34 @@ def test_auto_takes_wgmma_for_packed_sequences(rng):
         planner._choose(p, "cuda", "wgmma", HOPPER)
 
 
+def test_the_wgmma_backward_takes_modifications_when_asked_and_auto_says_why_not(rng):
+    from numflash import plan as planner
+    from numflash.varlen import Packed
+    plan = _backward_plan(rng, causal=True, softcap=30.0, algorithm="wgmma")
+    assert plan.kernel == "cuda.wgmma", str(plan)
+    token = "score:softcap_score/softcap_grad[f,f]"
+    assert plan.config["keys"].MODS == plan.config["queries"].MODS == token
+    auto = _backward_plan(rng, causal=True, softcap=30.0)
+    assert auto.kernel == "cuda.mma", str(auto)
+    assert "modifications on cuda.wgmma's backward have not run on a GPU yet" in \
+        auto.rejected["cuda.wgmma"]
+    p = _backward_problem(rng, B=1, H=4, Nq=45, Nk=10, causal="bottom_right", softcap=30.0)
+    p.varlen = Packed(np.array([0, 5, 45]), np.array([0, 7, 10]), 40, 7, True)
+    with pytest.raises(ValueError, match="no score or mask modifications on packed sequences"):
+        planner._choose(p, "cuda", "wgmma", HOPPER)
+
+
 @pytest.mark.parametrize("device, opts, match", [
     (Device("a100", cc=(8, 0), smem_per_block_optin=163 * 1024), {},
      "needs compute capability >= 9.0 .Hopper's wgmma, sm_90a."),
     (Device("b200", cc=(10, 0), smem_per_block_optin=227 * 1024), {},
      "wgmma runs on compute capability 9.0 only"),
     (HOPPER, {"strided": True}, "16-byte cp.async, and q's last axis is strided"),
-    (HOPPER, {"window_size": (64, 0)}, "cuda.wgmma does not take score/mask modifications"),
+    (HOPPER, {"window_size": (64, 0)}, "cuda.wgmma takes attn_mask, .* not window_size"),
     (HOPPER, {"deterministic": True}, "deterministic=True takes cuda.mma's two passes"),
     (HOPPER, {"grad_dtype": "float32"}, "grad_dtype float32 takes cuda.mma's backward"),
     (HOPPER, {"d": 256}, "cuda.wgmma takes head dims up to 128"),
     (HOPPER, {"dtype": np.float32}, "cuda.wgmma takes float16, bfloat16, not float32"),
-    (HOPPER, {"softcap": 30.0}, "cuda.wgmma does not take score/mask modifications"),
 ])
 def test_the_wgmma_backward_refuses_with_the_reason_and_auto_takes_another(rng, device, opts,
                                                                          match):

@@ -606,28 +606,33 @@ def _key_pass_elementwise(s, ops, cfg, NN, kb, lse_off, delta_off, do_off, OW, V
     SUB = NN * 8
     _dot_products(s, ops, NN, "dp", "v", VW, "do", do_off, OW, kb, cfg.DV // ops.k_step)
     s("qcol = js + I(t) * 2")
-
-    def modified(n, r, c):
-        name = f"s_{n}_{r}"
-        query, key = f"qcol + {8 * n + c}", "kr0" if r < 2 else "kr1"
-        if cfg.MODS:
-            mods.emit_apply_grad(s, cfg.MODS, name, "gm", query, key,
-                                 bias_grad="gbias" if cfg.DBIAS else None,
-                                 arg_score="xa" if cfg.MARGS else None)
-        s(f"{name} = ex2({name} * scale_log2 - lse2)")
-        if cfg.DROP:   # Z dP^T first; P^T Z for dV once dS^T has read P^T
-            dropout.emit_transposed(s, n, r, c, f"dp_{n}_{r}", paired=SUB % 16 == 0)
-        if cfg.DBIAS or cfg.MARGS:
-            _emit_modification_grads(s, cfg, name, f"dp_{n}_{r}", query, key)
-        else:
-            s(f"dp_{n}_{r} = {_ds(name, f'dp_{n}_{r}', 'dlt', 'gm' if cfg.MODS else None)}")
-        if cfg.DROP:
-            dropout.emit_transposed(s, n, r, c, name, paired=SUB % 16 == 0, draw=False)
-
     _per_query(s, NN, [("lse2", f"{kb}{U(lse_off)}"), ("dlt", f"{kb}{U(delta_off)}")],
-               modified)
+               lambda n, r, c: emit_modified_score(s, cfg, n, r, c, paired=SUB % 16 == 0))
     ops.accumulate_pv(s, _slice(cfg, kb, "v"), do_off, NVN, SUB // ops.k_step, p="s",
                       acc="dv", name="dot", W=OW, rescaled=False)
+
+
+def emit_modified_score(s, cfg, n, r, c, paired=True):
+    """Emit, for the transposed score s_n_r (query qcol + 8 n + c, key kr0 / kr1; lse2 and dlt
+    its query's) with dP^T in dp_n_r: its modification and derivative, P^T (left in s_n_r)
+    and dS^T = P^T (Z dP^T - delta) (in dp_n_r); with dropout (``paired``: the keep bits drawn
+    for two columns at once) P^T Z for dV once dS^T has read P^T. cuda.mma's key pass and
+    cuda.wgmma's (whose config sets no DROP, DBIAS or MARGS) both emit it."""
+    name = f"s_{n}_{r}"
+    query, key = f"qcol + {8 * n + c}", "kr0" if r < 2 else "kr1"
+    if cfg.MODS:
+        mods.emit_apply_grad(s, cfg.MODS, name, "gm", query, key,
+                             bias_grad="gbias" if cfg.DBIAS else None,
+                             arg_score="xa" if cfg.MARGS else None)
+    s(f"{name} = ex2({name} * scale_log2 - lse2)")
+    if cfg.DROP:   # Z dP^T first; P^T Z for dV once dS^T has read P^T
+        dropout.emit_transposed(s, n, r, c, f"dp_{n}_{r}", paired=paired)
+    if cfg.DBIAS or cfg.MARGS:
+        _emit_modification_grads(s, cfg, name, f"dp_{n}_{r}", query, key)
+    else:
+        s(f"dp_{n}_{r} = {_ds(name, f'dp_{n}_{r}', 'dlt', 'gm' if cfg.MODS else None)}")
+    if cfg.DROP:
+        dropout.emit_transposed(s, n, r, c, name, paired=paired, draw=False)
 
 
 #: DBIAS modes: "store" (a full bias: one write an element), "f32" / "f64" (a broadcast one:

@@ -87,25 +87,24 @@ def split_count(problem, cfg, device, in_use=True):
     (bench/NOTES.md, "Split count"). A KV cache counts its longest entry's keys, not its
     capacity, unless ``in_use`` is False: config() plans the split variant from the capacity,
     so that a plan (memoized without the lengths) stays right as a decode loop's cache fills,
-    and each launch takes the shares its longest entry needs, one included. Never with a block
-    mask (its lists are walked whole) or for a GPU of unknown size."""
+    and each launch takes the shares its longest entry needs, one included. A block mask counts
+    its keys as the others do (its shares deal out the listed blocks; with fewer listed than
+    shares the rest are empty). Never for a GPU of unknown size."""
     B, H, Nq, Nk, d, dv = problem.shape
     if getattr(problem, "varlen", None) is not None:   # config() refuses num_splits > 1
         return 1
     cache = getattr(problem, "kvcache", None)
     if cache is not None and in_use:   # a KV cache's capacity may far exceed the keys in use
         Nk = cache.max_len
-    block_mask = getattr(getattr(problem, "mods", None), "block", None) is not None
-    return share_count(B, H, Nq, Nk, getattr(problem, "num_splits", None), cfg, device,
-                       block_mask)
+    return share_count(B, H, Nq, Nk, getattr(problem, "num_splits", None), cfg, device)
 
 
-def share_count(B, H, Nq, Nk, forced, cfg, device, block_mask=False):
+def share_count(B, H, Nq, Nk, forced, cfg, device):
     """split_count's rule on the numbers it reads (the KV cache's replay asks it each call)."""
     tiles = -(-Nk // cfg.BC)
     if forced is not None:   # a share per key tile at most
         return max(1, min(forced, tiles))
-    if device.sm_count is None or block_mask:
+    if device.sm_count is None:
         return 1
     blocks = -(-Nq // cfg.BR) * B * H
     slots = SPLIT_SLOTS_PER_SM * device.sm_count
@@ -209,10 +208,6 @@ def config(problem, device):
         check_packed(problem)
         cfg = MmaConfig(**{**dict(cfg), "VARLEN": 1})
     if split_count(problem, cfg, device, in_use=False) > 1:
-        if getattr(getattr(problem, "mods", None), "block", None) is not None:
-            raise Unsupported(f"{NAME} does not split the keys (num_splits="
-                              f"{problem.num_splits}) of a call with a block mask yet: leave "
-                              f"num_splits unset (the block mask's lists are walked whole)")
         cfg = MmaConfig(**{**dict(cfg), "SPLIT": 1})
     need = shared_bytes(cfg)
     if need > device.smem_per_block_optin:

@@ -9,8 +9,9 @@ Tiles no row of the block can see are never loaded, and warps skip tiles none of
 A row that sees no key gives zeros and lse = -inf.
 
 Split-KV (MmaConfig.SPLIT, for calls with too few query blocks to fill the GPU: decoding): the
-blocks of grid z take equal runs of each query block's key tiles and write partial results,
-which numflash.cuda.merge combines.
+blocks of grid z take equal runs of each query block's key tiles (with a block mask: of the
+blocks its block row lists, whole blocks each) and write partial results, which
+numflash.cuda.merge combines.
 """
 import hashlib
 import math
@@ -63,7 +64,7 @@ def kernel_source(cfg):
         dropout.emit_locals(s, cfg, ops.float)
         ops.stage_q(s)
         emit_row_bounds(s, cfg.BR, window)
-        if cfg.SPLIT:
+        if cfg.SPLIT and not mods.sparse(cfg.MODS):
             emit_split_range(s, cfg.BC, window)
         ops.a_fragments(s)
         emit_q_ready(s, cfg.VEC, cfg.HOLDQ, NKK, lambda kk, names: ops.load_a(s, kk, names))
@@ -73,9 +74,11 @@ def kernel_source(cfg):
             emit_views_at_use(s, cfg, (("kh", "k", "hk", "k"), ("vh", "v", "hk", "k")))
             return ops.stage_kv(s, j0u, buf)
 
-        bounds = {"start": "split_first", "end": "split_end"} if cfg.SPLIT else {}
+        sparse = emit_block_row(s, cfg.MODS)
+        # split-KV: a share's key range, or with a block mask its share of the listed blocks
+        bounds = {"start": "split_first", "end": "split_end"} if cfg.SPLIT and not sparse else {}
         with tile_loop(s, stage_kv, cfg.BC, L.kv_words, cfg.VEC, L.kv_off, L.KW,
-                       window or bool(cfg.SPLIT), sparse=emit_block_row(s, cfg.MODS),
+                       window or bool(bounds), sparse=sparse, shares=bool(cfg.SPLIT and sparse),
                        **bounds) as (k_off, v_off, kb):
             s(f"if {warp_sees_tile(cfg.BC, window)}:")
             with s.block():

@@ -63,7 +63,7 @@ def emit_window_tiles(s, BC, start, end):
 
 @contextlib.contextmanager
 def tile_loop(s, stage_kv, BC, kv_words, VEC, KV_OFF, KW, window=False, start="block_first",
-              end="block_keys", sparse=None):
+              end="block_keys", sparse=None, shares=False):
     """Emit the K/V tile loop's head and enter its body, yielding the word offsets of the tile
     being read (k_off, v_off) and the source prefix of its buffer (kb): VEC double-buffers with
     cp.async; otherwise each tile is staged synchronously between two barriers. The loop visits
@@ -75,12 +75,13 @@ def tile_loop(s, stage_kv, BC, kv_words, VEC, KV_OFF, KW, window=False, start="b
     row's (or column's) entries (block index * 2 + 1 if FULL, ascending; numflash.block_mask),
     of their number, and of the blocks' size along the streamed axis. The loop then visits the
     BC-row tiles of the listed blocks between ``start`` and ``end`` only, and the body has
-    ``tile_full`` (the tile lies in a FULL block)."""
+    ``tile_full`` (the tile lies in a FULL block). ``shares``: split-KV over grid z deals those
+    blocks out (_emit_sparse_range), so a block is never cut between two shares."""
     if sparse and VEC:
         _emit_sparse_double_buffered_loop(s, stage_kv, BC, kv_words, sparse,
-                                          start if window else None, end)
+                                          start if window else None, end, shares)
     elif sparse:
-        _emit_sparse_range(s, BC, start if window else None, end, *sparse)
+        _emit_sparse_range(s, BC, start if window else None, end, *sparse, shares=shares)
         s("for it in range(ntiles):")
     elif window:
         first = emit_window_tiles(s, BC, start, end)
@@ -121,11 +122,13 @@ def _emit_next_tile(s, entry_next=None):
             s("entry = entry_next", f"entry_next = {entry_next}")
 
 
-def _emit_sparse_range(s, BC, start, end, lst, count, block):
+def _emit_sparse_range(s, BC, start, end, lst, count, block, shares=False):
     """Emit the range [e_lo, e_hi) of a block mask's list ``lst`` (``count`` entries, ascending)
     whose blocks of ``block`` rows reach past row ``start`` (None: 0) and begin before row
     ``end``, and ntiles, the BC-row tiles in them. Each warp counts both ends at once, its lanes
-    reading the entries 32 apart (a serial scan would wait on one dependent load per block)."""
+    reading the entries 32 apart (a serial scan would wait on one dependent load per block).
+    With ``shares`` (split-KV) the range's blocks are dealt out over grid z in runs of equal
+    length, whole blocks each: a share past them is empty."""
     s(f"bm_reps = {block} // {BC}", "n_lo = I(0)", "n_hi = I(0)",
       f"for e in range(I(lane), I({count}), 32):")
     with s.block():
@@ -141,20 +144,24 @@ def _emit_sparse_range(s, BC, start, end, lst, count, block):
         if start is not None:
             s(f"n_lo += cuda.shfl_xor_sync(FULL, n_lo, {shift})")
         s(f"n_hi += cuda.shfl_xor_sync(FULL, n_hi, {shift})")
-    s("e_lo = n_lo", "e_hi = max(n_hi, e_lo)", "ntiles = (e_hi - e_lo) * bm_reps",
-      "e = e_lo", "sub = I(0)")
+    s("e_lo = n_lo", "e_hi = max(n_hi, e_lo)")
+    if shares:
+        s("split_n = I(cuda.gridDim.z)", "split_per = (e_hi - e_lo + split_n - 1) // split_n",
+          "e_lo = min(e_hi, e_lo + I(cuda.blockIdx.z) * split_per)",
+          "e_hi = min(e_hi, e_lo + split_per)")
+    s("ntiles = (e_hi - e_lo) * bm_reps", "e = e_lo", "sub = I(0)")
 
 
-def emit_sparse_tiles(s, BC, start, end, sparse, stage_first):
+def emit_sparse_tiles(s, BC, start, end, sparse, stage_first, shares=False):
     """Emit the walk over a block mask's listed tiles (``sparse``, as tile_loop takes it) whose
     blocks reach past row ``start`` (None: 0) and begin before row ``end``: the range, its
     tile count ntiles, and the first tile put in flight by ``stage_first(row source)``. Returns
     the source of the next tile's first row (after emit_sparse_tile's j0); the walk keeps the
     block (e) and sub-tile (sub) counters, and the entry of the block after the current one is
     read when the current one is entered (emit_next_sparse_tile), so the address of the next
-    copy never waits on a global load."""
+    copy never waits on a global load. ``shares``: _emit_sparse_range's."""
     lst, count, block = sparse
-    _emit_sparse_range(s, BC, start, end, lst, count, block)
+    _emit_sparse_range(s, BC, start, end, lst, count, block, shares)
     s("entry = I(0)", "entry_next = I(0)", "if ntiles > 0:")
     with s.block():
         s(f"entry = {_entry_at(lst, 'e')}")
@@ -178,10 +185,11 @@ def _entry_at(lst, e):
     return f"I({lst}[min({e}, e_hi - 1)])"
 
 
-def _emit_sparse_double_buffered_loop(s, stage_kv, BC, kv_words, sparse, start, end):
+def _emit_sparse_double_buffered_loop(s, stage_kv, BC, kv_words, sparse, start, end, shares):
     """The double-buffered loop over a block mask's listed tiles (emit_sparse_tiles), as
     _emit_double_buffered_loop."""
-    next_tile = emit_sparse_tiles(s, BC, start, end, sparse, lambda row: stage_kv(row, 0))
+    next_tile = emit_sparse_tiles(s, BC, start, end, sparse, lambda row: stage_kv(row, 0),
+                                  shares)
     s("for it in range(ntiles):")
     with s.block():
         emit_sparse_tile(s, BC, sparse)

@@ -65,19 +65,21 @@ def config(problem, device):
 
 def auto_passes(problem, device):
     """Why "auto" should take cuda.mma although this kernel runs the problem, or None: a block
-    mask (this kernel's walk over the listed blocks is emulated and compiled, tests/test_wgmma.py,
-    but has not run on a GPU yet), or a call whose query blocks do not fill the GPU (decoding,
+    mask at head dims up to 64, or a call whose query blocks do not fill the GPU (decoding,
     short queries), which cuda.mma splits over more blocks (split-KV) where this kernel would
-    leave SMs idle. The rule is not timed against this kernel at those shapes (bench/NOTES.md).
-    Never for packed sequences: cuda.mma does not split theirs."""
-    if getattr(getattr(problem, "mods", None), "block", None) is not None:
-        return ("a block mask on cuda.wgmma has not run on a GPU yet (emulated and compiled "
-                "only): algorithm='wgmma' runs it")
+    leave SMs idle. The split rule is not timed against this kernel at those shapes; the block
+    mask's is (bench/NOTES.md, session 38). Never for packed sequences: cuda.mma does not split
+    theirs."""
+    B, H, Nq, Nk, d, dv = problem.shape
+    pad = head_dim_pad(max(d, dv))
+    if getattr(getattr(problem, "mods", None), "block", None) is not None and pad == 64:
+        return ("a block mask at d64 runs on 32-key tiles here, no faster than cuda.mma on the "
+                "H200 (0.92-1.14x its time in three runs, bench/NOTES.md): algorithm='wgmma' "
+                "runs it")
     if device.sm_count is None or getattr(problem, "num_splits", None) is not None or \
             getattr(problem, "varlen", None) is not None:
         return None
-    B, H, Nq, Nk, d, dv = problem.shape
-    NWG = TILES[head_dim_pad(max(d, dv))][0]
+    NWG = TILES[pad][0]
     blocks = -(-Nq // (64 * NWG)) * B * H
     if blocks >= device.sm_count:
         return None

@@ -35,11 +35,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..config import TileConfig
+from ..mma import mods
 from ..mma.backward import (ARGUMENTS, SCALARS, _ds, _lse2, _per_query, _store_rows,
-                            emit_dq_reductions, emit_transposed_mask)
+                            emit_dq_reductions, emit_modified_score, emit_transposed_mask)
 from ..mma.emit import (VARLEN_ARGUMENTS, U, Source, define, emit_sequence, emit_thread_indices,
                         emit_views_at_use, head_view)
-from ..mma.forward import source_identity
+from ..mma.forward import emit_modified_scale, source_identity
 from ..ptx_wgmma import descriptor_fields
 from .forward import (common_namespace, emit_copies, emit_copies_setup, emit_pack,
                       k_step_offset)
@@ -56,7 +57,9 @@ class WgmmaBackwardConfig(Warpgroups, TileConfig):
     warpgroups a block (BR = 64 NWG keys, NT = 128 NWG threads); BC queries a streamed tile (64:
     dQ's product has them as its M rows); DT "f16" or "bf16"; DQ the dQ product's form; VARLEN:
     packed sequences in one launch (cuda.mma's VARLEN: grid y walks the sequences' K/V heads,
-    each block finds its sequence's rows in cu_q / cu_k and views them)."""
+    each block finds its sequence's rows in cu_q / cu_k and views them); MODS: cuda.mma's
+    modification token (score and mask modifications, not a block mask's lists or a window,
+    applied per score with its derivative as cuda.mma's key pass applies them)."""
     D: int
     DV: int
     NWG: int
@@ -64,11 +67,13 @@ class WgmmaBackwardConfig(Warpgroups, TileConfig):
     DT: str
     DQ: str
     VARLEN: int = 0
+    MODS: str = ""
 
     #: what cuda.mma's shared backward pieces read off a config: 16-bit gradients, no column
-    #: slices
+    #: slices, no dropout
     GRAD32 = 0
     CHUNKS = 0
+    DROP = 0
     #: and what cuda.mma's launch of the two passes reads (gradients.launch_passes): dQ by
     #: four-float adds, no attn_bias or mod_args gradients
     DQADD = "red4"
@@ -78,6 +83,7 @@ class WgmmaBackwardConfig(Warpgroups, TileConfig):
     def __post_init__(self):
         assert self.DQ in DQ_FORMS and self.BC == 64 and self.DT in ("f16", "bf16")
         assert self.DQ != "split" or self.D % (8 * self.NWG) == 0
+        assert not mods.sparse(self.MODS) and not (self.MODS and self.VARLEN)
 
     @property
     def dq_columns(self):
@@ -169,11 +175,13 @@ def kernel_source(cfg):
 
     s = Source()
     s(f"def {KERNEL_NAME}({ARGUMENTS['keys']}{SCALARS}"
-      f"{VARLEN_ARGUMENTS if cfg.VARLEN else ''}, dqacc):")
+      f"{VARLEN_ARGUMENTS if cfg.VARLEN else ''}{mods.parameters(cfg.MODS)}, dqacc):")
     with s.block():
         emit_thread_indices(s, "float32")
         s("bh = U(cuda.blockIdx.y)", "b = U(div_u32(bh, Hkv))", "hk = bh - b * U(Hkv)",
           "group = U(div_u32(H, Hkv))", f"j0k = U(cuda.blockIdx.x) * {U(cfg.BR)}")
+        if cfg.MODS:
+            emit_modified_scale(s, "float32", cfg.MODS, "scale")
         if cfg.VARLEN:   # b is the sequence: its rows, counts and causal offset
             emit_sequence(s, "j0k", "Nk_u")
         # (packed, dK's and dV's views are made at the stores: emit_views_at_use)
@@ -212,6 +220,8 @@ def kernel_source(cfg):
             s("h = hk * group + hq",
               *(f"{x}h = {head_view(cfg, x, 'h')}" for x in ("q", "do", "lse", "delta", "dqacc")),
               "cuda.syncthreads()  # the previous head's last tile is no longer read")
+            if cfg.MODS:
+                s("hi = I(h)")
             emit_copies_setup(s, "cq", "qh", cfg.D, "d_u", cfg.NT)
             emit_copies_setup(s, "cdo", "doh", cfg.DV, "dv_u", cfg.NT)
             s("if t_first < ntiles:")
@@ -242,16 +252,23 @@ def kernel_source(cfg):
                   f"{S} = wait_s(({S},))")
                 emit_transposed_mask(s, NN)
                 s(f"qc = t * {U(2)}")
-                _per_query(s, NN, [("lse2", "fb")],
-                           lambda n, r, c: s(f"s_{n}_{r} = ex2(s_{n}_{r} * scale_log2 - lse2)"))
+                lse2, dlt = ("lse2", "fb"), ("dlt", f"fb + {U(cfg.BC)}")
+                if cfg.MODS:   # dP^T first: each score's derivative is used where it is made
+                    s(f"{DP} = wait_dp_0(({DP},))", "qcol = js + I(t) * 2")
+                    _per_query(s, NN, [lse2, dlt],
+                               lambda n, r, c: emit_modified_score(s, cfg, n, r, c))
+                else:
+                    _per_query(s, NN, [lse2], lambda n, r, c: s(
+                        f"s_{n}_{r} = ex2(s_{n}_{r} * scale_log2 - lse2)"))
                 emit_pack(s, cfg.pack, "s", "pa", QSTEPS)
                 PA = _regs("pa", QSTEPS)
-                s(f"{DV} = wgmma_dv(({DV},), ({PA},), {_descs('dotd', QSTEPS, mn_step)})",
-                  f"{DP} = wait_dp(({DP},))")
-                _per_query(s, NN, [("dlt", f"fb + {U(cfg.BC)}")],
-                           lambda n, r, c: s(f"s_{n}_{r} = "
-                                             f"{_ds(f's_{n}_{r}', f'dp_{n}_{r}', 'dlt')}"))
-                emit_pack(s, cfg.pack, "s", "da", QSTEPS)
+                s(f"{DV} = wgmma_dv(({DV},), ({PA},), {_descs('dotd', QSTEPS, mn_step)})")
+                if not cfg.MODS:   # dP^T arrived while P^T was made
+                    s(f"{DP} = wait_dp(({DP},))")
+                    _per_query(s, NN, [dlt], lambda n, r, c: s(
+                        f"s_{n}_{r} = {_ds(f's_{n}_{r}', f'dp_{n}_{r}', 'dlt')}"))
+                # dS^T: in dP^T's registers with modifications (P^T was still packed from S^T's)
+                emit_pack(s, cfg.pack, "dp" if cfg.MODS else "s", "da", QSTEPS)
                 DA = _regs("da", QSTEPS)
                 s(f"{DK} = wgmma_dk(({DK},), ({DA},), {_descs('qtd', QSTEPS, mn_step)})")
                 _emit_ds_store(s, cfg, L)
@@ -303,11 +320,21 @@ def _namespace(cfg):
     }
 
 
+def _modified_namespace(cfg):
+    """What a variant with modifications calls besides _namespace's (bound apart, so that the
+    plain variants' identity and shipped PTX stay): dP^T's wait with nothing after it, and the
+    composition and its derivative as device functions."""
+    from numba import cuda
+    from .. import ptx_wgmma as w
+    return {"wait_dp_0": w.wgmma_wait(cfg.BC // 2, 0),
+            **mods.namespace(cfg.MODS, np.float32, cuda.jit(device=True))}
+
+
 def make_kernel(**config):
     """The key-pass kernel for one config (numba compiles it for sm_90a: launch.py)."""
     cfg = WgmmaBackwardConfig(**config)
-    fn = define(kernel_source(cfg), "numflash.cuda.wgmma backward", cfg, _namespace(cfg),
-                KERNEL_NAME)
+    ns = {**_namespace(cfg), **(_modified_namespace(cfg) if cfg.MODS else {})}
+    fn = define(kernel_source(cfg), "numflash.cuda.wgmma backward", cfg, ns, KERNEL_NAME)
     fn.arch_specific = True   # wgmma exists on sm_90a only
     return fn
 
@@ -316,9 +343,11 @@ def code_identity(**config):
     """The variant's identity: its generated source and the code binding its names."""
     from .. import launch, ptx_reduce, ptx_wgmma
     cfg = WgmmaBackwardConfig(**config)
-    return source_identity(kernel_source(cfg), (_namespace, common_namespace,
-                                                ptx_reduce._make_red_add_f32x4)) + \
+    binders = (_namespace, common_namespace, ptx_reduce._make_red_add_f32x4) + \
+        ((_modified_namespace,) + mods.identity_functions(cfg.MODS) if cfg.MODS else ())
+    return source_identity(kernel_source(cfg), binders) + \
         launch.source_digest(ptx_wgmma.__name__)[:16]
 
 
 make_kernel.code_identity = code_identity
+make_kernel.cacheable = lambda **config: mods.cacheable(config.get("MODS", ""))

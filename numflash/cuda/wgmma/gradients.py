@@ -3,12 +3,13 @@
 cuda.dq_round's launch, which rounds that into dQ.
 
 float16 / bfloat16, head dims up to 128 (zero-padded to 64 or 128), causal in both alignments,
-GQA, packed sequences in one launch (attention_varlen: VARLEN, as cuda.mma runs them), on
-compute capability 9.0. dQ's adds come in an order that varies from run to run, so
+GQA, packed sequences in one launch (attention_varlen: VARLEN, as cuda.mma runs them), score
+and mask modifications (cuda.mma's composition and derivatives, per score) on unpacked calls,
+on compute capability 9.0. dQ's adds come in an order that varies from run to run, so
 ``deterministic=True`` is cuda.mma's (its two passes). Not yet here (explain says so, and
-cuda.mma runs them): modifications, dropout, attn_bias's and mod_args' gradients, float32
-gradients of 16-bit inputs (grad_dtype); strided rows and head dims that are not multiples of
-8 run on cuda.row.
+cuda.mma runs them): windows, block masks, modifications of packed sequences, dropout,
+attn_bias's and mod_args' gradients, float32 gradients of 16-bit inputs (grad_dtype); strided
+rows and head dims that are not multiples of 8 run on cuda.row.
 """
 import dataclasses
 
@@ -30,7 +31,7 @@ TILES = {64: (2, "alternate"), 128: (2, "split")}
 def config(problem, device):
     """{"queries": cuda.mma's delta pass, "keys": WgmmaBackwardConfig} for a backward problem;
     raises Unsupported saying why not."""
-    from ..mma.config import check_packed, padded_dims
+    from ..mma.config import check_packed, modifications, padded_dims
     check_hopper(device, "cuda.mma's backward")
     if getattr(problem, "deterministic", False):
         raise Unsupported(f"{NAME}'s backward adds dQ into a float32 accumulator atomically, "
@@ -50,15 +51,22 @@ def config(problem, device):
     packed = int(getattr(problem, "varlen", None) is not None)
     if packed:
         check_packed(problem, NAME)
+    token = modifications(problem)
+    if token and packed:
+        raise Unsupported(f"{NAME}'s backward takes no score or mask modifications on packed "
+                          f"sequences yet: cuda.mma's backward runs them in one launch")
     NWG, form = TILES[max(D, DV)]
     if not dq_round.fits(B * H * Nq, D):
         raise Unsupported(f"{NAME}'s backward adds dQ into a float32 accumulator of "
                           f"{B * H * Nq * D} words, past the 2**34 cuda.dq_round indexes: "
                           f"cuda.mma's backward takes it (two passes, no accumulator)")
-    keys = WgmmaBackwardConfig(D, DV, NWG, 64, DT, form, VARLEN=packed)
+    keys = WgmmaBackwardConfig(D, DV, NWG, 64, DT, form, VARLEN=packed, MODS=token)
+    # (with modifications the delta pass carries their token: launch_passes hands both passes
+    # the arguments its config names)
     queries = dataclasses.replace(mma_gradients.with_dq_adds(
-        mma_gradients.tiles(D, DV, device.smem_per_block_optin, DT=DT, cc=device.cc), "red4",
-        device.smem_per_block_optin)["queries"], VARLEN=packed)
+        mma_gradients.tiles(D, DV, device.smem_per_block_optin, mods=bool(token), DT=DT,
+                            cc=device.cc), "red4",
+        device.smem_per_block_optin)["queries"], VARLEN=packed, MODS=token)
     for what, need in (("key pass", shared_bytes(keys)),
                        ("delta pass", mma_shared_bytes(queries, "queries"))):
         if device.smem_per_block_optin is not None and need > device.smem_per_block_optin:
@@ -68,14 +76,26 @@ def config(problem, device):
     return {"queries": queries, "keys": keys}
 
 
+def auto_passes(problem, device):
+    """Why "auto" should take cuda.mma's backward although this one runs the problem, or None:
+    modifications, whose key pass has run in the warp emulator and compiled for sm_90a but not
+    on a GPU yet (bench/NOTES.md, session 38)."""
+    from ..mma.config import modifications
+    if modifications(problem):
+        return ("modifications on cuda.wgmma's backward have not run on a GPU yet (emulated and "
+                "compiled only): algorithm='wgmma' runs them")
+    return None
+
+
 def compiled_kernels(cfg, dtype):
     """[(Kernel, numba argument types)] run() launches: cuda.mma's delta pass, the wgmma key
     pass, then cuda.dq_round's."""
     from .. import launch
     return [mma_gradients.query_pass_kernel(cfg["queries"], dtype),
             (launch.get_kernel(NAME + ".backward_keys", make_kernel, cfg["keys"]),
-             mma_gradients.signature(dtype, "keys", varlen=bool(cfg["keys"].VARLEN),
-                                     dq_adds=True))] + mma_gradients.dq_round_kernel(cfg, dtype)
+             mma_gradients.signature(dtype, "keys", token=cfg["keys"].MODS,
+                                     varlen=bool(cfg["keys"].VARLEN), dq_adds=True))] + \
+        mma_gradients.dq_round_kernel(cfg, dtype)
 
 
 def run(problem, cfg, device):
