@@ -4,17 +4,23 @@ and with num_splits=1 against PyTorch SDPA's backends on the same memory.
 
     python bench/decode.py [--dtypes float16,bfloat16,float32] [--nk 131072] [--heads 32]
                            [--kv-heads 32] [--d 128] [--nq 1,16] [--batch 1]
-                           [--splits 8,16,32,64] [--kvcache]
+                           [--splits 8,16,32,64] [--kvcache] [--block-mask]
 
 Reports ms (CUDA events: warm-up, median of repeats; numflash.bench.timing.median_ms) and the
 K/V read rate in GB/s (the bytes of K and V over the time), and the largest difference of each
 output from SDPA's first backend that ran (the GPU tests check numflash against the float64
 reference at these shapes' smaller siblings). Not causal: SDPA's is_causal aligns top-left,
 which for Nq < Nk is not decoding's bottom-right (numflash's causal="bottom_right").
+With --block-mask a column times numflash (auto) with a key-padding block mask that keeps every
+key (each entry's length Nk: FULL blocks), so its cost over the plain call is the list walk's.
 """
 import argparse
 
 import numpy as np
+
+
+def _key_padding(b, h, i, j, lengths):
+    return j < lengths[b]
 
 
 def _sdpa_backends(torch):
@@ -39,6 +45,8 @@ def main():
                     help="also time these forced num_splits counts (a column each)")
     ap.add_argument("--kvcache", action="store_true",
                     help="time attention_with_kvcache (contiguous, pages of 16 and 256) instead")
+    ap.add_argument("--block-mask", action="store_true",
+                    help="also time numflash with a key-padding block mask keeping every key")
     a = ap.parse_args()
     if a.kvcache:
         return kvcache_table(a)
@@ -53,10 +61,12 @@ def main():
     rng = np.random.default_rng(0)
     print(f"B{B} H{H} Hk{Hk} Nk{Nk} d{d}: ms (K/V GB/s)")
     forced = [int(n) for n in a.splits.split(",") if n]
+    masked = ["block mask"] if a.block_mask else []
     print("| dtype | Nq | numflash auto | splits | numflash num_splits=1 | " +
           "".join(f"num_splits={n} | " for n in forced) +
+          ("auto, block mask | " if masked else "") +
           " | ".join(backends) + " | auto vs best peer | max diff |")
-    print("|---" * (7 + len(forced) + len(backends)) + "|")   # dtype, Nq, 3 numflash, peers, 2
+    print("|---" * (7 + len(forced) + len(masked) + len(backends)) + "|")
     for dtype in a.dtypes.split(","):
         dt = np.dtype(__import__("ml_dtypes").bfloat16) if dtype == "bfloat16" else dtype
         k, v = (cupy.asarray(rng.standard_normal((B, Hk, Nk, d), np.float32)).astype(dt)
@@ -72,6 +82,10 @@ def main():
             row["one"] = median_ms(lambda: numflash.attention(q, k, v, num_splits=1))
             for n in forced:
                 row[n] = median_ms(lambda: numflash.attention(q, k, v, num_splits=n))
+            if masked:   # (built once, as a model would for all its layers)
+                bm = numflash.create_block_mask(_key_padding, B, None, Nq, Nk,
+                                                (cupy.full(B, Nk, np.int64),))
+                row["block mask"] = median_ms(lambda: numflash.attention(q, k, v, block_mask=bm))
             ours = numflash.attention(q, k, v)
             peers, diff = {}, "-"
             if torch is not None:
@@ -93,7 +107,7 @@ def main():
             best = min((t for t in peers.values() if isinstance(t, float)), default=None)
             cells = [f"{row['auto']:.3f} ({kv_gb / row['auto'] * 1e3:.0f})", splits,
                      f"{row['one']:.3f} ({kv_gb / row['one'] * 1e3:.0f})"]
-            cells += [f"{row[n]:.3f} ({kv_gb / row[n] * 1e3:.0f})" for n in forced]
+            cells += [f"{row[n]:.3f} ({kv_gb / row[n] * 1e3:.0f})" for n in forced + masked]
             cells += [f"{t:.3f} ({kv_gb / t * 1e3:.0f})" if isinstance(t, float) else t
                       for t in peers.values()]
             cells += [f"{best / row['auto']:.2f}x" if best else "-",
