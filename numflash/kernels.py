@@ -229,15 +229,16 @@ BACKWARD = (
     Operator("cuda.wgmma", "cuda", "wgmma", _cuda_wgmma_backward,
              dtypes=("float16", "bfloat16"), max_head_dim=128, direction="backward",
              min_cc=(9, 0), min_cc_why="Hopper's wgmma, sm_90a", runs_in_simulator=False,
-             varlen=True, mods=tuple(m for m in ROW_MODS if m != "window_size"),
+             varlen=True, mods=ROW_MODS,
              auto_passes=_wgmma_backward_passes,
              summary="FlashAttention-3's backward loop on Hopper warpgroup products: a block "
                      "of 128 keys holds K and V in shared memory while the query tiles stream "
                      "past (two cp.async buffers, 128-byte swizzled); per tile S^T, dP^T, "
                      "dV += P^T dO, dK += dS^T Q and dQ = dS K on wgmma m64nNk16, dQ added "
                      "into a float32 accumulator (red.global.add.v4.f32), delta from "
-                     "cuda.mma's query pass; packed sequences in one launch; score and mask "
-                     "modifications with their derivatives (not on packed sequences); "
+                     "cuda.mma's query pass; packed sequences in one launch; sliding windows and "
+                     "score / mask modifications with their derivatives (not on packed "
+                     "sequences); "
                      "compute capability 9.0 only; not deterministic=True (cuda.mma's two "
                      "passes are)"),
     Operator("cuda.mma", "cuda", "mma", _cuda_mma_backward,

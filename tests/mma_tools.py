@@ -856,7 +856,7 @@ def run_wgmma_backward(do, q, k, v, o, lse, causal=False, causal_offset=0, scale
     in float32 (the delta pass's), a zeroed float32 dQ accumulator, then dQ rounded to the
     inputs' dtype as the operator's copy rounds it. ``varlen``: (cu_q, cu_k, bottom_right) for
     the VARLEN variant (the arrays hold the packed rows, batch 1); ``mods``: a numflash.mods.Mods
-    (the MODS variant; no window). Returns (dq, dk, dv)."""
+    (its window: the WINDOW variant; the MODS variant for the rest). Returns (dq, dk, dv)."""
     from numflash.cuda.wgmma.backward import WgmmaBackwardConfig, kernel_source, shared_bytes
     from numflash.cuda.wgmma.tiles import head_dim_pad
     B, H, Nq, d = q.shape
@@ -864,10 +864,9 @@ def run_wgmma_backward(do, q, k, v, o, lse, causal=False, causal_offset=0, scale
     DT = "f16" if q.dtype == np.float16 else "bf16"
     D, DV = head_dim_pad(d), head_dim_pad(dv)
     DQ = DQ or ("split" if D == 128 else "alternate")
-    token, window, mod_args = _mods_setup(mods, None)
-    assert not window
+    token, window, extra = _mods_setup(mods, None)   # (the window's sizes lead extra)
     cfg = WgmmaBackwardConfig(D, DV, NWG, 64, DT, DQ, VARLEN=int(varlen is not None),
-                              MODS=token)
+                              MODS=token, WINDOW=int(window is not None))
     scale = 1 / math.sqrt(d) if scale is None else scale
     grid, packing = (-(-Nk // cfg.BR), B * Hkv), ()
     if varlen is not None:   # grid y: each sequence's K/V heads, x: the longest's key blocks
@@ -892,6 +891,7 @@ def run_wgmma_backward(do, q, k, v, o, lse, causal=False, causal_offset=0, scale
     with np.errstate(all="ignore"):
         emu.run(ns["wgmma_backward_keys"], tuple(as_kernel_array(a, DT) for a in (q, k, v, do)) + (
             lse.astype(np.float32), delta, as_kernel_array(dk, DT), as_kernel_array(dvv, DT),
-            scale * math.log2(math.e), scale, int(causal), int(causal_offset)) + packing +
-            tuple(mod_args) + (dq_acc,))
+            scale * math.log2(math.e), scale, int(causal), int(causal_offset)) +
+            tuple(extra[:len(window or ())]) + packing + tuple(extra[len(window or ()):]) +
+            (dq_acc,))
     return dq_acc[..., :d].astype(q.dtype), dk, dvv

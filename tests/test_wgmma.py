@@ -531,17 +531,28 @@ def test_emulated_wgmma_backward_of_packed_sequences(rng, d, causal):
         assert rep.ok, str(rep)
 
 
-@pytest.mark.parametrize("name, dtype, d, causal, Hkv", [
-    ("all-but-window", "float16", 64, "bottom_right", 1),
-    pytest.param("user-document-and-relative-bias", "float16", 128, True, 2,
+@pytest.mark.parametrize("name, dtype, d, causal, Hkv, Nq, Nk", [
+    ("all-but-window", "float16", 64, "bottom_right", 1, 150, 100),
+    # the window (20, 3) with the rest: three key blocks, each skipping the query tiles outside
+    # its windows
+    ("all-builtins", "float16", 64, False, 1, 200, 260),
+    pytest.param("user-document-and-relative-bias", "float16", 128, True, 2, 150, 100,
                  marks=pytest.mark.extended),
-    pytest.param("mask-softcap", "bfloat16", 64, False, 1, marks=pytest.mark.extended),
+    pytest.param("mask-softcap", "bfloat16", 64, False, 1, 150, 100,
+                 marks=pytest.mark.extended),
+    # a right edge only (a user's softcap beside), top-left causal: rows past Nk's end
+    pytest.param("user-tanh-softcap-causal-window", "bfloat16", 64, True, 1, 300, 200,
+                 marks=pytest.mark.extended),
+    # a window alone (the plain scores)
+    pytest.param("sliding-window", "float16", 64, "bottom_right", 2, 260, 400,
+                 marks=pytest.mark.extended),
 ])
-def test_emulated_wgmma_backward_with_modifications(rng, name, dtype, d, causal, Hkv):
+def test_emulated_wgmma_backward_with_modifications(rng, name, dtype, d, causal, Hkv, Nq, Nk):
     """cuda.mma's modifications and their derivatives in the wgmma key pass (dP^T waited for
-    before the scores are modified, dS^T = P^T (dP^T - delta) times each score's derivative):
-    dQ, dK and dV meet the accuracy rule against the reference with the same modifications,
-    GQA and rows without keys included."""
+    before the scores are modified, dS^T = P^T (dP^T - delta) times each score's derivative),
+    and sliding windows (the key pass's query range clipped): dQ, dK and dV meet the accuracy
+    rule against the reference with the same modifications, GQA and rows without keys
+    included."""
     from mma_tools import run_wgmma_backward
     from test_mma_mods import _options
     from numflash import mods
@@ -549,7 +560,7 @@ def test_emulated_wgmma_backward_with_modifications(rng, name, dtype, d, causal,
     from numflash.testing import check_backward
     if dtype == "bfloat16":
         dtype = pytest.importorskip("ml_dtypes").bfloat16
-    B, H, Nq, Nk = 2, 2, 150, 100
+    B, H = 2, 2
     q, k, v = _inputs(rng, B, H, Hkv, Nq, Nk, d, d, dtype)
     do = rng.standard_normal((B, H, Nq, d)).astype(dtype)
     opts = _options(name, B, H, Nq, Nk, rng)
@@ -640,7 +651,7 @@ if mods_name:   # test_mma_mods' named modifications, as the token of a 2 x 4 x 
                                                    "numpy", 0, **opts))
 dtype = "float16" if cfg["DT"] == "f16" else "bfloat16"
 cubin, entry, ptx, res = launch.compile_to_cubin(
-    make_kernel(**cfg), signature(dtype, "keys", token=cfg.get("MODS", ""),
+    make_kernel(**cfg), signature(dtype, "keys", bool(cfg.get("WINDOW")), cfg.get("MODS", ""),
                                   varlen=bool(cfg.get("VARLEN")), dq_adds=True), (9, 0))
 ops = {m: ptx.count(m) for m in set(re.findall(r"wgmma\\.mma_async[\\w.]+", ptx))}
 ops.update({op: ptx.count(op) for op in ("ld.local", "st.local", "red.global.add.v4.f32")})
@@ -681,6 +692,11 @@ MODS_SPILLS = 12
     pytest.param(dict(D=128, DV=128, NWG=2, BC=64, DT="bf16", DQ="split"),
                  "user-document-and-relative-bias", id="user-mods-bf16-d128-split",
                  marks=pytest.mark.extended),
+    # sliding windows: alone, and with the other built-ins (d128: MODS_SPILLS)
+    pytest.param(dict(D=64, DV=64, NWG=2, BC=64, DT="f16", DQ="alternate", WINDOW=1), "",
+                 id="window-f16-d64-alternate", marks=pytest.mark.extended),
+    pytest.param(dict(D=128, DV=128, NWG=2, BC=64, DT="f16", DQ="split", WINDOW=1),
+                 "all-builtins", id="window-mods-f16-d128-split", marks=pytest.mark.extended),
 ])
 def test_wgmma_backward_compiles_for_sm90a_without_spills_or_serialization(cfg, mods_name):
     """ptxas fits the key pass in 255 registers a thread with nothing in local memory (but the
@@ -711,7 +727,8 @@ def test_wgmma_backward_compiles_for_sm90a_without_spills_or_serialization(cfg, 
     assert got["ops"]["red.global.add.v4.f32"] > 0
     assert not got["serialized"], "ptxas serializes the wgmma (C7509): " + got["serialized"]
     res = got["resources"]
-    if cfg["D"] == 128 and (cfg.get("VARLEN") or mods_name == "all-but-window"):
+    if cfg["D"] == 128 and (cfg.get("VARLEN") or mods_name in ("all-but-window",
+                                                               "all-builtins")):
         assert res.get("spill_store_bytes", 0) <= (
             VARLEN_SPILLS if cfg.get("VARLEN") else MODS_SPILLS), res
         return
@@ -782,20 +799,24 @@ def test_auto_takes_wgmma_for_packed_sequences(rng):
         planner._choose(p, "cuda", "wgmma", HOPPER)
 
 
-def test_the_wgmma_backward_takes_modifications_when_asked_and_auto_says_why_not(rng):
+@pytest.mark.parametrize("opts", [dict(softcap=30.0), dict(window_size=(64, 0)),
+                                  dict(softcap=30.0, window_size=(64, 0))])
+def test_the_wgmma_backward_takes_modifications_when_asked_and_auto_says_why_not(rng, opts):
     from numflash import plan as planner
     from numflash.varlen import Packed
-    plan = _backward_plan(rng, causal=True, softcap=30.0, algorithm="wgmma")
+    plan = _backward_plan(rng, causal=True, algorithm="wgmma", **opts)
     assert plan.kernel == "cuda.wgmma", str(plan)
-    token = "score:softcap_score/softcap_grad[f,f]"
+    token = "score:softcap_score/softcap_grad[f,f]" if "softcap" in opts else ""
     assert plan.config["keys"].MODS == plan.config["queries"].MODS == token
-    auto = _backward_plan(rng, causal=True, softcap=30.0)
+    window = int("window_size" in opts)
+    assert plan.config["keys"].WINDOW == plan.config["queries"].WINDOW == window
+    auto = _backward_plan(rng, causal=True, **opts)
     assert auto.kernel == "cuda.mma", str(auto)
     assert "modifications on cuda.wgmma's backward have not run on a GPU yet" in \
         auto.rejected["cuda.wgmma"]
-    p = _backward_problem(rng, B=1, H=4, Nq=45, Nk=10, causal="bottom_right", softcap=30.0)
+    p = _backward_problem(rng, B=1, H=4, Nq=45, Nk=10, causal="bottom_right", **opts)
     p.varlen = Packed(np.array([0, 5, 45]), np.array([0, 7, 10]), 40, 7, True)
-    with pytest.raises(ValueError, match="no score or mask modifications on packed sequences"):
+    with pytest.raises(ValueError, match="no window or other modification on packed sequences"):
         planner._choose(p, "cuda", "wgmma", HOPPER)
 
 
@@ -805,7 +826,6 @@ def test_the_wgmma_backward_takes_modifications_when_asked_and_auto_says_why_not
     (Device("b200", cc=(10, 0), smem_per_block_optin=227 * 1024), {},
      "wgmma runs on compute capability 9.0 only"),
     (HOPPER, {"strided": True}, "16-byte cp.async, and q's last axis is strided"),
-    (HOPPER, {"window_size": (64, 0)}, "cuda.wgmma takes attn_mask, .* not window_size"),
     (HOPPER, {"deterministic": True}, "deterministic=True takes cuda.mma's two passes"),
     (HOPPER, {"grad_dtype": "float32"}, "grad_dtype float32 takes cuda.mma's backward"),
     (HOPPER, {"d": 256}, "cuda.wgmma takes head dims up to 128"),

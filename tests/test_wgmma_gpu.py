@@ -197,19 +197,21 @@ def test_wgmma_backward_is_accurate(hopper, rng, case, causal, dtype):
     assert rep.ok, str(rep)
 
 
-BACKWARD_MODIFIED = [  # as MODIFIED: what cuda.wgmma's backward takes (no window, block mask)
+BACKWARD_MODIFIED = [  # as MODIFIED: what cuda.wgmma's backward takes (no block mask)
     ("float16", 2, 8, 8, 1024, 1024, 64, True, "all-but-window"),
     ("bfloat16", 1, 8, 2, 777, 1025, 128, "bottom_right", "mask-softcap"),
     ("float16", 2, 4, 4, 600, 600, 128, True, "user-document-and-relative-bias"),
     ("float16", 2, 4, 2, 513, 700, 64, False, "key-padding-alibi-per-batch"),
+    ("float16", 1, 4, 2, 2048, 2048, 64, True, "sliding-window"),
+    ("bfloat16", 1, 4, 4, 1000, 1400, 128, "bottom_right", "all-builtins"),
 ]
 
 
 @pytest.mark.parametrize("case", BACKWARD_MODIFIED, ids=lambda c: "-".join(map(str, c)))
 def test_wgmma_backward_with_modifications_is_accurate(hopper, rng, case):
-    """Score / mask modifications with their derivatives in cuda.wgmma's key pass (forced:
-    "auto" leaves them to cuda.mma until this has run on a GPU), dQ, dK and dV against the
-    float64 reference with the same modifications."""
+    """Sliding windows and score / mask modifications with their derivatives in cuda.wgmma's
+    key pass (forced: "auto" leaves them to cuda.mma until this has run on a GPU), dQ, dK and
+    dV against the float64 reference with the same modifications."""
     from test_mma_mods import _gpu_inputs
     from numflash import testing
     dtype, B, H, Hkv, Nq, Nk, d, causal, name = case
@@ -217,7 +219,8 @@ def test_wgmma_backward_with_modifications_is_accurate(hopper, rng, case):
                                                                      Nk, d, name)
     plan = numflash.explain(qg, kg, vg, causal=causal, backward=True, algorithm="wgmma",
                             **gpu_opts)
-    assert plan.kernel == "cuda.wgmma" and plan.config["keys"].MODS, str(plan)
+    keys = plan.config["keys"]
+    assert plan.kernel == "cuda.wgmma" and (keys.MODS or keys.WINDOW), str(plan)
     o, lse = numflash.attention(qg, kg, vg, causal=causal, return_lse=True, **gpu_opts)
     grads = numflash.attention_backward(dog, qg, kg, vg, o, lse, causal=causal,
                                         algorithm="wgmma", **gpu_opts)

@@ -363,11 +363,7 @@ def key_pass_source(cfg):
           "q_first = min(Nq, max(0, j0ks - causal_offset)) if causal else 0")
         dropout.emit_key_shifts(s, cfg)
         if window:
-            s("if window_right >= 0:")
-            with s.block():
-                s("q_first = min(Nq, max(q_first, j0ks - causal_offset - window_right))")
-            s(f"q_end = Nq if window_left < 0 else max(0, min(Nq, min(Nk, j0ks + {cfg.BR}) - 1 "
-              f"- causal_offset + window_left + 1))")
+            emit_window_queries(s, cfg.BR)
         ops.a_fragments(s, "k", 0, KW)
         ops.a_fragments(s, "v", v_off, VW)
         s("cp_async_wait_0()", "cuda.syncthreads()")
@@ -428,6 +424,17 @@ def key_pass_source(cfg):
                     [("dk", ND, "scale", "dkh", "d_u", "c0k"),
                      ("dv", NVN, "ONE", "dvh", "dv_u", "c0v")])
     return s.text()
+
+
+def emit_window_queries(s, BR):
+    """Emit, for a key pass whose block holds the BR keys from j0ks, the window's clip of the
+    queries that see any of them: q_first past those whose right edge ends before the block,
+    q_end (exclusive) before those whose left edge starts after it."""
+    s("if window_right >= 0:")
+    with s.block():
+        s("q_first = min(Nq, max(q_first, j0ks - causal_offset - window_right))")
+    s(f"q_end = Nq if window_left < 0 else max(0, min(Nq, min(Nk, j0ks + {BR}) - 1 "
+      f"- causal_offset + window_left + 1))")
 
 
 def _per_query(s, NN, reads, emit):

@@ -37,7 +37,8 @@ import numpy as np
 from ..config import TileConfig
 from ..mma import mods
 from ..mma.backward import (ARGUMENTS, SCALARS, _ds, _lse2, _per_query, _store_rows,
-                            emit_dq_reductions, emit_modified_score, emit_transposed_mask)
+                            emit_dq_reductions, emit_modified_score, emit_transposed_mask,
+                            emit_window_queries)
 from ..mma.emit import (VARLEN_ARGUMENTS, U, Source, define, emit_sequence, emit_thread_indices,
                         emit_views_at_use, head_view)
 from ..mma.forward import emit_modified_scale, source_identity
@@ -58,8 +59,10 @@ class WgmmaBackwardConfig(Warpgroups, TileConfig):
     dQ's product has them as its M rows); DT "f16" or "bf16"; DQ the dQ product's form; VARLEN:
     packed sequences in one launch (cuda.mma's VARLEN: grid y walks the sequences' K/V heads,
     each block finds its sequence's rows in cu_q / cu_k and views them); MODS: cuda.mma's
-    modification token (score and mask modifications, not a block mask's lists or a window,
-    applied per score with its derivative as cuda.mma's key pass applies them)."""
+    modification token (score and mask modifications, not a block mask's lists, applied per
+    score with its derivative as cuda.mma's key pass applies them); WINDOW: a sliding window
+    (the query tiles outside the block's windows never visited, the rest masked as cuda.mma's
+    key pass masks them). Neither on packed sequences yet."""
     D: int
     DV: int
     NWG: int
@@ -68,6 +71,7 @@ class WgmmaBackwardConfig(Warpgroups, TileConfig):
     DQ: str
     VARLEN: int = 0
     MODS: str = ""
+    WINDOW: int = 0
 
     #: what cuda.mma's shared backward pieces read off a config: 16-bit gradients, no column
     #: slices, no dropout
@@ -83,7 +87,7 @@ class WgmmaBackwardConfig(Warpgroups, TileConfig):
     def __post_init__(self):
         assert self.DQ in DQ_FORMS and self.BC == 64 and self.DT in ("f16", "bf16")
         assert self.DQ != "split" or self.D % (8 * self.NWG) == 0
-        assert not mods.sparse(self.MODS) and not (self.MODS and self.VARLEN)
+        assert not mods.sparse(self.MODS) and not ((self.MODS or self.WINDOW) and self.VARLEN)
 
     @property
     def dq_columns(self):
@@ -175,6 +179,7 @@ def kernel_source(cfg):
 
     s = Source()
     s(f"def {KERNEL_NAME}({ARGUMENTS['keys']}{SCALARS}"
+      f"{', window_left, window_right' if cfg.WINDOW else ''}"
       f"{VARLEN_ARGUMENTS if cfg.VARLEN else ''}{mods.parameters(cfg.MODS)}, dqacc):")
     with s.block():
         emit_thread_indices(s, "float32")
@@ -201,8 +206,11 @@ def kernel_source(cfg):
         # grows with the row)
         s("j0ks = I(j0k)", "wk = j0ks + I(warp) * 16", "kr0 = wk + I(g)", "kr1 = kr0 + 8",
           f"wg = warp // {U(4)}", f"w4 = warp % {U(4)}",
-          "q_first = min(Nq, max(0, j0ks - causal_offset)) if causal else 0",
-          f"t_first = q_first // {cfg.BC}", f"ntiles = (Nq + {cfg.BC - 1}) // {cfg.BC}",
+          "q_first = min(Nq, max(0, j0ks - causal_offset)) if causal else 0")
+        if cfg.WINDOW:   # (and the last query that sees any)
+            emit_window_queries(s, cfg.BR)
+        s(f"t_first = q_first // {cfg.BC}",
+          f"ntiles = ({'q_end' if cfg.WINDOW else 'Nq'} + {cfg.BC - 1}) // {cfg.BC}",
           # the warpgroup's K and V rows as K-major A operands, K as dQ's MN-major B
           f"kd = ((base + {U(L.k)} + wg * {U(64 * SWIZZLE)}) >> {U(4)}) | {U(k_fields)}",
           f"vd = ((base + {U(L.v)} + wg * {U(64 * SWIZZLE)}) >> {U(4)}) | {U(k_fields)}",
@@ -250,7 +258,7 @@ def kernel_source(cfg):
                   f"{DP} = wgmma_dp({_descs('vd', cfg.DV // 16, keys)}, "
                   f"{_descs('dod', cfg.DV // 16, queries)})",
                   f"{S} = wait_s(({S},))")
-                emit_transposed_mask(s, NN)
+                emit_transposed_mask(s, NN, bool(cfg.WINDOW))
                 s(f"qc = t * {U(2)}")
                 lse2, dlt = ("lse2", "fb"), ("dlt", f"fb + {U(cfg.BC)}")
                 if cfg.MODS:   # dP^T first: each score's derivative is used where it is made

@@ -3,11 +3,11 @@
 cuda.dq_round's launch, which rounds that into dQ.
 
 float16 / bfloat16, head dims up to 128 (zero-padded to 64 or 128), causal in both alignments,
-GQA, packed sequences in one launch (attention_varlen: VARLEN, as cuda.mma runs them), score
-and mask modifications (cuda.mma's composition and derivatives, per score) on unpacked calls,
-on compute capability 9.0. dQ's adds come in an order that varies from run to run, so
-``deterministic=True`` is cuda.mma's (its two passes). Not yet here (explain says so, and
-cuda.mma runs them): windows, block masks, modifications of packed sequences, dropout,
+GQA, packed sequences in one launch (attention_varlen: VARLEN, as cuda.mma runs them), sliding
+windows and score / mask modifications (cuda.mma's composition and derivatives, per score) on
+unpacked calls, on compute capability 9.0. dQ's adds come in an order that varies from run to
+run, so ``deterministic=True`` is cuda.mma's (its two passes). Not yet here (explain says so,
+and cuda.mma runs them): block masks, windows and modifications of packed sequences, dropout,
 attn_bias's and mod_args' gradients, float32 gradients of 16-bit inputs (grad_dtype); strided
 rows and head dims that are not multiples of 8 run on cuda.row.
 """
@@ -40,7 +40,7 @@ def config(problem, device):
     if str(getattr(problem, "grad_dtype", None)) == "float32":
         raise Unsupported(f"{NAME}'s backward stores 16-bit gradients; grad_dtype float32 "
                           f"takes cuda.mma's backward")
-    padded_dims(problem)   # refuses query heads that do not divide into the K/V heads
+    window = padded_dims(problem)[2]   # (refuses query heads that do not divide the K/V heads)
     why = mma_gradients.staging_refusal(problem)
     if why:
         raise Unsupported(f"{NAME}'s backward stages q, k, v, dO and O with 16-byte cp.async, "
@@ -52,20 +52,21 @@ def config(problem, device):
     if packed:
         check_packed(problem, NAME)
     token = modifications(problem)
-    if token and packed:
-        raise Unsupported(f"{NAME}'s backward takes no score or mask modifications on packed "
+    if (token or window) and packed:
+        raise Unsupported(f"{NAME}'s backward takes no window or other modification on packed "
                           f"sequences yet: cuda.mma's backward runs them in one launch")
     NWG, form = TILES[max(D, DV)]
     if not dq_round.fits(B * H * Nq, D):
         raise Unsupported(f"{NAME}'s backward adds dQ into a float32 accumulator of "
                           f"{B * H * Nq * D} words, past the 2**34 cuda.dq_round indexes: "
                           f"cuda.mma's backward takes it (two passes, no accumulator)")
-    keys = WgmmaBackwardConfig(D, DV, NWG, 64, DT, form, VARLEN=packed, MODS=token)
-    # (with modifications the delta pass carries their token: launch_passes hands both passes
-    # the arguments its config names)
+    keys = WgmmaBackwardConfig(D, DV, NWG, 64, DT, form, VARLEN=packed, MODS=token,
+                               WINDOW=int(window))
+    # (the delta pass carries the window and the token: launch_passes hands both passes the
+    # arguments its config names)
     queries = dataclasses.replace(mma_gradients.with_dq_adds(
-        mma_gradients.tiles(D, DV, device.smem_per_block_optin, mods=bool(token), DT=DT,
-                            cc=device.cc), "red4",
+        mma_gradients.tiles(D, DV, device.smem_per_block_optin, window, bool(token), DT,
+                            device.cc), "red4",
         device.smem_per_block_optin)["queries"], VARLEN=packed, MODS=token)
     for what, need in (("key pass", shared_bytes(keys)),
                        ("delta pass", mma_shared_bytes(queries, "queries"))):
@@ -78,12 +79,12 @@ def config(problem, device):
 
 def auto_passes(problem, device):
     """Why "auto" should take cuda.mma's backward although this one runs the problem, or None:
-    modifications, whose key pass has run in the warp emulator and compiled for sm_90a but not
-    on a GPU yet (bench/NOTES.md, session 38)."""
+    a window or other modifications, whose key pass has run in the warp emulator and compiled
+    for sm_90a but not on a GPU yet (bench/NOTES.md, session 38)."""
     from ..mma.config import modifications
-    if modifications(problem):
-        return ("modifications on cuda.wgmma's backward have not run on a GPU yet (emulated and "
-                "compiled only): algorithm='wgmma' runs them")
+    if modifications(problem) or getattr(getattr(problem, "mods", None), "window", None):
+        return ("windows and other modifications on cuda.wgmma's backward have not run on a GPU "
+                "yet (emulated and compiled only): algorithm='wgmma' runs them")
     return None
 
 
@@ -93,7 +94,7 @@ def compiled_kernels(cfg, dtype):
     from .. import launch
     return [mma_gradients.query_pass_kernel(cfg["queries"], dtype),
             (launch.get_kernel(NAME + ".backward_keys", make_kernel, cfg["keys"]),
-             mma_gradients.signature(dtype, "keys", token=cfg["keys"].MODS,
+             mma_gradients.signature(dtype, "keys", bool(cfg["keys"].WINDOW), cfg["keys"].MODS,
                                      varlen=bool(cfg["keys"].VARLEN), dq_adds=True))] + \
         mma_gradients.dq_round_kernel(cfg, dtype)
 
