@@ -48,6 +48,8 @@ def main():
     ap.add_argument("--block-mask", action="store_true",
                     help="also time numflash with a key-padding block mask keeping every key")
     a = ap.parse_args()
+    if a.kvcache and a.block_mask:
+        ap.error("--block-mask times attention(); attention_with_kvcache takes no block mask")
     if a.kvcache:
         return kvcache_table(a)
     try:

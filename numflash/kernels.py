@@ -190,7 +190,7 @@ FORWARD = (
                      "one launch; compute capability 9.0 only; "
                      "'auto' takes it for the 16-bit "
                      "forward where it runs, but for calls whose query blocks do not fill the "
-                     "GPU (cuda.mma splits their keys)"),
+                     "GPU (cuda.mma splits their keys) and block masks at d64"),
     Operator("cuda.mma", "cuda", "mma", _cuda_mma,
              dtypes=("float16", "bfloat16", "float32", "float64"), max_head_dim=256,
              min_cc=(8, 0), min_cc_why="mma.sync bf16 / f64, cp.async", runs_in_simulator=False,

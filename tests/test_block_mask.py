@@ -324,9 +324,9 @@ def test_gpu_block_mask_equals_its_mask_mod_at_real_sizes(rng, dtype):
     for causal in (False, True):
         # cuda.mma named: "auto" may take cuda.wgmma for the block mask and cuda.mma for the
         # mask_mod, whose tiles differ. num_splits=1: one share of the keys each, so the same
-        # sums in the same order (the planner splits the mask_mod call's keys and not the block
-        # mask's: seen on the H100, session 22, where their outputs then differed in the last
-        # bits)
+        # sums in the same order (split-KV deals out a block mask's listed blocks and a
+        # mask_mod call's key tiles; split apart, their outputs differed in the last bits on
+        # the H100, session 22)
         o1, l1 = numflash.attention(qg, kg, vg, causal=causal, block_mask=bm, return_lse=True,
                                     num_splits=1, algorithm="mma")
         o2, l2 = numflash.attention(qg, kg, vg, causal=causal, mask_mod=m, num_splits=1,

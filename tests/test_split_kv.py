@@ -262,6 +262,10 @@ def test_explain_says_the_split():
     assert "in 3 shares (num_splits was given)" in str(plan)
     assert "split-KV" not in str(_choose(_problem(4, 32, 4096, 4096), "cuda", "auto",
                                          device=dev))
+    bm = numflash.create_block_mask(lambda b, h, i, j: j <= i + 200, None, None, 1, 131072)
+    plan = _choose(_problem(1, 32, 1, 131072, block_mask=bm), "cuda", "auto", device=dev)
+    assert plan.kernel == "cuda.mma" and plan.config["SPLIT"] == 1, str(plan)
+    assert "with the block mask each share takes a run of the listed blocks" in str(plan)
 
 
 def test_num_splits_checks_and_other_backends(rng):

@@ -108,6 +108,8 @@ def notes(problem, cfg, device):
            f"{blocks} query blocks for {device.sm_count} SMs")
     if cfg.KVLEN:
         why += "; planned for the cache's capacity, the shares counted from the longest entry"
+    if mods.sparse(cfg.MODS):   # (more shares than a block row lists leave some empty)
+        why += "; with the block mask each share takes a run of the listed blocks"
     return lines + [f"split-KV: each query block's keys in {n} shares ({why}); the partial "
                     f"results are merged by cuda.merge (one more launch, "
                     f"{'float64' if cfg.DT == 'f64' else 'float32'} partials: "

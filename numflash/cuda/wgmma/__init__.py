@@ -3,7 +3,7 @@ bfloat16, head dims that are multiples of 8 up to 128 (zero-padded to 64 or 128)
 both alignments, GQA, packed sequences in one launch (attention_varlen: VARLEN, as cuda.mma
 runs them), sliding windows (WINDOW: cuda.mma's row bounds; a warpgroup computes only the key
 tiles its rows' windows reach), block masks (cuda.mma's walk over each block row's listed
-blocks; "auto" leaves them to cuda.mma until they have run on a GPU), score / mask
+blocks; "auto" leaves those at d64 to cuda.mma: auto_passes), score / mask
 modifications (cuda.mma's composition, applied to each tile's S registers, on half-width key
 tiles: HALF_TILES). The
 kernel (forward.py) is generated as Python source per config from cuda.mma's pieces (row
@@ -13,10 +13,10 @@ runs, but for unpacked calls whose query blocks do not fill the GPU (auto_passes
 
 The backward's key pass (backward.py, the operator in gradients.py) is FlashAttention-3's
 backward loop on the same products, after cuda.mma's delta pass, with dQ added into a float32
-accumulator.
+accumulator; windows and modifications but a block mask too (gradients.py).
 
 Not yet here (explain says so, and cuda.mma runs them): modifications of packed
-sequences but a window, modifications in the backward, dropout, split-KV, KV caches,
+sequences but a window (in the backward not even that), dropout, split-KV, KV caches,
 strided or misaligned rows, odd head dims, head dims past 128, a deterministic backward. wgmma
 exists on compute capability 9.0 only: not on 8.x, and not on 10.x / 12.x.
 """
