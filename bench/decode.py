@@ -19,10 +19,6 @@ import argparse
 import numpy as np
 
 
-def _key_padding(b, h, i, j, lengths):
-    return j < lengths[b]
-
-
 def _sdpa_backends(torch):
     from torch.nn.attention import SDPBackend
     return {"SDPA flash": SDPBackend.FLASH_ATTENTION, "SDPA cuDNN": SDPBackend.CUDNN_ATTENTION,
@@ -33,6 +29,7 @@ def main():
     import cupy
     import numflash
     from numflash.bench.timing import median_ms
+    from mods_cost import _key_padding   # (bench/ is on this script's path)
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dtypes", default="float16,bfloat16,float32")
     ap.add_argument("--nk", type=int, default=131072)

@@ -64,7 +64,9 @@ def kernel_source(cfg):
         dropout.emit_locals(s, cfg, ops.float)
         ops.stage_q(s)
         emit_row_bounds(s, cfg.BR, window)
-        if cfg.SPLIT and not mods.sparse(cfg.MODS):
+        # split-KV deals out key tiles, or with a block mask the listed blocks (tile_loop)
+        split_tiles = bool(cfg.SPLIT) and not mods.sparse(cfg.MODS)
+        if split_tiles:
             emit_split_range(s, cfg.BC, window)
         ops.a_fragments(s)
         emit_q_ready(s, cfg.VEC, cfg.HOLDQ, NKK, lambda kk, names: ops.load_a(s, kk, names))
@@ -74,12 +76,10 @@ def kernel_source(cfg):
             emit_views_at_use(s, cfg, (("kh", "k", "hk", "k"), ("vh", "v", "hk", "k")))
             return ops.stage_kv(s, j0u, buf)
 
-        sparse = emit_block_row(s, cfg.MODS)
-        # split-KV: a share's key range, or with a block mask its share of the listed blocks
-        bounds = {"start": "split_first", "end": "split_end"} if cfg.SPLIT and not sparse else {}
+        bounds = {"start": "split_first", "end": "split_end"} if split_tiles else {}
         with tile_loop(s, stage_kv, cfg.BC, L.kv_words, cfg.VEC, L.kv_off, L.KW,
-                       window or bool(bounds), sparse=sparse, shares=bool(cfg.SPLIT and sparse),
-                       **bounds) as (k_off, v_off, kb):
+                       window or split_tiles, sparse=emit_block_row(s, cfg.MODS),
+                       shares=bool(cfg.SPLIT) and not split_tiles, **bounds) as (k_off, v_off, kb):
             s(f"if {warp_sees_tile(cfg.BC, window)}:")
             with s.block():
                 # ---- S = Q K^T
