@@ -16,7 +16,8 @@ is the base that separates a modification's own cost from the loss of that path.
 
 Times by CUDA events (numflash.bench.timing.median_ms: warm-up, median of repeats; on the CPU
 time.perf_counter), forward, or forward + backward with --backward. Every row is checked against
-the float64 reference on sampled rows (forward; SDPA's rows too). Kernels compile on first use
+the float64 reference on sampled rows (forward; SDPA's rows too). A row the forced --algorithm
+cannot run (either pass with --backward) prints the planner's refusal instead. Kernels compile on first use
 (the first row of each modification; on the CPU in the warm-up, once per process).
 """
 import argparse
@@ -237,7 +238,14 @@ def main():
                 return numflash.attention(q, k, v, causal=True, **algo, **opts)
             o, lse = numflash.attention(q, k, v, causal=True, return_lse=True, **algo, **opts)
             return numflash.attention_backward(do, q, k, v, o, lse, causal=True, **algo, **opts)
-        plan = numflash.explain(q, k, v, causal=True, backward=a.backward, **algo, **opts)
+        try:
+            # both passes with --backward: a forced algorithm must run each
+            plan = [numflash.explain(q, k, v, causal=True, backward=b, **algo, **opts)
+                    for b in sorted({False, a.backward})][-1]
+        except ValueError as refusal:   # the planner's refusal: a forced --algorithm can't run it
+            print(f"| {name} | refused: {refusal} | - | - | - |" +
+                  (" - | - | - |" + (" - |" if a.cpu else "") if peer else ""), flush=True)
+            continue
         ms = median_ms(call, reps=a.reps, timer=timer)
         base = base or ms
         rows = np.sort(rng.choice(N, 64, replace=False))

@@ -161,11 +161,6 @@ def _cuda_wgmma_backward():
     return gradients
 
 
-def _wgmma_backward_passes(problem, device):
-    from .cuda.wgmma.gradients import auto_passes
-    return auto_passes(problem, device)
-
-
 def _cuda_row_backward():
     from .cuda import row_backward
     return row_backward
@@ -230,7 +225,6 @@ BACKWARD = (
              dtypes=("float16", "bfloat16"), max_head_dim=128, direction="backward",
              min_cc=(9, 0), min_cc_why="Hopper's wgmma, sm_90a", runs_in_simulator=False,
              varlen=True, mods=ROW_MODS,
-             auto_passes=_wgmma_backward_passes,
              summary="FlashAttention-3's backward loop on Hopper warpgroup products: a block "
                      "of 128 keys holds K and V in shared memory while the query tiles stream "
                      "past (two cp.async buffers, 128-byte swizzled); per tile S^T, dP^T, "
@@ -238,7 +232,7 @@ BACKWARD = (
                      "into a float32 accumulator (red.global.add.v4.f32), delta from "
                      "cuda.mma's query pass; packed sequences in one launch; sliding windows and "
                      "score / mask modifications with their derivatives (not on packed "
-                     "sequences); "
+                     "sequences; 'auto' takes it for them); "
                      "compute capability 9.0 only; not deterministic=True (cuda.mma's two "
                      "passes are)"),
     Operator("cuda.mma", "cuda", "mma", _cuda_mma_backward,

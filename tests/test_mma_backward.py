@@ -562,18 +562,18 @@ def test_backward_takes_a_window_and_other_mods(rng):
     from numflash import mods
     p = _OnDevice(_problem(rng, np.float16))
     p.mods = mods.build(p.shape, "cupy", 0, window_size=(8, 0))
-    plan = _plan(p, HOPPER)
+    plan = _mma_plan(p, HOPPER)
     assert plan.kernel == "cuda.mma" and all(c.WINDOW == 1 for c in plan.config.values())
     p = _OnDevice(_problem(rng, np.float16, d=128))
     p.mods = mods.build(p.shape, "cupy", 0, window_size=(8, 0))
-    keys = _plan(p, HOPPER).config["keys"]   # dQ adds: their tile (gradients.DQADD_TILES)
+    keys = _mma_plan(p, HOPPER).config["keys"]   # dQ adds: their tile (gradients.DQADD_TILES)
     assert (keys.NW, keys.BC, keys.SUB, keys.WINDOW, keys.DQADD) == (8, 64, 32, 1, "red4")
     p.deterministic = True   # the two passes: the window's spill-free key tile
     keys = _plan(p, HOPPER).config["keys"]
     assert (keys.NW, keys.BC, keys.SUB, keys.WINDOW, keys.DQADD) == (8, 32, 16, 1, "")
     p.deterministic = False
     p.mods = mods.build(p.shape, "cupy", 0, window_size=(8, 0), softcap=20.0)
-    cfg = _plan(p, HOPPER).config   # the other mods are device functions (test_mma_mods.py)
+    cfg = _mma_plan(p, HOPPER).config   # other mods: device functions (test_mma_mods.py)
     assert all(c.WINDOW == 1 and c.MODS == "score:softcap_score/softcap_grad[f,f]"
                for c in cfg.values())
 
@@ -795,10 +795,11 @@ def test_gpu_window_gradients_meet_the_rule(rng, case):
     q, k, v, do = make(rng, 1, H, Nq, Nk, d, d, dtype=dtype, kv_heads=Hkv)
     opts = dict(causal=causal, window_size=window)
     qg, kg, vg, dog = (cupy.asarray(a) for a in (q, k, v, do))
-    plan = numflash.explain(qg, kg, vg, backward=True, **opts)
+    # cuda.mma named: "auto" gives 16-bit windows to cuda.wgmma on Hopper
+    plan = numflash.explain(qg, kg, vg, backward=True, algorithm="mma", **opts)
     assert plan.kernel == "cuda.mma" and plan.config["keys"].WINDOW == 1
     o, lse = numflash.attention(qg, kg, vg, return_lse=True, **opts)
-    grads = numflash.attention_backward(dog, qg, kg, vg, o, lse, **opts)
+    grads = numflash.attention_backward(dog, qg, kg, vg, o, lse, algorithm="mma", **opts)
     testing.assert_gradients_accurate([g.get() for g in grads], do, q, k, v, **opts)
 
 

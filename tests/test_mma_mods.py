@@ -11,7 +11,7 @@ import numflash
 from numflash import mods, testing
 from numflash.inputs import parse_causal
 
-from test_mma_backward import HOPPER, _kind_dtype, _OnDevice, _plan, _problem
+from test_mma_backward import HOPPER, _kind_dtype, _mma_plan, _OnDevice, _plan, _problem
 from test_mods import relative_bias, relative_bias_grad, tanh_cap, tanh_cap_grad
 
 
@@ -295,8 +295,9 @@ def test_the_tensor_cores_take_every_modification_forward_and_backward(rng):
     p = _problem(rng, np.float16)
     opts = dict(softcap=3.0, attn_bias=np.zeros(p.shape[:4], np.float32), window_size=(8, 0),
                 attn_mask=np.ones((p.shape[0], 1, 1, p.shape[3]), bool))
-    plan = _plan(_with(p, **opts), HOPPER)
+    plan = _mma_plan(_with(p, **opts), HOPPER)
     assert plan.kernel == "cuda.mma"
+    assert _plan(_with(p, **opts), HOPPER).kernel == "cuda.wgmma"   # "auto" on Hopper
     assert all(c.WINDOW == 1 and c.MODS.startswith("mask:bool_mask[b1/4]+score:softcap_score")
                for c in plan.config.values())
     text = str(plan)
@@ -506,11 +507,14 @@ def test_gpu_backward_with_mods_meets_the_rule_and_repeats_bitwise(rng, case):
     dtype, B, H, Hkv, Nq, Nk, d, causal, name = case
     (q, k, v, do), (qg, kg, vg, dog), opts, gpu_opts = _gpu_inputs(rng, dtype, B, H, Hkv, Nq,
                                                                      Nk, d, name)
-    plan = numflash.explain(qg, kg, vg, causal=causal, backward=True, **gpu_opts)
+    # cuda.mma named: "auto" gives these to cuda.wgmma on Hopper (tests/test_wgmma_gpu.py)
+    plan = numflash.explain(qg, kg, vg, causal=causal, backward=True, algorithm="mma",
+                            **gpu_opts)
     assert plan.kernel == "cuda.mma", str(plan)
     o, lse = numflash.attention(qg, kg, vg, causal=causal, return_lse=True, **gpu_opts)
     # the default (dQ added atomically on sm_90) meets the rule; deterministic=True repeats
-    grads = numflash.attention_backward(dog, qg, kg, vg, o, lse, causal=causal, **gpu_opts)
+    grads = numflash.attention_backward(dog, qg, kg, vg, o, lse, causal=causal, algorithm="mma",
+                                        **gpu_opts)
     testing.assert_gradients_accurate([g.get() for g in grads], do, q, k, v, causal=causal,
                                       **opts)
     runs = [numflash.attention_backward(dog, qg, kg, vg, o, lse, causal=causal,

@@ -210,8 +210,8 @@ BACKWARD_MODIFIED = [  # as MODIFIED: what cuda.wgmma's backward takes (no block
 @pytest.mark.parametrize("case", BACKWARD_MODIFIED, ids=lambda c: "-".join(map(str, c)))
 def test_wgmma_backward_with_modifications_is_accurate(hopper, rng, case):
     """Sliding windows and score / mask modifications with their derivatives in cuda.wgmma's
-    key pass (forced: "auto" leaves them to cuda.mma until this has run on a GPU), dQ, dK and
-    dV against the float64 reference with the same modifications."""
+    key pass ("auto" takes it for them too), dQ, dK and dV against the float64 reference with
+    the same modifications."""
     from test_mma_mods import _gpu_inputs
     from numflash import testing
     dtype, B, H, Hkv, Nq, Nk, d, causal, name = case
@@ -221,6 +221,8 @@ def test_wgmma_backward_with_modifications_is_accurate(hopper, rng, case):
                             **gpu_opts)
     keys = plan.config["keys"]
     assert plan.kernel == "cuda.wgmma" and (keys.MODS or keys.WINDOW), str(plan)
+    auto = numflash.explain(qg, kg, vg, causal=causal, backward=True, **gpu_opts)
+    assert auto.kernel == "cuda.wgmma" and auto.config["keys"] == keys, str(auto)
     o, lse = numflash.attention(qg, kg, vg, causal=causal, return_lse=True, **gpu_opts)
     grads = numflash.attention_backward(dog, qg, kg, vg, o, lse, causal=causal,
                                         algorithm="wgmma", **gpu_opts)

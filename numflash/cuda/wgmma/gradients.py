@@ -77,17 +77,6 @@ def config(problem, device):
     return {"queries": queries, "keys": keys}
 
 
-def auto_passes(problem, device):
-    """Why "auto" should take cuda.mma's backward although this one runs the problem, or None:
-    a window or other modifications, whose key pass has run in the warp emulator and compiled
-    for sm_90a but not on a GPU yet (bench/NOTES.md, session 38)."""
-    from ..mma.config import modifications
-    if modifications(problem) or getattr(getattr(problem, "mods", None), "window", None):
-        return ("windows and other modifications on cuda.wgmma's backward have not run on a GPU "
-                "yet (emulated and compiled only): algorithm='wgmma' runs them")
-    return None
-
-
 def compiled_kernels(cfg, dtype):
     """[(Kernel, numba argument types)] run() launches: cuda.mma's delta pass, the wgmma key
     pass, then cuda.dq_round's."""
