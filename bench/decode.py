@@ -5,6 +5,7 @@ and with num_splits=1 against PyTorch SDPA's backends on the same memory.
     python bench/decode.py [--dtypes float16,bfloat16,float32] [--nk 131072] [--heads 32]
                            [--kv-heads 32] [--d 128] [--nq 1,16] [--batch 1]
                            [--splits 8,16,32,64] [--kvcache] [--block-mask]
+                           [--tiles 1/64/1,2/64/1]
 
 Reports ms (CUDA events: warm-up, median of repeats; numflash.bench.timing.median_ms) and the
 K/V read rate in GB/s (the bytes of K and V over the time), and the largest difference of each
@@ -13,8 +14,12 @@ reference at these shapes' smaller siblings). Not causal: SDPA's is_causal align
 which for Nq < Nk is not decoding's bottom-right (numflash's causal="bottom_right").
 With --block-mask a column times numflash (auto) with a key-padding block mask that keeps every
 key (each entry's length Nk: FULL blocks), so its cost over the plain call is the list walk's.
+With --kv-heads below --heads (GQA) a column times decode (Nq 1) with each K/V head's query
+heads passed as its query rows (q reshaped to (B, Hk, H / Hk, d), plain multi-head attention:
+each K/V row read once, not once a query head), the same attention as the GQA call.
 """
 import argparse
+import contextlib
 
 import numpy as np
 
@@ -44,9 +49,19 @@ def main():
                     help="time attention_with_kvcache (contiguous, pages of 16 and 256) instead")
     ap.add_argument("--block-mask", action="store_true",
                     help="also time numflash with a key-padding block mask keeping every key")
+    ap.add_argument("--tiles", default="",
+                    help="also time numflash (auto) with cuda.mma's split tile forced to each "
+                         "NW/BC/HOLDQ given, e.g. 1/64/1,2/64/1 (an experiment: a column each, "
+                         "ms (GB/s; shares; largest difference from auto's output))")
     a = ap.parse_args()
-    if a.kvcache and a.block_mask:
-        ap.error("--block-mask times attention(); attention_with_kvcache takes no block mask")
+    if a.kvcache and (a.block_mask or a.tiles):
+        ap.error("--block-mask and --tiles time attention(), not attention_with_kvcache")
+    try:
+        tiles = [tuple(int(x) for x in t.split("/")) for t in a.tiles.split(",") if t]
+    except ValueError:
+        tiles = [()]
+    if any(len(t) != 3 for t in tiles):
+        ap.error(f"--tiles takes NW/BC/HOLDQ triples, e.g. 1/64/1,2/64/1; got {a.tiles!r}")
     if a.kvcache:
         return kvcache_table(a)
     try:
@@ -61,11 +76,15 @@ def main():
     print(f"B{B} H{H} Hk{Hk} Nk{Nk} d{d}: ms (K/V GB/s)")
     forced = [int(n) for n in a.splits.split(",") if n]
     masked = ["block mask"] if a.block_mask else []
+    rows_of = ["heads as rows"] if Hk < H else []
     print("| dtype | Nq | numflash auto | splits | numflash num_splits=1 | " +
           "".join(f"num_splits={n} | " for n in forced) +
           ("auto, block mask | " if masked else "") +
+          ("auto, each K/V head's query heads as rows (Nq 1) | " if rows_of else "") +
+          "".join(f"tile {'/'.join(map(str, t))} (splits) | " for t in tiles) +
           " | ".join(backends) + " | auto vs best peer | max diff |")
-    print("|---" * (7 + len(forced) + len(masked) + len(backends)) + "|")
+    print("|---" * (7 + len(forced) + len(masked) + len(rows_of) + len(tiles) + len(backends))
+          + "|")
     for dtype in a.dtypes.split(","):
         dt = np.dtype(__import__("ml_dtypes").bfloat16) if dtype == "bfloat16" else dtype
         k, v = (cupy.asarray(rng.standard_normal((B, Hk, Nk, d), np.float32)).astype(dt)
@@ -86,6 +105,29 @@ def main():
                                                 (cupy.full(B, Nk, np.int64),))
                 row["block mask"] = median_ms(lambda: numflash.attention(q, k, v, block_mask=bm))
             ours = numflash.attention(q, k, v)
+            if rows_of and Nq == 1:   # flash-attn's decode trick: K/V read once per K/V head
+                grouped = q.reshape(B, Hk, H // Hk, d)   # (query head h reads K/V head h // G)
+                ms = median_ms(lambda: numflash.attention(grouped, k, v))
+                gap = float(abs(numflash.attention(grouped, k, v).reshape(ours.shape)
+                                .astype(np.float32) - ours.astype(np.float32)).max())
+                row["heads as rows"] = f"{ms:.3f} ({kv_gb / ms * 1e3:.0f}; {gap:.1e} from auto)"
+            elif rows_of:
+                row["heads as rows"] = "n/a (Nq > 1)"
+            for tile in tiles:
+                with _split_tile(tile):
+                    tiled = numflash.explain(q, k, v)
+                    cfg = tiled.config
+                    if tiled.kernel != "cuda.mma" or not cfg.SPLIT or \
+                            (cfg.NW, cfg.BC, cfg.HOLDQ) != tile:
+                        why = tiled.rejected.get("cuda.mma", "no split")
+                        row[tile] = f"n/a ({tiled.kernel}: {why})"
+                        continue
+                    shares = next((n.split(" shares")[0].rsplit(" ", 1)[1] for n in tiled.notes
+                                   if "split-KV" in n), "1")
+                    ms = median_ms(lambda: numflash.attention(q, k, v))
+                    gap = float(abs(numflash.attention(q, k, v).astype(np.float32) -
+                                    ours.astype(np.float32)).max())
+                row[tile] = f"{ms:.3f} ({kv_gb / ms * 1e3:.0f}; {shares}; {gap:.1e} from auto)"
             peers, diff = {}, "-"
             if torch is not None:
                 tq, tk, tv = (torch.from_dlpack(x) for x in (q, k, v))
@@ -107,11 +149,45 @@ def main():
             cells = [f"{row['auto']:.3f} ({kv_gb / row['auto'] * 1e3:.0f})", splits,
                      f"{row['one']:.3f} ({kv_gb / row['one'] * 1e3:.0f})"]
             cells += [f"{row[n]:.3f} ({kv_gb / row[n] * 1e3:.0f})" for n in forced + masked]
+            cells += [row[n] for n in rows_of] + [row[t] for t in tiles]
             cells += [f"{t:.3f} ({kv_gb / t * 1e3:.0f})" if isinstance(t, float) else t
                       for t in peers.values()]
             cells += [f"{best / row['auto']:.2f}x" if best else "-",
                       f"{diff:.2e}" if isinstance(diff, float) else diff]
             print(f"| {dtype} | {Nq} | " + " | ".join(cells) + " |", flush=True)
+
+
+@contextlib.contextmanager
+def _split_tile(tile):
+    """cuda.mma's split-KV calls planned on ``tile`` (NW, BC, HOLDQ) instead of choose_tile's:
+    the decode-tile experiment (one warp a block leaves 48 of 64 rows of padding out of the
+    products at Nq <= 16). The plan memo and the recorded launches (fastpath's replays) are
+    cleared on the way in and out, so no call replays another tile's launch."""
+    import dataclasses
+    from numflash import plan
+    from numflash.cuda import fastpath, mma
+    from numflash.device import Unsupported
+    original = mma.config
+
+    def config(problem, device):
+        cfg = original(problem, device)
+        if not cfg.SPLIT:
+            return cfg
+        cfg = dataclasses.replace(cfg, NW=tile[0], BC=tile[1], HOLDQ=tile[2])
+        if mma.shared_bytes(cfg) > device.smem_per_block_optin:
+            raise Unsupported(f"tile {tile} needs {mma.shared_bytes(cfg)} bytes of shared memory")
+        return cfg
+
+    def forget():
+        plan._plans.clear()
+        fastpath.clear()
+    forget()
+    mma.config = config
+    try:
+        yield
+    finally:
+        mma.config = original
+        forget()
 
 
 def kvcache_table(a):

@@ -1,5 +1,6 @@
 """Public entry points: check inputs -> choose a plan -> run it. No kernel code lives here."""
 from . import dropout as _dropout
+from . import gqa as _gqa
 from . import mods as _mods
 from . import plan as _plan
 from .cuda import fastpath as _fastpath
@@ -172,6 +173,8 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, layout="bhsd", backe
                          dropout_p, dropout_seed)
     plan = _plan.choose(problem, backend, algorithm)
     B, H, Nq, Nk, d, dv = problem.shape
+    run, plan, swapped = _gqa.plan_rows(problem, plan,
+                                        lambda p: _plan.choose(p, backend, algorithm))
     if B * H * Nq == 0:
         lse = problem.empty_lse()
     elif Nk == 0:  # every row sees no key
@@ -180,10 +183,10 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, layout="bhsd", backe
         lse[...] = -float("inf")
     elif key is not None and problem.on_device:
         with _fastpath.recording() as launches:
-            lse = plan.run(problem)
+            lse = _gqa.lse_of_heads(plan.run(run), problem) if swapped else plan.run(run)
         _fastpath.remember(key, launches, problem, lse, replay_mods[1])
     else:
-        lse = plan.run(problem)
+        lse = _gqa.lse_of_heads(plan.run(run), problem) if swapped else plan.run(run)
     return (problem.result, lse) if return_lse else problem.result
 
 
@@ -340,4 +343,5 @@ def explain(q, k, v, *, causal=False, softmax_scale=None, layout="bhsd", backend
                                        ("return_bias_grad", return_bias_grad),
                                        ("return_mod_args_grad", return_mod_args_grad)) if given)
         raise ValueError(f"{name} is a backward option: pass backward=True with it")
-    return _plan.choose(problem, backend, algorithm)
+    plan = _plan.choose(problem, backend, algorithm)
+    return _gqa.plan_rows(problem, plan, lambda p: _plan.choose(p, backend, algorithm))[1]

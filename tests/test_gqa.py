@@ -95,6 +95,73 @@ def test_head_counts_that_do_not_group_are_refused(rng, k_heads, v_heads, match)
         numflash.attention(q, k, v)
 
 
+# ---- decoding: each K/V head's query heads as its query rows (numflash.gqa)
+
+DECODE_CASES = [  # (H, Hk, Nk, d, dtype, layout, causal, softcap)
+    (8, 2, 97, 59, np.float32, "bhsd", False, None),
+    (6, 1, 1025, 128, np.float16, "bshd", "bottom_right", 3.0),
+    (4, 2, 1, 1, np.float64, "bhsd", "bottom_right", None),
+    (8, 4, 300, 111, np.float64, "bshd", False, 20.0),
+]
+
+
+@pytest.mark.parametrize("case", DECODE_CASES, ids=lambda c: "-".join(
+    str(getattr(x, "__name__", x)) for x in c))
+@pytest.mark.parametrize("given_out", [False, True])
+def test_cpu_decode_runs_query_heads_as_rows(rng, monkeypatch, case, given_out):
+    """One query row a head against shared K/V heads: the CPU path runs the (B, Hk, G) call on
+    views of q and out (explain says so), meeting the rule with lse as (B, H, 1); a given out
+    buffer is the result, written in place. (worth_it, which counts the machine's threads, is
+    held True: test_the_swap_is_taken_where_the_threads_finish_no_later checks it.)"""
+    from numflash import gqa
+    monkeypatch.setattr(gqa, "worth_it", lambda problem, threads: True)
+    H, Hk, Nk, d, dtype, layout, causal, softcap = case
+    q, k, v, _ = make(rng, 2, H, Hk, 1, Nk, d, d, dtype, layout)
+    opts = dict(causal=causal, softcap=softcap, layout=layout)
+    assert "grouped-query decode: each K/V head's" in str(numflash.explain(q, k, v, **opts))
+    buffer = np.full_like(q, 7) if given_out else None
+    o, lse = numflash.attention(q, k, v, return_lse=True, out=buffer, **opts)
+    assert lse.shape == (2, H, 1) and o.shape == q.shape
+    if given_out:
+        assert o is buffer
+    testing.assert_accurate(o, q, k, v, lse=lse, **opts)
+
+
+@pytest.mark.parametrize("Nq, opts", [
+    (1, dict(causal=True)),             # top-left: the row sees key 0 only
+    (2, {}),                            # rows of their own
+    (1, dict(window_size=(4, 0), causal="bottom_right")),
+    (1, dict(alibi_slopes=np.linspace(0.1, 0.8, 4))),   # a slope per query head
+    (1, dict(dropout_p=0.25, dropout_seed=5)),          # its mask is drawn by (b, h, i, j)
+])
+def test_cpu_decode_keeps_heads_where_rows_would_change_the_attention(rng, monkeypatch, Nq,
+                                                                       opts):
+    """explain (which plans what attention runs) names no swap, where the same shape without
+    the option does swap (Nq 1), and the result meets the rule."""
+    from numflash import gqa
+    monkeypatch.setattr(gqa, "worth_it", lambda problem, threads: True)
+    q, k, v, _ = make(rng, 1, 4, 2, Nq, 50, 16, 16, np.float32)
+    assert "grouped-query" not in str(numflash.explain(q, k, v, **opts))
+    if Nq == 1:
+        assert "grouped-query" in str(numflash.explain(q, k, v, causal="bottom_right"))
+    if "dropout_p" not in opts:
+        testing.assert_accurate(numflash.attention(q, k, v, **opts), q, k, v, **opts)
+
+
+def test_the_swap_is_taken_where_the_threads_finish_no_later():
+    """numflash.gqa.worth_it: rounds of tasks, each swapped task of G rows costing 1 + (G - 1) / 12
+    of a one-row task (the 2-core measurements' fit)."""
+    from types import SimpleNamespace as NS
+    from numflash import gqa
+
+    def problem(B, H, Hk):
+        return NS(q=np.empty((B, H, 1, 1)), k=np.empty((B, Hk, 9, 1)))
+    assert gqa.worth_it(problem(1, 32, 8), 2)        # 4 rounds of 1.25 against 16
+    assert gqa.worth_it(problem(1, 8, 1), 2)         # 1 round of 1.58 against 4
+    assert not gqa.worth_it(problem(1, 32, 8), 64)   # 1 round of 1.25 against 1
+    assert gqa.worth_it(problem(4, 32, 8), 16)       # 2 rounds of 1.25 against 8
+
+
 def test_torch_layers_take_grouped_heads_in_place():
     torch = pytest.importorskip("torch")
     import torch.nn.functional as F

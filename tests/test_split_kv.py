@@ -19,6 +19,9 @@ from numflash.testing import check
 SPLIT_CASES = [  # (DT, B, H, Hk, Nq, Nk, d, causal, window, splits, VEC, tile, empty shares)
     pytest.param("f16", 1, 2, 1, 5, 150, 64, "bottom_right", None, 3, 1, (2, 32, 1), False,
                  id="f16-decode-gqa-bottom_right"),
+    # one warp a block (BR 16): the decode tile bench/decode.py --tiles times against (4, 64, 1)
+    pytest.param("f16", 1, 2, 2, 1, 300, 128, False, None, 3, 1, (1, 64, 1), False,
+                 id="f16-decode-d128-one-warp", marks=pytest.mark.extended),   # ~65 s
     pytest.param("f64", 1, 1, 1, 40, 90, 32, True, None, 4, 0, (2, 16, 0), True,
                  id="f64-causal-empty-shares"),
     pytest.param("3xtf32", 1, 1, 1, 33, 100, 32, False, (20, 5), 7, 1, (2, 16, 0), True,
