@@ -137,10 +137,11 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, layout="bhsd", backe
         sequences too, numflash.attention_varlen; not a KV cache).
 
     num_splits: split-KV, how many shares of the keys each block of queries is split into on
-        the GPU (cuda.mma), their partial results then merged exactly (:func:`merge_partials`'s
-        rule, one more launch). None: chosen from the GPU's size, splitting when the query
-        blocks cannot fill it (decoding, few long rows); 1: never; any other backend takes
-        only None or 1. :func:`explain` says the choice.
+        the GPU (cuda.mma) or the CPU path (runs of whole key blocks, at most one a block),
+        their partial results then merged exactly (:func:`merge_partials`'s rule; on the GPU
+        one more launch). None: chosen from the GPU's size or the CPU's threads, splitting
+        when the query blocks cannot fill them (decoding, few long rows); 1: never; any other
+        kernel takes only None or 1. :func:`explain` says the choice.
 
     Returns the output in q's dtype, array kind and layout; ``(out, lse)`` if ``return_lse``.
     A forced backend or algorithm that cannot run the inputs raises ValueError saying why;

@@ -13,7 +13,8 @@ Where: the CPU path (cpu.tiled) -- on this project's 2-core CPU, B1 H32 Hk8 d128
 Nk 32768 / 131072 took 0.33x / 0.32x the time of the per-head call, float16 H32 Hk4 0.18x,
 H8 Hk1 0.37x (bench/NOTES.md, session 39). Its tasks are (batch, head, query block): the swap
 leaves B * Hk where there were B * H, so where the per-head call fills the threads in fewer
-rounds the swap is not taken (:func:`worth_it`). The CUDA kernels are not timed with it yet
+rounds the swap is not taken (:func:`worth_it`, which leaves out the runs of keys cpu.tiled
+deals out where its tasks are fewer than the threads). The CUDA kernels are not timed with it yet
 (bench/decode.py's "heads as rows" column measures the same swap made by hand)."""
 import dataclasses
 

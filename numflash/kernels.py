@@ -80,8 +80,8 @@ class Operator:
         splits = getattr(problem, "num_splits", None)
         if splits is not None and splits > 1 and not self.splits:
             return (f"{self.name} does not split the keys (num_splits={splits}); cuda.mma's "
-                    f"forward does (CuPy arrays, compute capability >= 8.0), and num_splits=None "
-                    f"or 1 runs anywhere")
+                    f"forward does (CuPy arrays, compute capability >= 8.0), as does the CPU "
+                    f"path (NumPy arrays), and num_splits=None or 1 runs anywhere")
         precision = getattr(problem, "precision", "auto")
         if precision == "tf32" and not self.tf32 and self.direction == "backward":
             return (f"{self.name} computes in exact {dt}; no backward kernel takes "
@@ -199,9 +199,10 @@ FORWARD = (
                      "block over several blocks, merged by cuda.merge) when the query blocks "
                      "cannot fill the GPU"),
     Operator("cpu.tiled", "cpu", "block", _cpu_tiled,
-             dtypes=("float16", "float32", "float64"), mods="all", dropout=True,
+             dtypes=("float16", "float32", "float64"), mods="all", dropout=True, splits=True,
              summary="numba.njit block-tiled online softmax, parallel over (batch, head, query "
-                     "block)"),
+                     "block), and over runs of key blocks where those are fewer than the "
+                     "threads (decoding; num_splits forces a count), merged exactly"),
     Operator("cuda.block", "cuda", "block", _cuda_block,
              dtypes=("float16", "float32", "float64"), max_head_dim=256,
              summary="block-tiled: Q blocks across the grid, K/V tiles in shared memory, "

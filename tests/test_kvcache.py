@@ -184,8 +184,8 @@ def test_bad_input_names_the_argument_and_writes_nothing(rng):
         call(q, k_cache, v_cache, k, v, [1, 2], window_size=(4, 0))
     with pytest.raises(ValueError, match="softcap"):          # options before any write
         call(q, k_cache, v_cache, k, v, [1, 2], softcap=-1.0)
-    with pytest.raises(ValueError, match="split the keys"):
-        call(q, k_cache, v_cache, k, v, [1, 2], num_splits=2)
+    with pytest.raises(ValueError, match="num_splits"):
+        call(q, k_cache, v_cache, k, v, [1, 2], num_splits=0)
     kp, vp, table = _paged(k_cache, v_cache, 4, rng)
     bad = table.copy()
     bad[1, 0] = kp.shape[0]

@@ -271,13 +271,77 @@ def test_explain_says_the_split():
     assert "with the block mask each share takes a run of the listed blocks" in str(plan)
 
 
+# ---- the CPU path's split (numflash.cpu.tiled: key blocks in runs over the threads)
+
+CPU_SPLIT_CASES = [  # (dtype, H, Hk, Nq, Nk, d, options): runs of 512 (float64: 256) keys
+    (np.float32, 1, 1, 1, 3000, 64, {}),
+    (np.float64, 4, 2, 1, 2000, 59, dict(causal="bottom_right")),
+    (np.float16, 2, 1, 3, 1500, 16, dict(causal=True)),             # runs past row 2's keys
+    (np.float32, 2, 2, 2, 2100, 32, dict(window_size=(700, 0), causal="bottom_right",
+                                          softcap=4.0)),              # the modification path
+    (np.float32, 1, 1, 1, 1800, 8, dict(dropout_p=0.25, dropout_seed=3)),   # run_tasks' threads
+]
+
+
+@pytest.mark.parametrize("case", CPU_SPLIT_CASES, ids=lambda c: f"{np.dtype(c[0]).name}-"
+                         f"H{c[1]}-Hk{c[2]}-Nq{c[3]}-{'-'.join(c[6]) or 'plain'}")
+@pytest.mark.parametrize("splits", [3, 16])   # 16: more runs than key blocks, some empty
+def test_cpu_split_runs_meet_the_rule_and_equal_one_run(rng, monkeypatch, case, splits):
+    from numflash import plan
+    from numflash.cpu import tiled
+    dtype, H, Hk, Nq, Nk, d, opts = case
+    q = rng.standard_normal((1, H, Nq, d)).astype(dtype)
+    k, v = (rng.standard_normal((1, Hk, Nk, d)).astype(dtype) for _ in range(2))
+    outs = {}
+    for n in (1, splits):
+        monkeypatch.setattr(tiled, "split_count", lambda tasks, blocks, threads, n=n: n)
+        plan._plans.clear()
+        assert numflash.explain(q, k, v, **opts).config["splits"] == n
+        outs[n] = numflash.attention(q, k, v, return_lse=True, **opts)
+    plan._plans.clear()
+    if "dropout_p" not in opts:
+        rep = check(outs[splits][0], q, k, v, lse=outs[splits][1], **opts)
+        assert rep.ok, str(rep)
+    tol = 1e-12 if dtype == np.float64 else (2e-3 if dtype == np.float16 else 1e-5)
+    for one, split in zip(outs[1], outs[splits]):
+        np.testing.assert_allclose(split.astype(np.float64), one.astype(np.float64), atol=tol)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_cpu_split_with_batches_and_query_blocks(rng, causal):
+    """Forced runs on a call of two batch entries and several query blocks each (causal: the
+    blocks' key ranges differ): every (entry, head, block, run) lands where the merge reads
+    it, equal to one run and within the rule."""
+    q = rng.standard_normal((2, 3, 300, 16))
+    k, v = (rng.standard_normal((2, 3, 1100, 16)) for _ in range(2))
+    assert numflash.explain(q, k, v, causal=causal, num_splits=3).config["block_q"] < 300
+    one = numflash.attention(q, k, v, causal=causal, num_splits=1, return_lse=True)
+    three = numflash.attention(q, k, v, causal=causal, num_splits=3, return_lse=True)
+    assert check(three[0], q, k, v, lse=three[1], causal=causal).ok
+    for a, b in zip(one, three):
+        np.testing.assert_allclose(b, a, atol=1e-12)
+
+
+def test_cpu_split_count_gives_each_thread_two_tasks():
+    from numflash.cpu.tiled import split_count
+    assert split_count(tasks=1, key_blocks=128, threads=2) == 4
+    assert split_count(tasks=3, key_blocks=128, threads=16) == 11
+    assert split_count(tasks=1, key_blocks=2, threads=8) == 2   # a run a block at most
+    assert split_count(tasks=2, key_blocks=128, threads=2) == 1   # the threads are full
+    assert split_count(tasks=0, key_blocks=128, threads=2) == 1   # no query rows
+
+
 def test_num_splits_checks_and_other_backends(rng):
     q = rng.standard_normal((1, 2, 3, 16)).astype(np.float32)
     for bad, err in ((0, ValueError), (70000, ValueError), (2.0, TypeError), (True, TypeError)):
         with pytest.raises(err, match="num_splits"):
             numflash.attention(q, q, q, num_splits=bad)
-    with pytest.raises(ValueError, match="cpu.tiled does not split the keys"):
-        numflash.attention(q, q, q, num_splits=2)
+    with pytest.raises(ValueError, match="cuda.block does not split the keys"):
+        numflash.explain(q, q, q, num_splits=2, backend="cuda", algorithm="block")
+    long = rng.standard_normal((1, 2, 1500, 16)).astype(np.float32)
+    for n, runs in ((2, 2), (7, 3)):   # the CPU path: at most a run a key block (of 512)
+        assert numflash.explain(q, long, long, num_splits=n).config["splits"] == runs
+        assert check(numflash.attention(q, long, long, num_splits=n), q, long, long).ok
     with pytest.raises(ValueError, match="forward option"):
         numflash.explain(q, q, q, backward=True, num_splits=2)
     out = numflash.attention(q, q, q, num_splits=1)   # 1 runs anywhere

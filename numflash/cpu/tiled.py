@@ -1,6 +1,8 @@
 """The CPU path: the block-tiled online-softmax loop, compiled with numba.njit.
 
-Each (batch, head, query block) is one parallel task. Key/value blocks stream past it: S = Q K^T
+Each (batch, head, query block) is one parallel task; where those are fewer than the threads
+(decoding), each one's key blocks are dealt out in runs, a task each, and the runs' partial
+results merged (tiled_forward's ``splits``). Key/value blocks stream past a task: S = Q K^T
 for the block (BLAS through np.dot), the running row max m and row sum l are updated, the
 accumulator is rescaled by exp(m_old - m_new) and P V is added. Nothing of size Nq x Nk exists.
 float16 inputs are read as their bit patterns and decoded through a 65536-entry table, tile by tile.
@@ -221,11 +223,13 @@ def _online_softmax(s, c2, p, m, l, alpha, zero):
 
 
 @njit(fastmath=FASTMATH, cache=True)
-def _attend_block(q, k, v, out, lse, b, h, hk, i0, rows, kend, causal, causal_offset, block_k, c2,
-                  lut, scale, dropout, mod, mod_visible, mod_live, mod_args):
-    """Rows i0:i0+rows of out[b, h] and lse[b, h] from keys 0:kend of key/value head hk: one
-    parallel task. ``mod`` (None, or numflash.mods' compiled apply_forward) turns each tile of
-    raw scores into modified scaled scores; the caller then passes c2 = log2(e). A tile that
+def _attend_block(q, k, v, out, lse, b, ob, h, hk, i0, rows, kstart, kend, causal,
+                  causal_offset, block_k, c2, lut, scale, dropout, mod, mod_visible, mod_live,
+                  mod_args):
+    """Rows i0:i0+rows of out[ob, h] and lse[ob, h] from keys kstart:kend (kstart a multiple of
+    block_k) of batch entry b's key/value head hk: one parallel task (ob is b, or a split's
+    partial-result entry; see tiled_forward). ``mod`` (None, or numflash.mods' compiled
+    apply_forward) turns each tile of raw scores into modified scaled scores; the caller then passes c2 = log2(e). A tile that
     ``mod_live`` says a block mask empties is skipped (it would add nothing). ``dropout``
     (None, or dropout_arguments' tuple): P is dropped (numflash.dropout) after the row sums
     take it, before P V."""
@@ -246,7 +250,7 @@ def _attend_block(q, k, v, out, lse, b, h, hk, i0, rows, kend, causal, causal_of
     l = np.zeros(rows, dt)
     acc = np.zeros((rows, dv), dt)
 
-    for j0 in range(0, kend, block_k):
+    for j0 in range(kstart, kend, block_k):
         cols = min(block_k, kend - j0)
         if mod is not None and not mod_live(b, h, i0, rows, j0, cols, mod_args):
             continue
@@ -287,17 +291,17 @@ def _attend_block(q, k, v, out, lse, b, h, hk, i0, rows, kend, causal, causal_of
         if l[r] != 0:  # l > 0, or NaN from a poisoned score: NaN out and lse, as the reference
             inv = 1 / l[r]
             for c in range(dv):
-                out[b, h, i0 + r, c] = acc[r, c] * inv
-            lse[b, h, i0 + r] = np.log(l[r]) + m[r] * LN2
+                out[ob, h, i0 + r, c] = acc[r, c] * inv
+            lse[ob, h, i0 + r] = np.log(l[r]) + m[r] * LN2
         else:  # the row sees no key
             for c in range(dv):
-                out[b, h, i0 + r, c] = 0
-            lse[b, h, i0 + r] = -np.inf
+                out[ob, h, i0 + r, c] = 0
+            lse[ob, h, i0 + r] = -np.inf
 
 
 @njit(parallel=True, fastmath=FASTMATH, cache=True)
 def tiled_forward(q, k, v, out, lse, c2, causal, causal_offset, block_q, block_k, lut, scale,
-                  dropout, mod, mod_visible, mod_live, mod_args, task_first, task_step):
+                  dropout, mod, mod_visible, mod_live, mod_args, splits, task_first, task_step):
     """out[b, h] = softmax(scale q k^T [causal mask]) v; lse[b, h] = log of each row's denominator.
 
     q, k, v: (B, H, N, d) arrays of any strides (float32, float64, or float16 bits as uint16);
@@ -306,30 +310,41 @@ def tiled_forward(q, k, v, out, lse, c2, causal, causal_offset, block_q, block_k
     modification (mod, mod_visible, mod_live, mod_args from numflash.mods; None, None, None, ()
     without) the
     scores are scaled and modified first and c2 = log2(e). ``dropout``: None, or the call's
-    (seed_lo, seed_hi, threshold, factor) (dropout_arguments). Runs tasks task_first, task_first +
-    task_step, ... (0, 1: all of them; see run_tasks for the modification path's threads).
-    Call with the BLAS single-threaded (see run()).
+    (seed_lo, seed_hi, threshold, factor) (dropout_arguments). ``splits`` > 1 (split-KV, for
+    calls with fewer query blocks than threads): each query block's key blocks are dealt out in
+    ``splits`` runs, run s writing its partial result (normalized over its keys) to out[s B + b]
+    and lse[s B + b] (out, lse then have splits B entries; run() merges them). Runs tasks
+    task_first, task_first + task_step, ... (0, 1: all of them; see run_tasks for the
+    modification path's threads). Call with the BLAS single-threaded (see run()).
     """
     B, H, Nq, d = q.shape
     Nk = k.shape[2]
     group = H // k.shape[1]  # grouped-query attention: query head h reads key/value head h // group
     nqb = (Nq + block_q - 1) // block_q
+    per_split = B * H * nqb
     # Causal tasks differ in size (a query block sees keys up to its diagonal): run() sets
     # numba's chunk size to 1 so tasks are handed out one at a time, and they go largest first,
     # so no thread is left with a long tail.
-    for n in prange((B * H * nqb - task_first + task_step - 1) // task_step):
+    for n in prange((per_split * splits - task_first + task_step - 1) // task_step):
         task = task_first + n * task_step
-        b = task // (H * nqb)
-        h = (task // nqb) % H
-        qb = task % nqb
+        s = task % splits   # innermost: a query block's runs go out together, largest first
+        block = task // splits
+        b = block // (H * nqb)
+        h = (block // nqb) % H
+        qb = block % nqb
         i0 = (nqb - 1 - qb if causal else qb) * block_q
         rows = min(block_q, Nq - i0)
         # Only keys some row of this block can see: later blocks are never loaded.
         kend = Nk
         if causal:
             kend = min(Nk, max(0, i0 + rows + causal_offset))
-        _attend_block(q, k, v, out, lse, b, h, h // group, i0, rows, kend, causal, causal_offset,
-                      block_k, c2, lut, scale, dropout, mod, mod_visible, mod_live, mod_args)
+        run = (kend + block_k - 1) // block_k
+        run = (run + splits - 1) // splits * block_k   # keys a split takes, whole blocks
+        kstart = min(kend, s * run)
+        kend = min(kend, kstart + run)
+        _attend_block(q, k, v, out, lse, b, s * B + b, h, h // group, i0, rows, kstart, kend,
+                      causal, causal_offset, block_k, c2, lut, scale, dropout, mod, mod_visible,
+                      mod_live, mod_args)
 
 
 def uncached(dispatcher, **rebind):
@@ -448,7 +463,20 @@ def config(problem, device):
         block_q //= 2
     # float64 tiles are twice the bytes: halve the key block to keep S and P in L2.
     block_k = BLOCK_K // 2 if problem.dtype == np.float64 else BLOCK_K
-    return {"block_q": block_q, "block_k": block_k}
+    key_blocks = -(-Nk // block_k)
+    forced = getattr(problem, "num_splits", None)
+    splits = max(1, min(forced, key_blocks)) if forced is not None else \
+        split_count(B * H * -(-Nq // block_q), key_blocks, numba.get_num_threads())
+    return {"block_q": block_q, "block_k": block_k, "splits": splits}
+
+
+def split_count(tasks, key_blocks, threads):
+    """Split-KV on the CPU: where the query blocks are fewer than the threads (decoding: one
+    task a head, or a K/V head's rows, numflash.gqa), each one's key blocks in as many runs as
+    give every thread two tasks, whole blocks each, at most one a block; else 1."""
+    if tasks == 0 or tasks >= threads:   # (no query rows: nothing to split)
+        return 1
+    return max(1, min(key_blocks, -(-2 * threads // tasks)))
 
 
 def run(problem, config, device=None):
@@ -459,28 +487,39 @@ def run(problem, config, device=None):
     q, k, v = p.q, p.k, p.v
     if p.dtype == np.float16:
         q, k, v = q.view(np.uint16), k.view(np.uint16), v.view(np.uint16)
-    out = p.out if p.out.dtype == compute else np.empty(p.out.shape, compute)
     lse = p.empty_lse()
-    args = (q, k, v, out, lse, compute(p.scale * LOG2E), p.causal, p.causal_offset,
+    B, H, Nq = p.q.shape[:3]
+    splits = config.get("splits", 1)
+    if splits > 1:   # each split's partial result, merged below
+        out = np.empty((splits * B,) + tuple(p.out.shape[1:]), compute)
+        part_lse = np.empty((splits * B,) + lse.shape[1:], lse.dtype)
+    else:
+        out = p.out if p.out.dtype == compute else np.empty(p.out.shape, compute)
+        part_lse = lse
+    args = (q, k, v, out, part_lse, compute(p.scale * LOG2E), p.causal, p.causal_offset,
             config["block_q"], config["block_k"], lut, compute(p.scale),
             dropout_arguments(p, compute))
     no_mods = (None, None, None, ())
+    tasks = B * H * -(-Nq // config["block_q"]) * splits
     chunk = numba.set_parallel_chunksize(1)  # returns the previous value
     try:
         with _SingleThreadedBlas(), compile_errors(p.mods):
             if p.mods is None and p.dropout is None:
-                tiled_forward(*args, *no_mods, 0, 1)
+                tiled_forward(*args, *no_mods, splits, 0, 1)
             elif p.mods is None:  # numba's parallel loops take no tuple: run_tasks' threads
-                B, H, Nq = p.q.shape[:3]
-                run_tasks(_forward_with_mods(), args + no_mods, B * H * -(-Nq // config["block_q"]))
+                run_tasks(_forward_with_mods(), args + no_mods + (splits,), tasks)
             else:  # scores are scaled and modified in the kernel, then exp2(log2(e) x)
                 apply_forward, _, visible, live, _ = p.mods.compiled()
                 args = args[:5] + (compute(LOG2E),) + args[6:] + (apply_forward, visible, live,
-                                                                  p.mods.args)
-                B, H, Nq = p.q.shape[:3]
-                run_tasks(_forward_with_mods(), args, B * H * -(-Nq // config["block_q"]))
+                                                                  p.mods.args, splits)
+                run_tasks(_forward_with_mods(), args, tasks)
     finally:
         numba.set_parallel_chunksize(chunk)
-    if out is not p.out:
+    if splits > 1:
+        from ..varlen import merge_partials
+        merged, lse[...] = merge_partials([out[s * B:(s + 1) * B] for s in range(splits)],
+                                          [part_lse[s * B:(s + 1) * B] for s in range(splits)])
+        p.out[...] = merged
+    elif out is not p.out:
         p.out[...] = out
     return lse
