@@ -17,8 +17,8 @@ is the base that separates a modification's own cost from the loss of that path.
 Times by CUDA events (numflash.bench.timing.median_ms: warm-up, median of repeats; on the CPU
 time.perf_counter), forward, or forward + backward with --backward. Every row is checked against
 the float64 reference on sampled rows (forward; SDPA's rows too). A row the forced --algorithm
-cannot run (either pass with --backward) prints the planner's refusal instead. Kernels compile on first use
-(the first row of each modification; on the CPU in the warm-up, once per process).
+cannot run (either pass with --backward) prints the planner's refusal instead. Kernels compile
+on first use (the first row of each modification; on the CPU in the warm-up, once per process).
 """
 import argparse
 import sys

@@ -229,10 +229,10 @@ def _attend_block(q, k, v, out, lse, b, ob, h, hk, i0, rows, kstart, kend, causa
     """Rows i0:i0+rows of out[ob, h] and lse[ob, h] from keys kstart:kend (kstart a multiple of
     block_k) of batch entry b's key/value head hk: one parallel task (ob is b, or a split's
     partial-result entry; see tiled_forward). ``mod`` (None, or numflash.mods' compiled
-    apply_forward) turns each tile of raw scores into modified scaled scores; the caller then passes c2 = log2(e). A tile that
-    ``mod_live`` says a block mask empties is skipped (it would add nothing). ``dropout``
-    (None, or dropout_arguments' tuple): P is dropped (numflash.dropout) after the row sums
-    take it, before P V."""
+    apply_forward) turns each tile of raw scores into modified scaled scores; the caller then
+    passes c2 = log2(e). A tile that ``mod_live`` says a block mask empties is skipped (it
+    would add nothing). ``dropout`` (None, or dropout_arguments' tuple): P is dropped
+    (numflash.dropout) after the row sums take it, before P V."""
     d = q.shape[3]
     dv = v.shape[3]
     dt = out.dtype
