@@ -93,8 +93,7 @@ def main():
         for Nq in (int(n) for n in a.nq.split(",")):
             q = cupy.asarray(rng.standard_normal((B, H, Nq, d), np.float32)).astype(dt)
             plan = numflash.explain(q, k, v)
-            splits = next((n.split(" shares")[0].rsplit(" ", 1)[1] for n in plan.notes
-                           if "split-KV" in n), "1")
+            splits = _shares(plan)
             row = {}
             row["auto"] = median_ms(lambda: numflash.attention(q, k, v))
             row["one"] = median_ms(lambda: numflash.attention(q, k, v, num_splits=1))
@@ -122,8 +121,7 @@ def main():
                         why = tiled.rejected.get("cuda.mma", "no split")
                         row[tile] = f"n/a ({tiled.kernel}: {why})"
                         continue
-                    shares = next((n.split(" shares")[0].rsplit(" ", 1)[1] for n in tiled.notes
-                                   if "split-KV" in n), "1")
+                    shares = _shares(tiled)
                     ms = median_ms(lambda: numflash.attention(q, k, v))
                     gap = float(abs(numflash.attention(q, k, v).astype(np.float32) -
                                     ours.astype(np.float32)).max())
@@ -155,6 +153,12 @@ def main():
             cells += [f"{best / row['auto']:.2f}x" if best else "-",
                       f"{diff:.2e}" if isinstance(diff, float) else diff]
             print(f"| {dtype} | {Nq} | " + " | ".join(cells) + " |", flush=True)
+
+
+def _shares(plan):
+    """The split-KV share count explain's plan names ("1" where it does not split)."""
+    return next((n.split(" shares")[0].rsplit(" ", 1)[1] for n in plan.notes
+                 if "split-KV" in n), "1")
 
 
 @contextlib.contextmanager

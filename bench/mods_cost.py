@@ -227,6 +227,7 @@ def main():
     if peer:
         print(f"  (peer: {peer_name})", file=sys.stderr)
     base = pbase = None
+    no_peer = " - | - | - |" + (" - |" if a.cpu else "")   # a row's peer cells, left empty
     host_q, host_k, host_v = (x.get() if hasattr(x, "get") else x for x in (q, k, v))
     for name, opts in table.items():
         if only and name != "causal" and not any(o in name for o in only):
@@ -243,8 +244,8 @@ def main():
             plan = [numflash.explain(q, k, v, causal=True, backward=b, **algo, **opts)
                     for b in sorted({False, a.backward})][-1]
         except ValueError as refusal:   # the planner's refusal: a forced --algorithm can't run it
-            print(f"| {name} | refused: {refusal} | - | - | - |" +
-                  (" - | - | - |" + (" - |" if a.cpu else "") if peer else ""), flush=True)
+            print(f"| {name} | refused: {refusal} | - | - | - |" + (no_peer if peer else ""),
+                  flush=True)
             continue
         ms = median_ms(call, reps=a.reps, timer=timer)
         base = base or ms
@@ -265,7 +266,7 @@ def main():
             if a.cpu:
                 line += f" {checked(peer[name]().detach().numpy())} |"
         elif peer is not None:
-            line += " - | - | - |" + (" - |" if a.cpu else "")
+            line += no_peer
         print(line, flush=True)
 
 

@@ -172,10 +172,8 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, layout="bhsd", backe
                                    layout=layout, return_lse=return_lse, out=out,
                                    precision=precision, num_splits=num_splits), mod_options,
                          dropout_p, dropout_seed)
-    plan = _plan.choose(problem, backend, algorithm)
+    _, run = _gqa.plan_rows(problem, lambda p: _plan.choose(p, backend, algorithm))
     B, H, Nq, Nk, d, dv = problem.shape
-    run, plan, swapped = _gqa.plan_rows(problem, plan,
-                                        lambda p: _plan.choose(p, backend, algorithm))
     if B * H * Nq == 0:
         lse = problem.empty_lse()
     elif Nk == 0:  # every row sees no key
@@ -184,10 +182,10 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, layout="bhsd", backe
         lse[...] = -float("inf")
     elif key is not None and problem.on_device:
         with _fastpath.recording() as launches:
-            lse = _gqa.lse_of_heads(plan.run(run), problem) if swapped else plan.run(run)
+            lse = run()
         _fastpath.remember(key, launches, problem, lse, replay_mods[1])
     else:
-        lse = _gqa.lse_of_heads(plan.run(run), problem) if swapped else plan.run(run)
+        lse = run()
     return (problem.result, lse) if return_lse else problem.result
 
 
@@ -344,5 +342,4 @@ def explain(q, k, v, *, causal=False, softmax_scale=None, layout="bhsd", backend
                                        ("return_bias_grad", return_bias_grad),
                                        ("return_mod_args_grad", return_mod_args_grad)) if given)
         raise ValueError(f"{name} is a backward option: pass backward=True with it")
-    plan = _plan.choose(problem, backend, algorithm)
-    return _gqa.plan_rows(problem, plan, lambda p: _plan.choose(p, backend, algorithm))[1]
+    return _gqa.plan_rows(problem, lambda p: _plan.choose(p, backend, algorithm))[0]

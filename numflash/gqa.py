@@ -61,23 +61,21 @@ def as_rows(problem):
                                causal_offset=0)
 
 
-def lse_of_heads(lse, problem):
-    """The swapped call's lse (B, Hk, G) as ``problem``'s (B, H, 1): the same memory."""
-    return lse.reshape(problem.q.shape[:3])
-
-
-def plan_rows(problem, plan, choose):
-    """(the problem to run, its plan, whether swapped): ``problem`` as query rows and its plan
-    (``choose(problem)``, with explain's note) where ``plan`` runs the CPU path and the swap
-    applies and is worth it; else ``problem`` and ``plan`` as they are."""
+def plan_rows(problem, choose):
+    """(plan, run) for ``problem``: ``choose(problem)`` and run() -> its lse, or, where that plan
+    runs the CPU path and the swap applies and is worth it, the swapped problem's plan (with
+    explain's note) and a run() that gives its lse back as ``problem``'s (B, H, 1), the same
+    memory."""
+    plan = choose(problem)
     if plan.kernel != "cpu.tiled" or rows_of(problem) is None:
-        return problem, plan, False
+        return plan, lambda: plan.run(problem)
     import numba
     if not worth_it(problem, numba.get_num_threads()):
-        return problem, plan, False
+        return plan, lambda: plan.run(problem)
     swapped = as_rows(problem)
     chosen = choose(swapped)
-    return swapped, dataclasses.replace(chosen, notes=[*chosen.notes, note(problem)]), True
+    chosen = dataclasses.replace(chosen, notes=[*chosen.notes, note(problem)])
+    return chosen, lambda: chosen.run(swapped).reshape(problem.q.shape[:3])
 
 
 def note(problem):
