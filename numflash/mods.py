@@ -24,7 +24,8 @@ every (query, key) pair they compute; the reference (numflash.reference) calls t
 in plain Python.
 
 Which kernels take modifications (each declares the kinds it takes, numflash.kernels): the CPU path
-(cpu.tiled, forward and backward) takes them all; the tensor-core kernels (cuda.mma, forward and
+(cpu.tiled, forward and backward) takes them all (its softcap in the call's precision:
+numflash.cpu.tiled.softcap_score); the tensor-core kernels (cuda.mma, forward and
 backward) take ``window_size`` as a key range per row (:func:`window_key_range`), skipping the key
 tiles outside it, and every other one as CUDA device functions applied score by score
 (numflash/cuda/mma/mods.py), cuda.row too (but a block mask), and cuda.wgmma's forward (but a
@@ -377,7 +378,11 @@ def _compile(mods):
     score_lines, grad_lines = [], []
     bias_at = mods.bias[0] if mods.bias is not None else len(mods.scores)
     user_at = len(mods.scores) - 1  # the user's score_mod, when score_mod_args_grad is given
+    # The built-in softcap in the compute precision (the reference and the GPU keep math.tanh)
+    from .cpu.tiled import softcap_grad, softcap_score
+    cpu_version = {_softcap_score: softcap_score, _softcap_grad: softcap_grad}
     for n, (f, g, _) in enumerate(mods.scores):
+        f, g = cpu_version.get(f, f), cpu_version.get(g, g)
         env[f"s{n}"] = _jit(f, "score_mod")
         a = f"*args[{n_masks + n}]"
         if mods.arg_grads and n == user_at:

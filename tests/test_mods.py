@@ -196,6 +196,38 @@ def test_hand_written_softcap_equals_the_builtin_forward_and_backward(rng):
         np.testing.assert_allclose(a, b, atol=1e-12)
 
 
+def test_the_cpu_softcaps_float32_tanh_is_within_two_ulp_and_keeps_nan_and_inf():
+    """The CPU path computes the built-in softcap in the call's precision: float32's tanh is
+    inline (a polynomial below 0.625, exp2 above), held to 2 ulp of float64's tanh over both
+    branches and their seam; NaN stays NaN, +-inf give +-1; float64 keeps libm's tanh."""
+    from numba import njit
+    from numflash.cpu import tiled
+
+    @njit
+    def sweep(xs, out):
+        for n in range(xs.size):
+            out[n] = tiled._tanh(xs[n])
+
+    seam = np.float32(0.625)
+    xs = np.concatenate([np.linspace(-12, 12, 400_001, dtype=np.float32),
+                         np.float32(10.0) ** np.linspace(-30, 1, 20_001, dtype=np.float32),
+                         seam + np.arange(-300, 300, dtype=np.float32) * np.spacing(seam)])
+    xs = np.concatenate([xs, -xs])
+    got = np.empty_like(xs)
+    sweep(xs, got)
+    want = np.tanh(xs.astype(np.float64))
+    ulps = np.abs(got - want) / np.spacing(np.abs(want).astype(np.float32))
+    assert ulps.max() <= 2, (ulps.max(), xs[ulps.argmax()])
+    special = np.array([np.nan, np.inf, -np.inf], np.float32)
+    out = np.empty_like(special)
+    sweep(special, out)
+    assert np.isnan(out[0]) and out[1] == 1 and out[2] == -1
+    wide = np.linspace(-12, 12, 1001)
+    out = np.empty_like(wide)
+    sweep(wide, out)
+    np.testing.assert_array_equal(out, [math.tanh(x) for x in wide])
+
+
 def test_rows_left_with_nothing_give_zeros_minus_inf_and_zero_gradients(rng):
     q, k, v, do = _qkv(rng, Nq=6, Nk=6, dtype=np.float64)
     mask = np.ones((2, 2, 6, 6), bool)

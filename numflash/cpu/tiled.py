@@ -20,6 +20,7 @@ Speed notes (measurements in bench/NOTES.md, "CPU path"):
   threads started inside each task fight numba's threads for the same cores.
 """
 import ctypes
+import math
 import threading
 
 import numpy as np
@@ -109,6 +110,59 @@ def _exp2_impl(x):
     return exp2_f32
 
 
+def _tanh(x):
+    """tanh(x) in x's float type: libm's for float64; for float32 an inline one (<= 2 ulp
+    measured over float32 arguments; libm's tanhf: 1.4), about 10x faster than the libm call
+    numba makes per score (bench/NOTES.md, session 40)."""
+
+
+# tanh(x) = x + x^3 p(x^2) for |x| < 0.625: p least-squares fitted to tanh's relative error on
+# [0, 0.625] (4.5e-9 at most, in float64; bench/NOTES.md, session 40)
+_TANH_SMALL = (-0.33333281, 0.13331432, -0.05373915, 0.02063782, -0.005704)
+
+
+@overload(_tanh, inline="always")
+def _tanh_impl(x):
+    if x == types.float64:
+        return lambda x: math.tanh(x)
+    c0, c1, c2, c3, c4 = (np.float32(c) for c in _TANH_SMALL)
+    minus_two_log2e = np.float32(-2 * LOG2E)
+
+    def tanh_f32(x):
+        a = abs(x)
+        if a < np.float32(0.625):
+            u = x * x
+            return x + x * u * ((((c4 * u + c3) * u + c2) * u + c1) * u + c0)
+        # Above 0.625 e <= 0.29, so 1 - e loses no digits; NaN falls through to NaN.
+        e = _exp2(a * minus_two_log2e)
+        t = (np.float32(1.0) - e) / (np.float32(1.0) + e)
+        return t if x > 0 else -t
+    return tanh_f32
+
+
+def _in_type(x, value):
+    """value (a Python float) as x's float type."""
+
+
+@overload(_in_type, inline="always")
+def _in_type_impl(x, value):
+    if x == types.float32:
+        return lambda x, value: np.float32(value)
+    return lambda x, value: value
+
+
+def softcap_score(x, b, h, i, j, cap, inverse_cap):
+    """numflash.mods' softcap, cap tanh(x / cap), in x's precision (float32 for float32 and
+    float16 calls): the CPU path's compile of it (numflash.mods._compile)."""
+    return cap * _tanh(x * _in_type(x, inverse_cap))
+
+
+def softcap_grad(x, b, h, i, j, cap, inverse_cap):
+    """d softcap_score / dx = 1 - tanh(x / cap)^2, in x's precision."""
+    t = _tanh(x * _in_type(x, inverse_cap))
+    return 1 - t * t
+
+
 # No 'nnan'/'ninf': fully masked rows rely on -inf comparisons that those flags would delete.
 FASTMATH = {"nsz", "arcp", "contract", "afn", "reassoc"}
 
@@ -147,6 +201,23 @@ def _load_block(src, b, h, r0, rows, lut, dst):
     for r in range(rows):
         for c in range(src.shape[3]):
             dst[r, c] = _decode(src[b, h, r0 + r, c], lut)
+
+
+def _rows_of(src, b, h, r0, rows, lut, buf):
+    """src[b, h, r0:r0+rows] in buf's dtype: a view of src where it is C-contiguous in that
+    dtype (decoding reads each K/V row once, so a copy would double its memory traffic), else
+    converted into buf (returned as buf[:rows])."""
+
+
+@overload(_rows_of, inline="always")
+def _rows_of_impl(src, b, h, r0, rows, lut, buf):
+    if isinstance(src, types.Array) and src.layout == "C" and src.dtype == buf.dtype:
+        return lambda src, b, h, r0, rows, lut, buf: src[b, h, r0:r0 + rows]
+
+    def converted(src, b, h, r0, rows, lut, buf):
+        _load_block(src, b, h, r0, rows, lut, buf)
+        return buf[:rows]
+    return converted
 
 
 @njit(fastmath=FASTMATH, cache=True)
@@ -254,11 +325,11 @@ def _attend_block(q, k, v, out, lse, b, ob, h, hk, i0, rows, kstart, kend, causa
         cols = min(block_k, kend - j0)
         if mod is not None and not mod_live(b, h, i0, rows, j0, cols, mod_args):
             continue
-        _load_block(k, b, hk, j0, cols, lut, kj)
-        _load_block(v, b, hk, j0, cols, lut, vj)
+        kt = _rows_of(k, b, hk, j0, cols, lut, kj)
+        vt = _rows_of(v, b, hk, j0, cols, lut, vj)
         s = s_buf[:rows * cols].reshape((rows, cols))  # contiguous, so np.dot can write it
         p = p_buf[:rows * cols].reshape((rows, cols))
-        np.dot(qi, kj[:cols].T, s)
+        np.dot(qi, kt.T, s)
         if causal and j0 + cols - 1 > i0 + causal_offset:  # block crosses the diagonal
             for r in range(rows):
                 for c in range(visible_keys(i0 + r, j0, cols, causal, causal_offset), cols):
@@ -268,9 +339,11 @@ def _attend_block(q, k, v, out, lse, b, ob, h, hk, i0, rows, kstart, kend, causa
         _online_softmax(s, c2, p, m, l, alpha, zero)
         if dropout is not None:  # compiled away without dropout
             apply_dropout(p, b, h, i0, j0, *dropout)
-        if all_finite(vj[:cols]):
-            np.dot(p, vj[:cols], pv)
-        else:  # a non-finite v reaches only the rows that see its key, never through a 0 weight
+        np.dot(p, vt, pv)
+        # An inf or NaN in v makes its whole column of pv non-finite (0 * inf is NaN), so a finite
+        # pv (rows x dv: cheaper to scan than the tile) clears the tile. Else redo it exactly: a
+        # non-finite v reaches only the rows that see its key, never through a 0 weight.
+        if not all_finite(pv):
             pv[:] = zero
             for r in range(rows):
                 for c in range(visible_keys(i0 + r, j0, cols, causal, causal_offset)):
@@ -280,7 +353,7 @@ def _attend_block(q, k, v, out, lse, b, ob, h, hk, i0, rows, kstart, kend, causa
                                                          h, i0 + r, j0 + c):
                         continue
                     for x in range(pv.shape[1]):
-                        pv[r, x] += p[r, c] * vj[c, x]
+                        pv[r, x] += p[r, c] * vt[c, x]
         # Rescale and add in one pass: the multiply rides along with the add for free.
         for r in range(rows):
             a = alpha[r]
