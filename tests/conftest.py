@@ -87,6 +87,37 @@ FAST_CASES = {  # sweep -> the case ids that stay in the fast tier
     # tier; the rest (5 s a case on 2 cores: each combination compiles its CPU kernels) extended
     "test_modifications_apply_within_each_sequence": {"float64-bottom_right-all-shared-alibi",
                                                       "float32-False-alibi-per-sequence"},
+    # (session 40: the README tier had grown to 13-14 min on 2 cores; these sweeps keep a case
+    # of each kind and feature in it, the rest extended)
+    # simulated backward: every dtype and causal mode at 1 x 1, and each dtype on both larger
+    # shapes with the causal modes spread over them (3 s a case)
+    "test_simulated_gradients_meet_the_accuracy_rule": {
+        f"{dt}-1x1x1x1x1x1-{c}" for dt in ("float16", "float32", "float64")
+        for c in ("False", "True", "bottom_right")} | {
+        "float16-1x2x70x9x20x12-True", "float16-2x1x17x40x5x7-False",
+        "float32-1x2x70x9x20x12-bottom_right", "float32-2x1x17x40x5x7-bottom_right",
+        "float64-1x2x70x9x20x12-False", "float64-2x1x17x40x5x7-True"},
+    # a user's mods on packed sequences, both causal modes; with built-ins beside them extended
+    # (each combination compiles its CPU kernels: ~20 s; the built-ins per sequence are
+    # test_modifications_apply_within_each_sequence's)
+    "test_user_mods_see_the_sequence_index_and_positions_within_it": {"False-user",
+                                                                      "bottom_right-user"},
+    # wgmma compile checks: the d64 forward with every built-in but the window, with a window,
+    # and with a document block mask and ALiBi; the backward with mods (d128 split: extended)
+    "test_wgmma_with_modifications_compiles_without_spills_or_serialization": {
+        "D64-DV64-NWG2-BC32-DTf16-document-block-mask-alibi",
+        "D64-DV64-NWG2-BC64-DTf16-WINDOW1-", "D64-DV64-NWG2-BC32-DTf16-all-but-window"},
+    "test_wgmma_backward_compiles_for_sm90a_without_spills_or_serialization": {
+        "mods-f16-d64-alternate"},
+    # the bias gradient in its shape: broadcast with a softcap, a user score_mod, float16 with
+    # dropout (the full (B, H, Nq, Nk) float64 one: extended; each case compiles, ~8 s)
+    "test_cpu_bias_gradient_meets_the_rule_in_the_bias_shape": {
+        "float64-shape1-opts1", "float32-shape2-opts2", "float16-shape5-opts5"},
+    # one-launch packed kernels emulated: with mods and dropout, and plain bottom-right
+    "test_one_launch_kernels_emulated_equal_each_sequence_alone": {
+        "f64-True-short-24-0-mods-0.25", "f64-bottom_right-short-24-0-None-0"},
+    # the wgmma VARLEN forward emulated: with each sequence's own window (the other extended)
+    "test_emulated_wgmma_forward_of_packed_sequences": {"64-False-tile2-window2"},
 }
 
 
