@@ -41,6 +41,14 @@ MIN_BLOCK_Q = 64
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 LAZY_RESCALE_LIMIT = 65536.0  # 2**16: see _online_softmax
+# Loop orders (config's "order"): a task per (batch, head, query block) reading its head's K/V
+# tiles, or, for few query rows over a (B, N, Hk, d) KV cache, a task per run of keys reading
+# each key's rows of every head at once (keymajor_forward).
+HEAD_MAJOR = "head-major"
+KEY_MAJOR = "key-major"
+# Query rows up to which it is taken: at 16 it still beat head-major's strided tiles on this
+# 2-core machine, GQA groups 1-16 (bench/NOTES.md), at 32 it lost.
+KEY_MAJOR_MAX_ROWS = 16
 
 
 def _decode(x, lut):
@@ -294,6 +302,68 @@ def _online_softmax(s, c2, p, m, l, alpha, zero):
 
 
 @njit(fastmath=FASTMATH, cache=True)
+def _mask_past_diagonal(s, i0, j0, causal_offset):
+    """-inf for the keys of tile s (rows i0.., keys j0..) past each row's causal diagonal."""
+    rows, cols = s.shape
+    if j0 + cols - 1 > i0 + causal_offset:  # the tile crosses the diagonal
+        for r in range(rows):
+            for c in range(visible_keys(i0 + r, j0, cols, True, causal_offset), cols):
+                s[r, c] = -np.inf
+
+
+@njit(fastmath=FASTMATH, cache=True)
+def _tile_probabilities(s, p, b, h, i0, j0, causal, causal_offset, c2, scale, m, l, alpha,
+                        dropout, mod, mod_args):
+    """Raw scores s = q k^T of one tile (rows i0.., keys j0.. of head h) to probabilities p:
+    the causal mask, the modification, one step of the online softmax (m, l, alpha: the rows'
+    state), then dropout. Shared by both loop orders."""
+    if causal:
+        _mask_past_diagonal(s, i0, j0, causal_offset)
+    if mod is not None:  # compiled away without a modification
+        mod(s, b, h, i0, j0, scale, mod_args)
+    _online_softmax(s, c2, p, m, l, alpha, p.dtype.type(0))
+    if dropout is not None:  # compiled away without dropout
+        apply_dropout(p, b, h, i0, j0, *dropout)
+
+
+@njit(fastmath=FASTMATH, cache=True)
+def _takes_part(b, h, i, j, j0, cols, causal, causal_offset, dropout, mod_visible, mod_args):
+    """Pair (i, j) of a tile (keys j0..j0+cols) adds its p v: it is visible and not dropped.
+    What keeps a non-finite v from reaching rows through a zero weight (0 * inf is NaN)."""
+    if j - j0 >= visible_keys(i, j0, cols, causal, causal_offset):
+        return False
+    if mod_visible is not None and not mod_visible(b, h, i, j, mod_args):
+        return False
+    return dropout is None or _keep(dropout[0], dropout[1], dropout[2], b, h, i, j)
+
+
+@njit(fastmath=FASTMATH, cache=True)
+def _write_rows(acc, m, l, out, lse, ob, h, i0):
+    """out[ob, h, i0 + r] = acc[r] / l[r] and lse[ob, h, i0 + r] from the online softmax's state
+    (m in log2 units); a row that saw no key gets zeros and lse = -inf."""
+    for r in range(acc.shape[0]):
+        if l[r] != 0:  # l > 0, or NaN from a poisoned score: NaN out and lse, as the reference
+            inv = 1 / l[r]
+            for c in range(acc.shape[1]):
+                out[ob, h, i0 + r, c] = acc[r, c] * inv
+            lse[ob, h, i0 + r] = np.log(l[r]) + m[r] * LN2
+        else:  # the row sees no key
+            for c in range(acc.shape[1]):
+                out[ob, h, i0 + r, c] = 0
+            lse[ob, h, i0 + r] = -np.inf
+
+
+@njit(fastmath=FASTMATH, cache=True)
+def _key_run(kend, block_k, splits, s):
+    """Keys [kstart, kend) of split s when keys 0..kend are dealt out in ``splits`` runs of
+    whole blocks."""
+    run = (kend + block_k - 1) // block_k
+    run = (run + splits - 1) // splits * block_k
+    kstart = min(kend, s * run)
+    return kstart, min(kend, kstart + run)
+
+
+@njit(fastmath=FASTMATH, cache=True)
 def _attend_block(q, k, v, out, lse, b, ob, h, hk, i0, rows, kstart, kend, causal,
                   causal_offset, block_k, c2, lut, scale, dropout, mod, mod_visible, mod_live,
                   mod_args):
@@ -330,15 +400,8 @@ def _attend_block(q, k, v, out, lse, b, ob, h, hk, i0, rows, kstart, kend, causa
         s = s_buf[:rows * cols].reshape((rows, cols))  # contiguous, so np.dot can write it
         p = p_buf[:rows * cols].reshape((rows, cols))
         np.dot(qi, kt.T, s)
-        if causal and j0 + cols - 1 > i0 + causal_offset:  # block crosses the diagonal
-            for r in range(rows):
-                for c in range(visible_keys(i0 + r, j0, cols, causal, causal_offset), cols):
-                    s[r, c] = -np.inf
-        if mod is not None:  # compiled away without a modification
-            mod(s, b, h, i0, j0, scale, mod_args)
-        _online_softmax(s, c2, p, m, l, alpha, zero)
-        if dropout is not None:  # compiled away without dropout
-            apply_dropout(p, b, h, i0, j0, *dropout)
+        _tile_probabilities(s, p, b, h, i0, j0, causal, causal_offset, c2, scale, m, l, alpha,
+                            dropout, mod, mod_args)
         np.dot(p, vt, pv)
         # An inf or NaN in v makes its whole column of pv non-finite (0 * inf is NaN), so a finite
         # pv (rows x dv: cheaper to scan than the tile) clears the tile. Else redo it exactly: a
@@ -346,30 +409,17 @@ def _attend_block(q, k, v, out, lse, b, ob, h, hk, i0, rows, kstart, kend, causa
         if not all_finite(pv):
             pv[:] = zero
             for r in range(rows):
-                for c in range(visible_keys(i0 + r, j0, cols, causal, causal_offset)):
-                    if mod is not None and not mod_visible(b, h, i0 + r, j0 + c, mod_args):
-                        continue
-                    if dropout is not None and not _keep(dropout[0], dropout[1], dropout[2], b,
-                                                         h, i0 + r, j0 + c):
-                        continue
-                    for x in range(pv.shape[1]):
-                        pv[r, x] += p[r, c] * vt[c, x]
+                for c in range(cols):
+                    if _takes_part(b, h, i0 + r, j0 + c, j0, cols, causal, causal_offset,
+                                   dropout, mod_visible, mod_args):
+                        for x in range(dv):
+                            pv[r, x] += p[r, c] * vt[c, x]
         # Rescale and add in one pass: the multiply rides along with the add for free.
         for r in range(rows):
             a = alpha[r]
             for c in range(dv):
                 acc[r, c] = acc[r, c] * a + pv[r, c]
-
-    for r in range(rows):
-        if l[r] != 0:  # l > 0, or NaN from a poisoned score: NaN out and lse, as the reference
-            inv = 1 / l[r]
-            for c in range(dv):
-                out[ob, h, i0 + r, c] = acc[r, c] * inv
-            lse[ob, h, i0 + r] = np.log(l[r]) + m[r] * LN2
-        else:  # the row sees no key
-            for c in range(dv):
-                out[ob, h, i0 + r, c] = 0
-            lse[ob, h, i0 + r] = -np.inf
+    _write_rows(acc, m, l, out, lse, ob, h, i0)
 
 
 @njit(parallel=True, fastmath=FASTMATH, cache=True)
@@ -411,12 +461,145 @@ def tiled_forward(q, k, v, out, lse, c2, causal, causal_offset, block_q, block_k
         kend = Nk
         if causal:
             kend = min(Nk, max(0, i0 + rows + causal_offset))
-        run = (kend + block_k - 1) // block_k
-        run = (run + splits - 1) // splits * block_k   # keys a split takes, whole blocks
-        kstart = min(kend, s * run)
-        kend = min(kend, kstart + run)
+        kstart, kend = _key_run(kend, block_k, splits, s)
         _attend_block(q, k, v, out, lse, b, s * B + b, h, h // group, i0, rows, kstart, kend,
                       causal, causal_offset, block_k, c2, lut, scale, dropout, mod, mod_visible,
+                      mod_live, mod_args)
+
+
+@njit(fastmath=FASTMATH, cache=True)
+def _scores_of_keys(qh, t0, t1, keys, hk, s, c):
+    """s[t, c + i] = qh[t] . keys[i, hk] for the (at most 4) keys of ``keys`` (n, Hk, d) and rows
+    t0..t1. Four keys at a time: four independent sums (one would wait on each add's latency)
+    sharing each load of the query row. (Indexed by the loop's own x: an offset added to it in
+    the inner loop ran 2-4x slower.)"""
+    zero = s.dtype.type(0)
+    if keys.shape[0] == 4:
+        for t in range(t0, t1):
+            a0 = a1 = a2 = a3 = zero
+            for x in range(qh.shape[1]):
+                qx = qh[t, x]
+                a0 += qx * keys[0, hk, x]
+                a1 += qx * keys[1, hk, x]
+                a2 += qx * keys[2, hk, x]
+                a3 += qx * keys[3, hk, x]
+            s[t, c], s[t, c + 1], s[t, c + 2], s[t, c + 3] = a0, a1, a2, a3
+        return
+    for i in range(keys.shape[0]):
+        for t in range(t0, t1):
+            a0 = zero
+            for x in range(qh.shape[1]):
+                a0 += qh[t, x] * keys[i, hk, x]
+            s[t, c + i] = a0
+
+
+@njit(fastmath=FASTMATH, cache=True)
+def _add_values_of_keys(p, t, c, values, hk, acc):
+    """acc[t] += sum over the 4 keys i of values (4, Hk, dv) of p[t, c + i] values[i, hk]: one
+    load and store of the accumulator row for four keys."""
+    w0, w1, w2, w3 = p[t, c], p[t, c + 1], p[t, c + 2], p[t, c + 3]
+    for x in range(acc.shape[1]):
+        acc[t, x] += (w0 * values[0, hk, x] + w1 * values[1, hk, x] + w2 * values[2, hk, x] +
+                      w3 * values[3, hk, x])
+
+
+@njit(fastmath=FASTMATH, cache=True)
+def _attend_heads(q, k_rows, v_rows, out, lse, b, ob, kstart, kend, causal, causal_offset,
+                  block_k, c2, lut, scale, dropout, mod, mod_visible, mod_live, mod_args):
+    """All rows and heads of out[ob] and lse[ob] from keys kstart:kend of batch entry b, four
+    keys at a time: k_rows[b, 0, j] holds key j's rows of every key/value head next to each
+    other (a KV cache's (B, N, Hk, d) layout, as (B, 1, N, Hk d)), so the keys are read in
+    memory order, once, however many heads there are. Scores and P V are dot products and
+    axpys on the rows (a decode has too few query rows for a matrix product to pay); masks,
+    modifications, the online softmax and dropout are _attend_block's, a head's tile at a
+    time."""
+    H, rows, d = q.shape[1], q.shape[2], q.shape[3]
+    Hk = k_rows.shape[3] // d
+    dv = v_rows.shape[3] // Hk
+    group = H // Hk
+    dt = out.dtype
+    # Row t = h rows + r of every per-row array is query row r of head h; the rows of K/V head
+    # hk's group are hk group rows .. (hk + 1) group rows.
+    qh = np.empty((H * rows, d), dt)
+    for h in range(H):
+        _load_block(q, b, h, 0, rows, lut, qh[h * rows:(h + 1) * rows])
+    key = np.empty((4, Hk * d), dt)
+    value = np.empty((4, Hk * dv), dt)
+    s_buf = np.empty(H * rows * block_k, dt)
+    p_buf = np.empty(H * rows * block_k, dt)
+    alpha = np.empty(H * rows, dt)
+    m = np.full(H * rows, -np.inf, dt)
+    l = np.zeros(H * rows, dt)
+    acc = np.zeros((H * rows, dv), dt)
+    live = np.ones(H * rows, np.bool_)   # by row: a block mask empties a head's tile
+    span = group * rows
+
+    for j0 in range(kstart, kend, block_k):
+        cols = min(block_k, kend - j0)
+        s = s_buf[:H * rows * cols].reshape((H * rows, cols))   # a head's tile: C-contiguous
+        p = p_buf[:H * rows * cols].reshape((H * rows, cols))
+        if mod is not None:
+            for h in range(H):
+                live[h * rows:(h + 1) * rows] = mod_live(b, h, 0, rows, j0, cols, mod_args)
+        for c in range(0, cols, 4):   # (a dead head's scores are computed and never read)
+            n = min(4, cols - c)
+            keys = _rows_of(k_rows, b, 0, j0 + c, n, lut, key).reshape((n, Hk, d))
+            for hk in range(Hk):
+                _scores_of_keys(qh, hk * span, (hk + 1) * span, keys, hk, s, c)
+        for h in range(H):
+            t0 = h * rows
+            if live[t0]:
+                _tile_probabilities(s[t0:t0 + rows], p[t0:t0 + rows], b, h, 0, j0, causal,
+                                    causal_offset, c2, scale, m[t0:t0 + rows], l[t0:t0 + rows],
+                                    alpha[t0:t0 + rows], dropout, mod, mod_args)
+                for t in range(t0, t0 + rows):
+                    a = alpha[t]
+                    for x in range(dv):
+                        acc[t, x] *= a
+        for c in range(0, cols, 4):
+            n = min(4, cols - c)
+            values = _rows_of(v_rows, b, 0, j0 + c, n, lut, value).reshape((n, Hk, dv))
+            for hk in range(Hk):
+                for t in range(hk * span, (hk + 1) * span):
+                    if not live[t]:
+                        continue
+                    # (with one row a K/V head, four axpys streamed faster than the fused add)
+                    if n == 4 and span > 1 and p[t, c] != 0 and p[t, c + 1] != 0 and \
+                            p[t, c + 2] != 0 and p[t, c + 3] != 0:
+                        _add_values_of_keys(p, t, c, values, hk, acc)
+                        continue
+                    for i in range(n):
+                        w = p[t, c + i]
+                        # a zero weight adds only where the pair takes part (0 * inf is NaN)
+                        if w != 0 or _takes_part(b, t // rows, t % rows, j0 + c + i, j0, cols,
+                                                 causal, causal_offset, dropout, mod_visible,
+                                                 mod_args):
+                            for x in range(dv):
+                                acc[t, x] += w * values[i, hk, x]
+    for h in range(H):
+        t0 = h * rows
+        _write_rows(acc[t0:t0 + rows], m[t0:t0 + rows], l[t0:t0 + rows], out, lse, ob, h, 0)
+
+
+@njit(parallel=True, fastmath=FASTMATH, cache=True)
+def keymajor_forward(q, k_rows, v_rows, out, lse, c2, causal, causal_offset, block_q, block_k,
+                     lut, scale, dropout, mod, mod_visible, mod_live, mod_args, splits,
+                     task_first, task_step):
+    """tiled_forward for few query rows and K and V in a KV cache's layout: k_rows, v_rows are
+    (B, N, Hk, d) C-contiguous arrays seen as (B, 1, N, Hk d) (_key_rows). A task is a batch
+    entry's run of keys for all of its heads and query rows (_attend_heads), so each task reads
+    one contiguous stretch of the cache. Arguments and the split results as tiled_forward's
+    (block_q unused: one block of every row)."""
+    B, Nq = q.shape[0], q.shape[2]
+    Nk = k_rows.shape[2]
+    for n in prange((B * splits - task_first + task_step - 1) // task_step):
+        task = task_first + n * task_step
+        s = task % splits
+        b = task // splits
+        kend = min(Nk, max(0, Nq + causal_offset)) if causal else Nk
+        kstart, kend = _key_run(kend, block_k, splits, s)
+        _attend_heads(q, k_rows, v_rows, out, lse, b, s * B + b, kstart, kend, causal,
+                      causal_offset, block_k, c2, lut, scale, dropout, mod, mod_visible,
                       mod_live, mod_args)
 
 
@@ -455,10 +638,17 @@ def run_tasks(kernel, args, total):
 _MOD_KERNELS = {}
 
 
-def _forward_with_mods():
-    if "forward" not in _MOD_KERNELS:
-        _MOD_KERNELS["forward"] = uncached(tiled_forward, _attend_block=uncached(_attend_block))
-    return _MOD_KERNELS["forward"]
+def _forward_with_mods(order):
+    """The kernel of a loop order (config's "order") for calls with a modification or dropout,
+    and the pieces that take a modification's functions, as uncached copies."""
+    if not _MOD_KERNELS:
+        pieces = {"_tile_probabilities": uncached(_tile_probabilities),
+                  "_takes_part": uncached(_takes_part)}
+        _MOD_KERNELS[HEAD_MAJOR] = uncached(tiled_forward,
+                                            _attend_block=uncached(_attend_block, **pieces))
+        _MOD_KERNELS[KEY_MAJOR] = uncached(keymajor_forward,
+                                           _attend_heads=uncached(_attend_heads, **pieces))
+    return _MOD_KERNELS[order]
 
 
 _HALF_TABLE = None
@@ -537,10 +727,26 @@ def config(problem, device):
     # float64 tiles are twice the bytes: halve the key block to keep S and P in L2.
     block_k = BLOCK_K // 2 if problem.dtype == np.float64 else BLOCK_K
     key_blocks = -(-Nk // block_k)
+    order = HEAD_MAJOR
+    if Nq <= KEY_MAJOR_MAX_ROWS and _key_rows(problem.k) is not None and \
+            _key_rows(problem.v) is not None:
+        order, block_q = KEY_MAJOR, max(Nq, 1)   # a task takes every row and head
     forced = getattr(problem, "num_splits", None)
+    tasks = B if order == KEY_MAJOR else B * H * -(-Nq // block_q)
     splits = max(1, min(forced, key_blocks)) if forced is not None else \
-        split_count(B * H * -(-Nq // block_q), key_blocks, numba.get_num_threads())
-    return {"block_q": block_q, "block_k": block_k, "splits": splits}
+        split_count(tasks, key_blocks, numba.get_num_threads())
+    return {"order": order, "block_q": block_q, "block_k": block_k, "splits": splits}
+
+
+def _key_rows(x):
+    """x, a (B, H, N, d) view, as its (B, N, H, d) array seen as (B, 1, N, H d) where that is
+    C-contiguous and x is not (a KV cache in "bshd": a key's rows of all heads lie together;
+    see keymajor_forward); else None."""
+    rows = x.transpose(0, 2, 1, 3)
+    if rows.flags.c_contiguous and not x.flags.c_contiguous:
+        B, N, H, d = rows.shape
+        return rows.reshape(B, 1, N, H * d)   # a run of keys is then one C-contiguous block
+    return None
 
 
 def split_count(tasks, key_blocks, threads):
@@ -569,23 +775,28 @@ def run(problem, config, device=None):
     else:
         out = p.out if p.out.dtype == compute else np.empty(p.out.shape, compute)
         part_lse = lse
+    order = config.get("order", HEAD_MAJOR)
+    if order == KEY_MAJOR:
+        k, v = _key_rows(k), _key_rows(v)
+        kernel, tasks = keymajor_forward, B * splits
+    else:
+        kernel, tasks = tiled_forward, B * H * -(-Nq // config["block_q"]) * splits
     args = (q, k, v, out, part_lse, compute(p.scale * LOG2E), p.causal, p.causal_offset,
             config["block_q"], config["block_k"], lut, compute(p.scale),
             dropout_arguments(p, compute))
     no_mods = (None, None, None, ())
-    tasks = B * H * -(-Nq // config["block_q"]) * splits
     chunk = numba.set_parallel_chunksize(1)  # returns the previous value
     try:
         with _SingleThreadedBlas(), compile_errors(p.mods):
             if p.mods is None and p.dropout is None:
-                tiled_forward(*args, *no_mods, splits, 0, 1)
+                kernel(*args, *no_mods, splits, 0, 1)
             elif p.mods is None:  # numba's parallel loops take no tuple: run_tasks' threads
-                run_tasks(_forward_with_mods(), args + no_mods + (splits,), tasks)
+                run_tasks(_forward_with_mods(order), args + no_mods + (splits,), tasks)
             else:  # scores are scaled and modified in the kernel, then exp2(log2(e) x)
                 apply_forward, _, visible, live, _ = p.mods.compiled()
                 args = args[:5] + (compute(LOG2E),) + args[6:] + (apply_forward, visible, live,
                                                                   p.mods.args, splits)
-                run_tasks(_forward_with_mods(), args, tasks)
+                run_tasks(_forward_with_mods(order), args, tasks)
     finally:
         numba.set_parallel_chunksize(chunk)
     if splits > 1:
