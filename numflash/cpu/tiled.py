@@ -518,8 +518,8 @@ def _attend_heads(q, k_rows, v_rows, out, lse, b, ob, kstart, kend, causal, caus
     dv = v_rows.shape[3] // Hk
     group = H // Hk
     dt = out.dtype
-    # Row t = h rows + r of every per-row array is query row r of head h; the rows of K/V head
-    # hk's group are hk group rows .. (hk + 1) group rows.
+    # Row t = h rows + r of every per-row array is query row r of head h; K/V head hk's query
+    # heads hold rows hk span .. (hk + 1) span (span = group rows).
     qh = np.empty((H * rows, d), dt)
     for h in range(H):
         _load_block(q, b, h, 0, rows, lut, qh[h * rows:(h + 1) * rows])
