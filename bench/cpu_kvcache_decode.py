@@ -4,9 +4,9 @@ which is what a torch user passes, and a contiguous copy).
 
     python bench/cpu_kvcache_decode.py [--nk 32768] [--threads 2]
 
-Times are medians of --reps calls after two warm-up calls, every method in one process, the
-cases' rows alternating between methods. ms per call; the last column is numflash on the
-cache over torch on the cache view.
+Times are medians of --reps calls after two warm-up calls, every method in one process, one
+case's methods one after another. ms per call; the last column is numflash on the cache over
+torch on the cache view.
 """
 import argparse
 import time
