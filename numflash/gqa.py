@@ -72,11 +72,8 @@ def plan_rows(problem, choose):
     plan = choose(problem)
     if rows_of(problem) is None:
         return plan, lambda: plan.run(problem)
-    if plan.kernel == "cpu.tiled":
-        import numba
-        if not worth_it(problem, numba.get_num_threads()):
-            return plan, lambda: plan.run(problem)
-    elif not plan.kernel.startswith("cuda."):
+    import numba
+    if plan.kernel == "cpu.tiled" and not worth_it(problem, numba.get_num_threads()):
         return plan, lambda: plan.run(problem)
     swapped = as_rows(problem)
     chosen = choose(swapped)

@@ -82,7 +82,8 @@ def test_key_major_meets_the_rule_and_equals_the_head_major_loop(rng, case):
 def test_key_major_runs_merge_to_one_run(rng, splits, causal):
     q, k, v = (rng.standard_normal((2, N, 4, 24)) for N in (2, 1100, 1100))
     plan = numflash.explain(q, k, v, layout="bshd", causal=causal, num_splits=splits)
-    assert plan.config["order"] == "key-major" and plan.config["splits"] == min(splits, 5)   # float64: 256-key blocks
+    # float64: 256-key blocks, 5 of them
+    assert plan.config["order"] == "key-major" and plan.config["splits"] == min(splits, 5)
     out, lse = numflash.attention(q, k, v, layout="bshd", causal=causal, num_splits=splits,
                                   return_lse=True)
     assert testing.check(out, q, k, v, lse=lse, layout="bshd", causal=causal).ok
